@@ -1,0 +1,35 @@
+# Thin wrapper: environment set-up plus one line per user verb. All logic lives in `python -m pipeline`.
+SHELL := /bin/bash
+DEVICE ?= cpu
+CONFIG ?= configs/tiny.yaml
+ARGS ?=
+RESUME ?=
+DRY_RUN ?=
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(DEVICE)
+export PYTHONPATH := $(CURDIR)
+export PPNLP_HOME ?= $(CURDIR)/runs/.paddlenlp
+
+.PHONY: setup train test mlflow-ui clean
+setup: $(STAMP)
+
+# One environment from exact pins (requirements/lock.txt, verified to install and import together) plus the Paddle
+# build for DEVICE. --no-deps: the lock is complete, and paddle-serving-* declare pins that cannot install on 3.11.
+$(STAMP): requirements/lock.txt requirements/paddle-$(DEVICE).txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(VENV)/bin/pip install --disable-pip-version-check -q --no-deps -r requirements/lock.txt -r requirements/paddle-$(DEVICE).txt
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+train: $(STAMP)
+	$(PY) -m pipeline train --config $(CONFIG) $(if $(RESUME),--resume $(RESUME)) $(if $(DRY_RUN),--dry-run) $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest tests
+
+mlflow-ui: $(STAMP)
+	$(PY) -m mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow/mlflow.db --host 127.0.0.1 --port $${MLFLOW_PORT:-5000}
+
+clean:
+	rm -rf runs exports reports mlflow/mlflow.db mlflow/artifacts mlflow/server

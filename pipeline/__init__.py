@@ -1,0 +1,11 @@
+"""Orchestration of the train-to-serve pipeline: typed config, parallel layout, stage entry points.
+
+Platform rule, kept in this one place: `zlib` must be loaded before anything imports paddle. libpaddle.so (Paddle 2.6.2)
+exports its own zlib symbols; if it is loaded first, later zlib users (grpc, safetensors, zip files) fail with
+"inconsistent stream state" or segfault. `training` and `serving` import this package first, and so do the tests.
+"""
+import zlib  # noqa: F401  (see the docstring: must precede every `import paddle`)
+
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent

