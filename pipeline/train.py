@@ -64,7 +64,6 @@ def worker_env(config: Config, layout: ParallelLayout, uri: str, run_id: str | N
     if run_id:
         env["PIPELINE_MLFLOW_RUN_ID"] = run_id
     if layout.device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""
         # 1F1B on gloo deadlocks unless sends are synchronous (read by fleet at import time).
         env["PADDLE_P2P_SYNC_SEND"] = "1"
     # Bounded collectives: a dead peer must end the job, not hang it.

@@ -18,6 +18,26 @@ from pipeline.config import load_config  # noqa: E402
 from pipeline.layout import ParallelLayout  # noqa: E402
 
 
+def make_trainer(**kwargs):
+    """PaddleNLP's Trainer, with one change: the same sample order for every layout.
+
+    Trainer 2.8.1 shuffles with `BatchSampler` (paddle's global RNG) in a single process but with
+    `DistributedBatchSampler` (seeded by the epoch) in a distributed run, so a single-process run and a parallel run
+    would see different batches. Always using the distributed sampler makes the global batch of every step the same
+    samples whatever the layout, which is what lets the tests compare loss curves across layouts."""
+    from paddle.io import DistributedBatchSampler
+    from paddlenlp.trainer import Trainer
+
+    class LayoutIndependentTrainer(Trainer):
+        def _get_train_sampler(self):
+            return DistributedBatchSampler(
+                self.train_dataset, batch_size=self.args.per_device_train_batch_size, shuffle=True,
+                num_replicas=max(self.args.dataset_world_size, 1), rank=max(self.args.dataset_rank, 0),
+                drop_last=self.args.dataloader_drop_last)
+
+    return LayoutIndependentTrainer(**kwargs)
+
+
 def training_arguments(config, layout: ParallelLayout, output_dir: Path):
     from paddlenlp.trainer import TrainingArguments
 
@@ -88,8 +108,6 @@ def main(argv: list[str] | None = None) -> None:
         cpu_gloo.apply(timeout_s=config.parallel.collective_timeout_s)
 
     from paddlenlp.data import default_data_collator
-    from paddlenlp.trainer import Trainer
-
     from training.callbacks import CheckpointCompleteCallback, FinalStepCallback, MlflowLogger
     from training.data import BlockDataset, load_tokenizer
     from training.model import build_model
@@ -109,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     callbacks = [FinalStepCallback(), CheckpointCompleteCallback(mlflow_logger)]
     if mlflow_logger:
         callbacks.append(mlflow_logger)
-    trainer = Trainer(
+    trainer = make_trainer(
         model=model,
         args=train_args,
         train_dataset=BlockDataset(run_dir / "data" / "train.npy"),

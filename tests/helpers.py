@@ -1,0 +1,71 @@
+"""Shared helpers of the integration tests: run the real CLI in a subprocess against a temporary MLflow store."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pipeline
+from pipeline import REPO_ROOT
+
+TINY_CONFIG = """\
+name: t
+model: {hidden_size: 64, intermediate_size: 128, num_layers: 4, num_attention_heads: 4, num_key_value_heads: 4,
+        max_position_embeddings: 64}
+data: {max_documents: 1500, validation_fraction: 0.05}
+tokenizer: {min_frequency: 1}
+training: {max_steps: 6, seq_length: 32, global_batch_size: 8, logging_interval: 1, eval_interval: 3,
+           save_interval: 3, max_eval_batches: 2, warmup_steps: 1}
+parallel: {micro_batch_size: 8}
+tracking: {experiment: tests}
+"""
+
+# (overrides) of each layout with the same global batch of 8 as the single-process run.
+LAYOUTS = {
+    "single": [],
+    "dp2": ["parallel.data=2", "parallel.micro_batch_size=4"],
+    "tp2": ["parallel.tensor=2"],
+    "pp2": ["parallel.pipeline=2", "parallel.micro_batch_size=4", "parallel.accumulation_steps=2"],
+    "sharding1x2": ["parallel.sharding_stage=1", "parallel.sharding_degree=2", "parallel.micro_batch_size=4"],
+    "tp2pp2": ["parallel.tensor=2", "parallel.pipeline=2", "parallel.micro_batch_size=4",
+               "parallel.accumulation_steps=2"],
+    "dp2tp2": ["parallel.data=2", "parallel.tensor=2", "parallel.micro_batch_size=4"],
+}
+
+
+def env_for(store_uri: str) -> dict:
+    env = dict(os.environ)
+    env["MLFLOW_TRACKING_URI"] = store_uri
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    env.pop("NODE_RANK", None)
+    return env
+
+
+def cli(args: list[str], store_uri: str, timeout: float = 600, **popen) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=REPO_ROOT, env=env_for(store_uri),
+                          capture_output=True, text=True, timeout=timeout, **popen)
+
+
+def make_init_weights(config_file: Path, runs_dir: Path, out: Path) -> Path:
+    """Seeded random weights of the single-device model, saved once, so every layout starts from the same point."""
+    from pipeline.config import load_config
+    from training.data import prepare
+    from training.model import build_model
+
+    import paddle
+
+    config = load_config(config_file, [f"training.runs_dir={runs_dir}"])
+    prepare(config, out / "data", out / "tokenizer")
+    from training.data import load_tokenizer
+
+    paddle.seed(1)
+    model = build_model(config, load_tokenizer(out / "tokenizer"), 1, 0, pipeline=False)
+    model.save_pretrained(str(out / "weights"))
+    return out / "weights"
+
+
+def metric_history(client, run_id: str, key: str) -> dict[int, float]:
+    """step -> value; on duplicate steps (a resumed run re-logs them) the last value wins."""
+    history = sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
+    return {m.step: m.value for m in history}
