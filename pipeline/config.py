@@ -217,22 +217,40 @@ def _apply_override(data: dict, path: list[str], value: Any) -> None:
     node[path[-1]] = value
 
 
+def _read_yaml(path: Path, seen: tuple = ()) -> dict:
+    """One YAML file; `extends: other.yaml` (relative to it) is read first and deep-merged under it."""
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist (see configs/ for examples)")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{path}: malformed YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    base = data.pop("extends", None)
+    if base is None:
+        return data
+    base_path = (path.parent / str(base)).resolve()
+    if base_path in seen:
+        raise ConfigError(f"{path}: `extends` loops back to {base_path}")
+    merged = _read_yaml(base_path, seen + (base_path,))
+    merged.pop("name", None)
+    for key, value in data.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return merged
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read a YAML config (or the defaults), apply `key=value` overrides, and validate everything."""
     data: dict = {}
     if path:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {path} does not exist (see configs/ for examples)")
-        try:
-            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            raise ConfigError(f"{path}: malformed YAML{where}: {getattr(exc, 'problem', exc)}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: expected a mapping of sections at the top level")
-        data.setdefault("name", p.stem)
+        data = _read_yaml(Path(path))
+        data.setdefault("name", Path(path).stem)
     for text in overrides:
         _apply_override(data, *parse_override(text))
     config = _build(Config, data, "")

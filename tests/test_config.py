@@ -1,0 +1,116 @@
+"""The typed config: every bad input fails before anything starts, with a message naming the key."""
+import pytest
+
+from pipeline import REPO_ROOT
+from pipeline.config import Config, ConfigError, load_config
+from pipeline.layout import ParallelLayout
+
+
+def write(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_and_shipped_configs_validate():
+    assert load_config(None).training.max_steps > 0
+    shipped = sorted((REPO_ROOT / "configs").glob("*.yaml"))
+    assert len(shipped) >= 8  # tiny (single) + 6 CPU layouts + the 512-GPU example
+    for path in shipped:
+        assert isinstance(load_config(path), Config), path
+
+
+@pytest.mark.parametrize("text, message", [
+    ("training:\n  max_stepz: 3\n", "unknown key training.max_stepz"),
+    ("bogus: 1\n", "unknown key bogus"),
+    ("training:\n  max_steps: ten\n", "training.max_steps: expected an integer"),
+    ("training:\n  max_steps: 2.5\n", "training.max_steps: expected an integer"),
+    ("parallel:\n  recompute: 3\n", "parallel.recompute: expected true or false"),
+    ("training:\n  max_steps: -4\n", "training.max_steps: must be > 0"),
+    ("training:\n  lr_scheduler: wavy\n", "training.lr_scheduler: 'wavy' is not allowed"),
+    ("training:\n  save_interval: 30\n  eval_interval: 20\n", "must be a multiple of training.eval_interval"),
+    ("data:\n  source: files\n", "data.files: list at least one"),
+    ("training: [1, 2]\n", "training: expected a mapping"),
+])
+def test_bad_values_name_the_key(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        load_config(write(tmp_path, text))
+
+
+def test_malformed_yaml_says_where(tmp_path):
+    with pytest.raises(ConfigError, match=r"malformed YAML at line \d+, column \d+"):
+        load_config(write(tmp_path, "training:\n  max_steps: [1\n"))
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("configs/nope.yaml")
+
+
+def test_overrides_are_typed_and_checked(tmp_path):
+    config = load_config(None, ["training.max_steps=40", "training.learning_rate=1e-3", "parallel.recompute=true"])
+    assert (config.training.max_steps, config.training.learning_rate, config.parallel.recompute) == (40, 1e-3, True)
+    with pytest.raises(ConfigError, match="unknown key training.steps"):
+        load_config(None, ["training.steps=4"])
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        load_config(None, ["training.max_steps"])
+
+
+def test_resolved_config_round_trips(tmp_path):
+    config = load_config(REPO_ROOT / "configs" / "tiny.yaml", ["training.max_steps=17"])
+    again = load_config(write(tmp_path, config.to_yaml()))
+    assert again == config
+    assert again.flat()["training.max_steps"] == 17
+
+
+LAYOUT_ERRORS = [
+    (["parallel.tensor=3", "model.num_attention_heads=4"], "must be divisible by parallel.tensor"),
+    (["parallel.pipeline=3"], "model.num_layers (4) must be divisible"),
+    (["parallel.data=2"], "training.global_batch_size (8) must equal"),
+    (["parallel.sharding_stage=2", "parallel.sharding_degree=2", "parallel.micro_batch_size=8"], "needs GPUs"),
+    (["parallel.sharding_stage=1"], "sharding_degree: must be 1 when"),
+    (["parallel.amp_dtype=fp8"], "parallel.amp_dtype"),
+    (["parallel.device=tpu"], "parallel.device"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", LAYOUT_ERRORS)
+def test_invalid_layouts(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(REPO_ROOT / "configs" / "tiny.yaml", overrides)
+    assert message in str(err.value)
+
+
+def test_layout_coordinates_follow_fleet_order():
+    config = load_config(None, ["parallel.data=2", "parallel.tensor=2", "parallel.pipeline=2",
+                                "parallel.micro_batch_size=2", "parallel.accumulation_steps=4"])
+    layout = ParallelLayout.from_config(config)
+    assert layout.world_size == 8 and layout.global_batch_size == 16
+    # model axis fastest, then sharding, pipe, data
+    assert layout.coordinates(0) == {"data": 0, "pipe": 0, "sharding": 0, "model": 0}
+    assert layout.coordinates(1) == {"data": 0, "pipe": 0, "sharding": 0, "model": 1}
+    assert layout.coordinates(2) == {"data": 0, "pipe": 1, "sharding": 0, "model": 0}
+    assert layout.coordinates(5) == {"data": 1, "pipe": 0, "sharding": 0, "model": 1}
+    assert layout.bubble_fraction == pytest.approx(1 / 5)
+    assert layout.name == "dp2-tp2-pp2"
+
+
+def test_amp_on_cpu_is_accepted_but_inactive():
+    layout = ParallelLayout.from_config(load_config(None, ["parallel.amp_dtype=bfloat16"]))
+    assert not layout.amp_effective and layout.as_params()["amp_effective"] == "false"
+    gpu = ParallelLayout.from_config(load_config(None, ["parallel.amp_dtype=bfloat16", "parallel.device=gpu"]))
+    assert gpu.amp_effective
+
+
+def test_512_gpu_layout_validates_and_describes():
+    config = load_config(REPO_ROOT / "configs" / "llama-100b-512gpu.yaml")
+    layout = ParallelLayout.from_config(config)
+    assert (layout.tp, layout.pp, layout.dp, layout.world_size) == (8, 16, 4, 512)
+    text = layout.describe()
+    assert "world size 512" in text and "pipeline stage 15" in text and "rank  511" in text or "rank 511" in text
+
+
+def test_too_many_processes_for_this_machine():
+    config = load_config(None, ["parallel.data=16", "parallel.micro_batch_size=1"])
+    with pytest.raises(ConfigError, match="processes on this node"):
+        ParallelLayout.from_config(config).check_fits_machine()
