@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -72,16 +73,37 @@ def worker_env(config: Config, layout: ParallelLayout, uri: str, run_id: str | N
     return env
 
 
-def failing_rank(log_dir: Path) -> tuple[int, str] | None:
-    """The rank whose log shows an error first (or the last-written log), with its tail."""
-    logs = sorted(log_dir.glob("workerlog.*"), key=lambda p: int(p.suffix[1:]) if p.suffix[1:].isdigit() else 0)
+_PEER_LOST = re.compile(r"pair_rank = (\d+)|Connection (?:reset|closed) by peer")
+
+
+def failing_rank(log_dir: Path) -> tuple[int, str, str] | None:
+    """(rank, why, log tail) of the rank that most likely failed first.
+
+    A rank that raised its own Python exception is the culprit. A rank killed from outside (OOM killer, SIGKILL)
+    writes nothing; its peers then fail with gloo's "TIMEOUT ... pair_rank = N", which names it."""
+    logs = {}
+    for path in log_dir.glob("workerlog.*"):
+        if path.suffix[1:].isdigit():
+            logs[int(path.suffix[1:])] = path.read_text(errors="replace")
     if not logs:
         return None
-    markers = ("Traceback", "Error", "FatalError", "Termination signal", "SIGKILL", "Killed")
-    with_error = [p for p in logs if any(m in p.read_text(errors="replace") for m in markers)]
-    chosen = min(with_error, key=lambda p: p.stat().st_mtime) if with_error else logs[0]
-    tail = "\n".join(chosen.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:])
-    return int(chosen.suffix[1:]), tail
+
+    def tail(rank: int) -> str:
+        return "\n".join(logs.get(rank, "").splitlines()[-LOG_TAIL_LINES:])
+
+    for rank, text in sorted(logs.items()):
+        if "Traceback" in text and not _PEER_LOST.search(text):
+            return rank, "raised an exception", tail(rank)
+    for rank, text in sorted(logs.items()):
+        lost = _PEER_LOST.search(text)
+        if lost and lost.group(1) is not None:
+            line = next(l for l in text.splitlines() if lost.group(0) in l).strip()
+            dead = int(lost.group(1))
+            return dead, f"died without a traceback (killed?); rank {rank} lost it: {line}", tail(dead)
+    for rank, text in sorted(logs.items()):
+        if any(marker in text for marker in ("Error", "FatalError", "Termination signal", "TIMEOUT")):
+            return rank, "reported an error", tail(rank)
+    return 0, "exited non-zero", tail(0)
 
 
 def _run_launcher(cmd: list[str], env: dict, run_dir: Path, single: bool) -> int:
@@ -223,8 +245,8 @@ def _report_failure(mlflow_client, run_id: str | None, run_dir: Path) -> None:
     if not found:
         print("training failed before any rank wrote a log", file=sys.stderr)
         return
-    rank, tail = found
-    print(f"\ntraining failed: rank {rank} (log {run_dir / 'logs' / f'workerlog.{rank}'}); last lines:\n{tail}\n",
+    rank, why, tail = found
+    print(f"\ntraining failed: rank {rank} {why}\nlast lines of {run_dir / 'logs' / f'workerlog.{rank}'}:\n{tail}\n",
           file=sys.stderr, flush=True)
     if run_id:
         mlflow_client.log_text(run_id, tail, f"failure/workerlog.{rank}.tail.txt")
