@@ -73,14 +73,16 @@ def worker_env(config: Config, layout: ParallelLayout, uri: str, run_id: str | N
     return env
 
 
-_PEER_LOST = re.compile(r"pair_rank = (\d+)|Connection (?:reset|closed) by peer")
+_PEER_LOST = re.compile(r"TIMEOUT|IoException|Connection (?:reset|closed) by peer|Connection refused")
+_PAIR_RANK = re.compile(r"pair_rank = (\d+)")
+_ERROR = re.compile(r"Traceback|Error|terminate called|Termination signal|TIMEOUT")
 
 
 def failing_rank(log_dir: Path) -> tuple[int, str, str] | None:
     """(rank, why, log tail) of the rank that most likely failed first.
 
     A rank that raised its own Python exception is the culprit. A rank killed from outside (OOM killer, SIGKILL)
-    writes nothing; its peers then fail with gloo's "TIMEOUT ... pair_rank = N", which names it."""
+    writes nothing: its log just stops, while its peers fail with gloo errors (TIMEOUT, connection reset)."""
     logs = {}
     for path in log_dir.glob("workerlog.*"):
         if path.suffix[1:].isdigit():
@@ -91,19 +93,23 @@ def failing_rank(log_dir: Path) -> tuple[int, str, str] | None:
     def tail(rank: int) -> str:
         return "\n".join(logs.get(rank, "").splitlines()[-LOG_TAIL_LINES:])
 
+    own_error = [r for r, text in sorted(logs.items()) if "Traceback" in text and not _PEER_LOST.search(text)]
+    if own_error:
+        return own_error[0], "raised an exception", tail(own_error[0])
+    peer_lost = {r: _PEER_LOST.search(text) for r, text in logs.items() if _PEER_LOST.search(text)}
+    silent = [r for r, text in sorted(logs.items()) if not _ERROR.search(text)]
+    if peer_lost and silent:
+        witness = min(peer_lost)
+        line = next(l for l in logs[witness].splitlines() if peer_lost[witness].group(0) in l).strip()
+        return silent[0], f"stopped without an error (killed?); rank {witness} then lost its peer: {line}", \
+            tail(silent[0])
     for rank, text in sorted(logs.items()):
-        if "Traceback" in text and not _PEER_LOST.search(text):
-            return rank, "raised an exception", tail(rank)
-    for rank, text in sorted(logs.items()):
-        lost = _PEER_LOST.search(text)
-        if lost and lost.group(1) is not None:
-            line = next(l for l in text.splitlines() if lost.group(0) in l).strip()
-            dead = int(lost.group(1))
-            return dead, f"died without a traceback (killed?); rank {rank} lost it: {line}", tail(dead)
-    for rank, text in sorted(logs.items()):
-        if any(marker in text for marker in ("Error", "FatalError", "Termination signal", "TIMEOUT")):
-            return rank, "reported an error", tail(rank)
-    return 0, "exited non-zero", tail(0)
+        pair = _PAIR_RANK.search(text)
+        if pair:
+            return int(pair.group(1)), f"was lost by rank {rank} ({pair.group(0)})", tail(int(pair.group(1)))
+    errored = [r for r, text in sorted(logs.items()) if _ERROR.search(text)]
+    rank = errored[0] if errored else 0
+    return rank, "reported an error" if errored else "exited non-zero", tail(rank)
 
 
 def _run_launcher(cmd: list[str], env: dict, run_dir: Path, single: bool) -> int:
