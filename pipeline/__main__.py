@@ -18,6 +18,12 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--dry-run", action="store_true", help="print the parallel layout and exit")
     train.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. training.max_steps=40")
 
+    export = sub.add_parser("export", help="best checkpoint -> static graph, parity-checked, registered in MLflow")
+    export.add_argument("--config", default=None, help="config naming the default experiment (default tiny.yaml)")
+    export.add_argument("--experiment", default="", help="MLflow experiment to pick the best run from")
+    export.add_argument("--metric", default="", help="eval metric to minimise (default export.metric)")
+    export.add_argument("--run-id", default="", help="export this run instead of the best one")
+
     args = parser.parse_args(argv)
     try:
         if args.stage == "train":
@@ -25,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
 
             train_stage.stop_signal_handler()
             return train_stage.run(args.config, args.overrides, resume=args.resume, dry_run=args.dry_run)
+        if args.stage == "export":
+            from training import export as export_stage
+
+            export_stage.run(args.experiment, args.metric, args.run_id, args.config)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

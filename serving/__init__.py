@@ -1,2 +1,16 @@
-"""Serving stage: Paddle Serving Pipeline service, client, start/stop."""
-import pipeline  # noqa: F401  (loads zlib before paddle; see pipeline/__init__.py)
+"""Serving stage: Paddle Serving Pipeline service for an export directory, its client, start/stop/smoke.
+
+Two platform rules are applied here, once, for everything under serving/:
+- `import pipeline` loads zlib before paddle (see pipeline/__init__.py);
+- paddle_serving_server 0.9.0 imports `paddle_serving_client` at load time, which has no Python 3.11 build: the
+  stand-in in serving/compat/ is put on sys.path when the real package is absent.
+"""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pipeline  # noqa: F401
+
+COMPAT_DIR = Path(__file__).resolve().parent / "compat"
+if importlib.util.find_spec("paddle_serving_client") is None:
+    sys.path.append(str(COMPAT_DIR))

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from paddlenlp.trainer import TrainerCallback
 
+from pipeline.tracking import CHECKPOINT_ARTIFACTS
 from training.checkpoints import mark_complete
 
 
@@ -78,7 +79,7 @@ class MlflowLogger(TrainerCallback):
 
     def log_checkpoint(self, info: dict) -> None:
         # The artifact is a reference (path + metrics): export finds the best checkpoint from the run alone.
-        self.client.log_dict(self.run_id, info, f"checkpoints/checkpoint-{info['step']}.json")
+        self.client.log_dict(self.run_id, info, f"{CHECKPOINT_ARTIFACTS}/checkpoint-{info['step']}.json")
 
 
 def _perplexity(loss: float) -> float:

@@ -1,0 +1,216 @@
+"""The Paddle Serving Pipeline service: text generation with an exported model.
+
+Request  (HTTP `POST /<service>/prediction`, or gRPC PipelineClient): key/value lists of strings,
+    prompt (required), max_new_tokens, temperature (0 = greedy, the default), top_k (0 = off), seed
+Response: err_no 0 and key/value lists: text, token_ids (JSON list), model_name, model_version, source_run_id,
+    checkpoint_step. A bad request gets err_no != 0 with a message saying what was wrong; the server stays up.
+
+Run by `pipeline serve` as `python -m serving.service --config <rendered config.yml> --model <export dir>`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import serving  # noqa: F401  (zlib first; paddle_serving_client stand-in)
+from serving.generation import GenerationSettings, generate
+
+# Application error codes, returned as err_no (Paddle Serving's own codes are below 1000 or negative).
+BAD_REQUEST = 8001
+INTERNAL_ERROR = 8002
+FIELDS = ("prompt", "max_new_tokens", "temperature", "top_k", "seed")
+
+
+class RequestError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_prompt_chars: int
+    max_new_tokens_limit: int
+    default_max_new_tokens: int
+    max_request_bytes: int
+
+    @classmethod
+    def from_config(cls, serving_config) -> "Limits":
+        return cls(serving_config.max_prompt_chars, serving_config.max_new_tokens_limit,
+                   serving_config.default_max_new_tokens, serving_config.max_request_bytes)
+
+
+def _number(name: str, raw, kind, low, high):
+    if not isinstance(raw, str):
+        raise RequestError(f"{name} must be sent as a string, got {type(raw).__name__}")
+    try:
+        value = kind(raw.strip())
+    except ValueError:
+        raise RequestError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {raw!r}") from None
+    if not low <= value <= high:
+        raise RequestError(f"{name} must be in [{low}, {high}], got {value}")
+    return value
+
+
+def parse_request(fields: dict, limits: Limits) -> tuple[str, GenerationSettings]:
+    """Validate one request's key/value fields; every problem raises RequestError with a message for the client."""
+    size = sum(len(str(k).encode()) + len(str(v).encode()) for k, v in fields.items())
+    if size > limits.max_request_bytes:
+        raise RequestError(f"request is {size} bytes; the limit is {limits.max_request_bytes}")
+    unknown = sorted(set(fields) - set(FIELDS))
+    if unknown:
+        raise RequestError(f"unknown parameter(s) {', '.join(unknown)}; allowed: {', '.join(FIELDS)}")
+    if "prompt" not in fields:
+        raise RequestError("missing prompt: send key 'prompt' with the text to continue")
+    prompt = fields["prompt"]
+    if not isinstance(prompt, str):
+        raise RequestError(f"prompt must be a string, got {type(prompt).__name__}")
+    prompt = prompt.strip()
+    if not prompt:
+        raise RequestError("prompt is empty")
+    if len(prompt) > limits.max_prompt_chars:
+        raise RequestError(f"prompt has {len(prompt)} characters; the limit is {limits.max_prompt_chars}")
+    settings = GenerationSettings(
+        max_new_tokens=_number("max_new_tokens", fields.get("max_new_tokens", str(limits.default_max_new_tokens)), int,
+                               1, limits.max_new_tokens_limit),
+        temperature=_number("temperature", fields.get("temperature", "0"), float, 0.0, 10.0),
+        top_k=_number("top_k", fields.get("top_k", "0"), int, 0, 1_000_000),
+        seed=_number("seed", fields.get("seed", "0"), int, 0, 2**31 - 1),
+    )
+    return prompt, settings
+
+
+class ExportedModel:
+    """What serving needs from an export directory besides the graph: tokenizer, lineage, generation limits."""
+
+    def __init__(self, export_dir: Path | str):
+        from training.data import load_tokenizer
+
+        self.dir = Path(export_dir)
+        self.meta = json.loads((self.dir / "export.json").read_text())
+        self.tokenizer = load_tokenizer(self.dir / "tokenizer")
+        tok = self.tokenizer
+        self.eos_id = int(self.meta["eos_token_id"])
+        self.banned_ids = [tok.pad_token_id, tok.unk_token_id, tok.cls_token_id, tok.mask_token_id]
+        self.max_length = int(self.meta["max_position_embeddings"])
+
+    def encode(self, prompt: str) -> list[int]:
+        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise RequestError("prompt has no tokens after tokenization")
+        if len(ids) >= self.max_length:
+            raise RequestError(f"prompt is {len(ids)} tokens; the model's maximum length is {self.max_length}")
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        from training.data import decode
+
+        return decode(self.tokenizer, [i for i in ids if i != self.eos_id])
+
+    def generate(self, forward, prompt_ids: list[int], settings: GenerationSettings) -> list[int]:
+        return generate(forward, prompt_ids, settings, self.eos_id, self.banned_ids, len(self.tokenizer),
+                        self.max_length)
+
+    def lineage(self) -> dict[str, str]:
+        return {"model_name": self.meta["registered_model_name"], "model_version": str(self.meta["version"]),
+                "source_run_id": self.meta["source_run_id"], "checkpoint_step": str(self.meta["checkpoint_step"])}
+
+
+def _make_op_classes(model_dir: Path, limits: Limits):
+    import numpy as np
+    from paddle_serving_server.web_service import Op, WebService
+
+    class GenerateOp(Op):
+        def init_op(self):
+            self.model = ExportedModel(model_dir)
+
+        def preprocess(self, input_dicts, data_id, log_id):
+            ((_, fields),) = input_dicts.items()
+            try:
+                prompt, settings = parse_request(dict(fields), limits)
+                ids = self.model.encode(prompt)
+            except RequestError as exc:
+                return None, False, BAD_REQUEST, str(exc)
+            feed = {"input_ids": np.asarray([ids], dtype="int64"),
+                    "settings": np.asarray([settings.max_new_tokens, settings.top_k, settings.seed], dtype="int64"),
+                    "temperature": np.asarray([settings.temperature], dtype="float64")}
+            return feed, False, None, ""
+
+        def process(self, feed_batch, typical_logid=0):
+            """Paddle Serving runs one forward per request; generation needs one per new token, each through the
+            Op's own local predictor (`self.client`)."""
+            feed = feed_batch[0]
+            max_new, top_k, seed = (int(v) for v in feed["settings"])
+            settings = GenerationSettings(max_new, float(feed["temperature"][0]), top_k, seed)
+            fetch = self._fetch_names
+
+            def forward(input_ids):
+                return self.client.predict(feed={"input_ids": input_ids}, fetch=fetch, batch=True)[fetch[0]]
+
+            try:
+                new_ids = self.model.generate(forward, [int(i) for i in feed["input_ids"][0]], settings)
+            except Exception as exc:  # noqa: BLE001  (reported to the client; the server keeps serving)
+                return None, INTERNAL_ERROR, f"generation failed: {exc.__class__.__name__}: {exc}"
+            # One row per request: the Pipeline slices every output by the request's rows.
+            return {"token_ids": np.asarray([new_ids], dtype="int64")}, 0, ""
+
+        def postprocess(self, input_dicts, fetch_dict, data_id, log_id):
+            ids = [int(i) for i in fetch_dict["token_ids"][0]]
+            return {"text": self.model.decode(ids), "token_ids": json.dumps(ids), **self.model.lineage()}, None, ""
+
+    class GenerateService(WebService):
+        def get_pipeline_response(self, read_op):
+            return GenerateOp(name=self.name, input_ops=[read_op])
+
+    return GenerateService
+
+
+def render_config(config, model_dir: Path, fetch_name: str) -> dict:
+    """Paddle Serving's config.yml, from the typed config (ports, workers, concurrency) and the export."""
+    s = config.serving
+    return {
+        "worker_num": s.rpc_workers,
+        "build_dag_each_worker": False,
+        "rpc_port": s.rpc_port,
+        "http_port": s.http_port,
+        "dag": {"is_thread_op": True, "retry": 1, "use_profile": False, "tracer": {"interval_s": -1}},
+        "op": {
+            s.service_name: {
+                "concurrency": s.op_concurrency,
+                "timeout": -1,
+                "retry": 1,
+                "batch_size": 1,
+                "auto_batching_timeout": -1,
+                "local_service_conf": {
+                    "client_type": "local_predictor",
+                    "model_config": str(model_dir),
+                    "device_type": 0,
+                    "devices": "",
+                    "fetch_list": [fetch_name],
+                    "thread_num": 1,
+                    "mem_optim": True,
+                    "ir_optim": False,
+                    "precision": "fp32",
+                },
+            }
+        },
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", required=True, help="rendered Paddle Serving config.yml")
+    parser.add_argument("--service-config", required=True, help="the pipeline's resolved YAML config")
+    parser.add_argument("--model", required=True, help="export directory")
+    args = parser.parse_args()
+    from pipeline.config import load_config
+
+    config = load_config(args.service_config)
+    service_cls = _make_op_classes(Path(args.model), Limits.from_config(config.serving))
+    service = service_cls(name=config.serving.service_name)
+    service.prepare_pipeline_config(args.config)
+    service.run_service()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,300 @@
+"""`make export`: best run (MLflow) -> best checkpoint -> merged weights -> static graph (`paddle.jit.save`) ->
+parity gate against the dynamic model -> export directory + registered model version.
+
+The export directory `exports/<model-name>/<version>/` is everything serving needs:
+    model.pdmodel, model.pdiparams    static graph, input `input_ids` int64 [batch, seq] -> logits [batch, seq, vocab]
+    tokenizer/                        the run's tokenizer (save_pretrained form)
+    serving_server_conf.prototxt      feed/fetch description for Paddle Serving's local_predictor
+    export.json                       lineage and parity metadata
+It is written to a temporary directory and renamed into place, so a failed export publishes nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pipeline import REPO_ROOT, tracking  # (pipeline first: zlib before paddle)
+
+import paddle  # noqa: E402
+from pipeline.config import Config, ConfigError, load_config
+
+MODEL_PREFIX = "model"
+FEED_NAME = "input_ids"
+# Parity batches: (batch, sequence length) pairs of different shapes; the last one uses the training length.
+PARITY_SHAPES = ((1, 5), (2, 17), (3, 0))
+# Paddle Serving's GeneralModelConfig type codes (paddle_serving_app/local_predict.py).
+SERVING_TYPE_CODES = {"int64": 0, "float32": 1, "int32": 2}
+
+
+class ExportError(ConfigError):
+    """A reason the export cannot proceed; nothing has been published."""
+
+
+@dataclass
+class Selection:
+    run_id: str
+    run_name: str
+    run_dir: Path
+    checkpoint: Path
+    step: int
+    metric: str
+    metric_value: float
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Selection through the MLflow client.
+
+def select(client, experiment: str, metric: str, run_id: str = "") -> Selection:
+    if run_id:
+        try:
+            run = client.get_run(run_id)
+        except Exception:  # noqa: BLE001  (MlflowException for unknown ids, varies by store)
+            raise ExportError(f"RUN_ID={run_id}: no such MLflow run") from None
+    else:
+        exp = client.get_experiment_by_name(experiment)
+        if exp is None:
+            raise ExportError(f"EXPERIMENT={experiment}: no such MLflow experiment")
+        runs = [r for r in client.search_runs([exp.experiment_id], "attributes.status = 'FINISHED'",
+                                              order_by=[f"metrics.{metric} ASC"], max_results=200)
+                if metric in r.data.metrics]
+        if not runs:
+            raise ExportError(f"experiment {experiment!r} has no FINISHED run with metric {metric!r}; train first")
+        run = runs[0]
+    refs = [a.path for a in client.list_artifacts(run.info.run_id, tracking.CHECKPOINT_ARTIFACTS)]
+    candidates = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for ref in refs:
+            info = json.loads(Path(client.download_artifacts(run.info.run_id, ref, tmp)).read_text())
+            if metric in info and Path(info["path"]).is_dir():
+                candidates.append(info)
+    if not candidates:
+        raise ExportError(f"run {run.info.run_id} has no checkpoint with metric {metric!r} on this machine "
+                          f"({len(refs)} recorded)")
+    best = min(candidates, key=lambda info: (info[metric], -info["step"]))
+    return Selection(run_id=run.info.run_id, run_name=run.info.run_name, run_dir=Path(best["path"]).parent.parent,
+                     checkpoint=Path(best["path"]), step=int(best["step"]), metric=metric,
+                     metric_value=float(best[metric]))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Static-graph conversion.
+
+def _rms_norm_forward(self, hidden_states):
+    # Plain LlamaRMSNorm (no fused kernel, float32 weights) without the early returns dy2static mis-handles.
+    hidden_states = hidden_states.astype("float32")
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return paddle.rsqrt(variance + self.variance_epsilon) * hidden_states * self.weight
+
+
+def _mlp_forward(self, x):
+    # Plain LlamaMLP (fuse_attention_ffn=False): down(silu(gate(x)) * up(x)).
+    return self.down_proj(paddle.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@contextlib.contextmanager
+def jit_friendly_llama():
+    """Export-only fix for PaddleNLP 2.8.1 on Paddle 2.6.2: dy2static mis-transforms the early returns in
+    `LlamaRMSNorm.forward` and `LlamaMLP.forward` (NameError: __return_14). For the exported configuration (no fused
+    kernels, float32) they are replaced by the plain equivalents above while converting, then restored.
+    (They are module-level functions because dy2static re-executes their source with the module's globals.)"""
+    from paddlenlp.transformers.llama import modeling
+
+    saved = modeling.LlamaRMSNorm.forward, modeling.LlamaMLP.forward
+    modeling.LlamaRMSNorm.forward, modeling.LlamaMLP.forward = _rms_norm_forward, _mlp_forward
+    try:
+        yield
+    finally:
+        modeling.LlamaRMSNorm.forward, modeling.LlamaMLP.forward = saved
+
+
+def logits_only(model):
+    import paddle
+
+    class LogitsOnly(paddle.nn.Layer):
+        """input_ids -> logits (the model itself returns a tuple / ModelOutput)."""
+
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids):
+            return self.inner(input_ids, use_cache=False, return_dict=False)[0]
+
+    return LogitsOnly(model)
+
+
+def save_static(model, prefix: Path) -> None:
+    import paddle
+
+    spec = [paddle.static.InputSpec(shape=[None, None], dtype="int64", name=FEED_NAME)]
+    with jit_friendly_llama():
+        static = paddle.jit.to_static(logits_only(model), input_spec=spec, full_graph=True)
+        paddle.jit.save(static, str(prefix))
+
+
+def create_predictor(model_dir: Path):
+    from paddle import inference
+
+    config = inference.Config(str(model_dir / f"{MODEL_PREFIX}.pdmodel"), str(model_dir / f"{MODEL_PREFIX}.pdiparams"))
+    config.disable_gpu()
+    config.disable_glog_info()
+    return inference.create_predictor(config)
+
+
+def predict(predictor, input_ids: np.ndarray) -> np.ndarray:
+    handle = predictor.get_input_handle(predictor.get_input_names()[0])
+    handle.reshape(list(input_ids.shape))
+    handle.copy_from_cpu(input_ids.astype("int64"))
+    predictor.run()
+    return predictor.get_output_handle(predictor.get_output_names()[0]).copy_to_cpu()
+
+
+def parity_error(model, predictor, vocab: int, seq_length: int, seed: int = 0) -> float:
+    """Max |dynamic - paddle.inference| logit difference over batches of different shapes."""
+    import paddle
+
+    rng = np.random.RandomState(seed)
+    worst = 0.0
+    for batch, length in PARITY_SHAPES:
+        ids = rng.randint(5, vocab, size=(batch, length or seq_length)).astype("int64")
+        with paddle.no_grad():
+            expected = logits_only(model)(paddle.to_tensor(ids)).numpy()
+        worst = max(worst, float(np.abs(predict(predictor, ids) - expected).max()))
+    return worst
+
+
+def write_serving_conf(model_dir: Path, vocab: int) -> None:
+    """serving_server_conf.prototxt (GeneralModelConfig, text format) -- written here because
+    paddle_serving_client.io imports paddle.fluid, which Paddle 2.6 removed."""
+    predictor = create_predictor(model_dir)
+    feed, fetch = predictor.get_input_names()[0], predictor.get_output_names()[0]
+    lines = ["feed_var {", f'  name: "{feed}"', f'  alias_name: "{feed}"', "  is_lod_tensor: false",
+             f"  feed_type: {SERVING_TYPE_CODES['int64']}", "  shape: -1", "}",
+             "fetch_var {", f'  name: "{fetch}"', f'  alias_name: "{fetch}"', "  is_lod_tensor: false",
+             f"  fetch_type: {SERVING_TYPE_CODES['float32']}", "  shape: -1", f"  shape: {vocab}", "}"]
+    (model_dir / "serving_server_conf.prototxt").write_text("\n".join(lines) + "\n")
+
+
+def fetch_name(model_dir: Path) -> str:
+    text = (model_dir / "serving_server_conf.prototxt").read_text()
+    return text.split("fetch_var {")[1].split('name: "')[1].split('"')[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The stage.
+
+def load_checkpoint(checkpoint: Path):
+    from training.model import load_merged
+
+    try:
+        model = load_merged(checkpoint)
+    except Exception as exc:  # noqa: BLE001  (safetensors / json / paddle errors on a damaged checkpoint)
+        raise ExportError(f"checkpoint {checkpoint} is unreadable ({exc.__class__.__name__}: "
+                          f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); pick another run or RUN_ID") from None
+    model.eval()
+    return model
+
+
+def next_version(client, name: str) -> int:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.get_registered_model(name)
+    except MlflowException:
+        client.create_registered_model(name, description="Chinese causal LM exported by the train-to-serve pipeline")
+    versions = client.search_model_versions(f"name='{name}'")
+    return max((int(v.version) for v in versions), default=0) + 1
+
+
+def run(experiment: str = "", metric: str = "", run_id: str = "", config_path: str | None = None) -> dict:
+    import paddle
+
+    base = load_config(config_path) if config_path else load_config(REPO_ROOT / "configs" / "tiny.yaml")
+    uri = tracking.tracking_uri(base)
+    tracking.check_reachable(uri)
+    client = tracking.client(uri)
+    timings = {}
+    t0 = time.time()
+    chosen = select(client, experiment or base.tracking.experiment, metric or base.export.metric, run_id)
+    config: Config = load_config(chosen.run_dir / "config.yaml")
+    print(f"run {chosen.run_id} ({chosen.run_name}); checkpoint step {chosen.step} ({chosen.metric} "
+          f"{chosen.metric_value:.5f}): {chosen.checkpoint}", flush=True)
+    paddle.set_device("cpu")
+    model = load_checkpoint(chosen.checkpoint)
+    vocab = model.config.vocab_size
+    timings["load_s"] = time.time() - t0
+
+    name = config.export.registered_model_name
+    root = REPO_ROOT / config.export.exports_dir / name
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=root))
+    try:
+        t1 = time.time()
+        save_static(model, staging / MODEL_PREFIX)
+        timings["convert_s"] = time.time() - t1
+        t2 = time.time()
+        error = parity_error(model, create_predictor(staging), vocab, config.training.seq_length)
+        timings["parity_s"] = time.time() - t2
+        tolerance = config.export.parity_tolerance
+        print(f"parity: max |dynamic - paddle.inference| = {error:.3e} (tolerance {tolerance:.0e})", flush=True)
+        if not error <= tolerance:
+            raise ExportError(f"parity check failed: max logit difference {error:.3e} > export.parity_tolerance "
+                              f"{tolerance:.0e}; nothing was published")
+        write_serving_conf(staging, vocab)
+        shutil.copytree(chosen.run_dir / "tokenizer", staging / "tokenizer")
+        version = next_version(client, name)
+        meta = {
+            "registered_model_name": name, "version": version, "source_run_id": chosen.run_id,
+            "source_run_name": chosen.run_name, "run_dir": str(chosen.run_dir), "checkpoint": str(chosen.checkpoint),
+            "checkpoint_step": chosen.step, "metric": chosen.metric, "metric_value": chosen.metric_value,
+            "config_hash": config.digest(), "paddle_version": paddle.__version__, "parity_max_abs_error": error,
+            "parity_tolerance": tolerance, "parity_shapes": [list(s) for s in PARITY_SHAPES],
+            "vocab_size": vocab, "seq_length": config.training.seq_length,
+            "max_position_embeddings": config.model.max_position_embeddings,
+            "eos_token_id": model.config.eos_token_id, "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "weights_sha256": hashlib.sha256((staging / f"{MODEL_PREFIX}.pdiparams").read_bytes()).hexdigest(),
+            "timings_s": timings,
+        }
+        (staging / "export.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False))
+        target = root / str(version)
+        staging.rename(target)  # atomic publish on one file system
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    mv = client.create_model_version(name, source=str(target), run_id=chosen.run_id,
+                                     tags={"parity_max_abs_error": f"{error:.3e}", "checkpoint_step": str(chosen.step),
+                                           "export_dir": str(target), chosen.metric: f"{chosen.metric_value:.6f}"},
+                                     description=f"checkpoint-{chosen.step} of run {chosen.run_name}")
+    if int(mv.version) != version:  # another export registered concurrently: keep directory and version in step
+        fixed = root / str(mv.version)
+        target.rename(fixed)
+        target, meta["version"] = fixed, int(mv.version)
+        (target / "export.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False))
+    client.log_dict(chosen.run_id, meta, f"exports/{name}-v{meta['version']}.json")
+    client.set_tag(chosen.run_id, "exported_versions",
+                   ",".join(filter(None, [client.get_run(chosen.run_id).data.tags.get("exported_versions"),
+                                          str(meta["version"])])))
+    print(f"registered model {name!r} version {meta['version']}: {target}", flush=True)
+    return meta
+
+
+def latest_export(config: Config) -> Path:
+    """The export directory of the newest registered version of the config's model."""
+    client = tracking.client(tracking.tracking_uri(config))
+    name = config.export.registered_model_name
+    versions = client.search_model_versions(f"name='{name}'")
+    if not versions:
+        raise ExportError(f"no registered version of {name!r}; run `make export` first or pass MODEL=<export dir>")
+    newest = max(versions, key=lambda v: int(v.version))
+    path = Path(newest.tags.get("export_dir") or newest.source)
+    if not (path / "export.json").is_file():
+        raise ExportError(f"{name!r} version {newest.version} points at {path}, which is not an export directory")
+    return path
