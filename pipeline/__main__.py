@@ -24,6 +24,16 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--metric", default="", help="eval metric to minimise (default export.metric)")
     export.add_argument("--run-id", default="", help="export this run instead of the best one")
 
+    serve = sub.add_parser("serve", help="start the Paddle Serving endpoint in the background")
+    serve.add_argument("--config", default=None, help="config with the serving section (default tiny.yaml)")
+    serve.add_argument("--model", default="", help="export directory (default: latest registered version)")
+    serve.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. serving.http_port=18280")
+    for verb, text in (("stop", "stop the running endpoint (whole process group)"),
+                       ("smoke", "real HTTP/gRPC calls against the running endpoint")):
+        p = sub.add_parser(verb, help=text)
+        p.add_argument("--config", default=None)
+        p.add_argument("overrides", nargs="*")
+
     args = parser.parse_args(argv)
     try:
         if args.stage == "train":
@@ -35,10 +45,42 @@ def main(argv: list[str] | None = None) -> int:
             from training import export as export_stage
 
             export_stage.run(args.experiment, args.metric, args.run_id, args.config)
+        if args.stage in ("serve", "stop", "smoke"):
+            return _serving(args)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _serving(args) -> int:
+    from pathlib import Path
+
+    from pipeline import REPO_ROOT, tracking
+    from pipeline.config import load_config
+    from serving import server
+
+    config = load_config(args.config or REPO_ROOT / "configs" / "tiny.yaml", args.overrides)
+    state_dir = server.default_state_dir(config)
+    if args.stage == "serve":
+        from training.export import latest_export
+
+        model = Path(args.model) if args.model else latest_export(config)
+        state = server.start(config, model, state_dir)
+        print(f"serving {state['model_dir']} (ready in {state['ready_after_s']}s, pid {state['pid']})\n"
+              f"HTTP: {state['http_url']}\ngRPC: {state['rpc_address']}\nlogs: {state_dir}")
+        return 0
+    if args.stage == "stop":
+        print("stopped" if server.stop(state_dir) else "no server was running")
+        return 0
+    state = server.read_state(state_dir)
+    if not state:
+        raise ConfigError("no running server; start it with `make serve`")
+    from serving.smoke import run_smoke
+
+    failures = run_smoke(state, tracking.client(tracking.tracking_uri(config)))
+    print("SMOKE", "PASS" if not failures else f"FAIL ({len(failures)} checks)")
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
