@@ -11,7 +11,13 @@ STAMP := $(VENV)/.installed-$(DEVICE)
 export PYTHONPATH := $(CURDIR)
 export PPNLP_HOME ?= $(CURDIR)/runs/.paddlenlp
 
-.PHONY: setup train test mlflow-ui clean
+RUN_ID ?=
+METRIC ?=
+EXPERIMENT ?=
+MODEL ?=
+FILTER ?=
+
+.PHONY: setup train export serve stop smoke all compare bench test mlflow-ui mlflow-server mlflow-stop clean
 setup: $(STAMP)
 
 # One environment from exact pins (requirements/lock.txt, verified to install and import together) plus the Paddle
@@ -24,6 +30,37 @@ $(STAMP): requirements/lock.txt requirements/paddle-$(DEVICE).txt
 
 train: $(STAMP)
 	$(PY) -m pipeline train --config $(CONFIG) $(if $(RESUME),--resume $(RESUME)) $(if $(DRY_RUN),--dry-run) $(ARGS)
+
+export: $(STAMP)
+	$(PY) -m pipeline export --config $(CONFIG) $(if $(RUN_ID),--run-id $(RUN_ID)) $(if $(METRIC),--metric $(METRIC)) $(if $(EXPERIMENT),--experiment $(EXPERIMENT))
+
+serve: $(STAMP)
+	$(PY) -m pipeline serve --config $(CONFIG) $(if $(MODEL),--model $(MODEL)) $(ARGS)
+
+stop: $(STAMP)
+	$(PY) -m pipeline stop --config $(CONFIG) $(ARGS)
+
+smoke: $(STAMP)
+	$(PY) -m pipeline smoke --config $(CONFIG) $(ARGS)
+
+# The main job on the embedded defaults: train -> export -> serve -> smoke -> stop (stop runs even if smoke fails).
+all: $(STAMP)
+	$(MAKE) train
+	$(MAKE) export
+	$(MAKE) serve
+	$(MAKE) smoke; rc=$$?; $(MAKE) stop; exit $$rc
+
+compare: $(STAMP)
+	$(PY) -m pipeline compare --config $(CONFIG) $(if $(EXPERIMENT),--experiment $(EXPERIMENT)) $(if $(METRIC),--metric $(METRIC)) $(if $(FILTER),--filter "$(FILTER)")
+
+bench: $(STAMP)
+	$(PY) -m pipeline bench $(ARGS)
+
+mlflow-server: $(STAMP)
+	$(PY) -m pipeline mlflow-server
+
+mlflow-stop: $(STAMP)
+	$(PY) -m pipeline mlflow-stop
 
 test: $(STAMP)
 	$(PY) -m pytest tests

@@ -19,3 +19,31 @@ def tiny_config(tmp_path) -> Path:
     path = tmp_path / "tiny-test.yaml"
     path.write_text(TINY_CONFIG + f"\n# runs of this test go under its temporary directory\n")
     return path
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory):
+    """One short real training run (single process) in its own MLflow store, shared by export and serving tests."""
+    from helpers import cli, free_port  # noqa: F401
+
+    root = tmp_path_factory.mktemp("trained")
+    config = root / "tiny.yaml"
+    config.write_text(TINY_CONFIG)
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    common = [f"training.runs_dir={root / 'runs'}", f"export.exports_dir={root / 'exports'}",
+              "export.registered_model_name=test-model", "training.max_steps=12", "training.eval_interval=6",
+              "training.save_interval=6"]
+    proc = cli(["train", "--config", str(config), "training.run_name=base", *common], uri)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {"root": root, "config": config, "uri": uri, "overrides": common, "run_dir": root / "runs" / "base"}
+
+
+@pytest.fixture(scope="session")
+def exported(trained):
+    from helpers import cli
+
+    proc = cli(["export", "--config", str(trained["config"]), "--experiment", "tests"], trained["uri"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    export_dir = trained["root"] / "exports" / "test-model" / "1"
+    assert (export_dir / "export.json").is_file()
+    return {**trained, "export_dir": export_dir, "export_stdout": proc.stdout}

@@ -69,3 +69,11 @@ def metric_history(client, run_id: str, key: str) -> dict[int, float]:
     """step -> value; on duplicate steps (a resumed run re-logs them) the last value wins."""
     history = sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
     return {m.step: m.value for m in history}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

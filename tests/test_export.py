@@ -1,0 +1,127 @@
+"""Export: best run and checkpoint from MLflow, static graph parity, registry versions, and the refusals."""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from helpers import LAYOUTS, cli, env_for
+from pipeline import REPO_ROOT, tracking
+
+pytestmark = pytest.mark.slow
+
+
+def test_export_of_the_best_run(exported):
+    out = exported["export_stdout"]
+    export_dir = exported["export_dir"]
+    meta = json.loads((export_dir / "export.json").read_text())
+    assert "checkpoint step 12" in out and "parity: max |dynamic - paddle.inference|" in out
+    assert "registered model 'test-model' version 1" in out
+    assert meta["checkpoint_step"] == 12 and meta["parity_max_abs_error"] <= meta["parity_tolerance"] == 1e-4
+    for name in ("model.pdmodel", "model.pdiparams", "serving_server_conf.prototxt", "tokenizer/vocab.txt"):
+        assert (export_dir / name).is_file(), name
+    client = tracking.client(exported["uri"])
+    version = client.get_model_version("test-model", "1")
+    assert version.run_id == meta["source_run_id"] and version.tags["export_dir"] == str(export_dir)
+    assert float(version.tags["parity_max_abs_error"]) == pytest.approx(meta["parity_max_abs_error"], rel=1e-2)
+    assert [a.path for a in client.list_artifacts(meta["source_run_id"], "exports")] == ["exports/test-model-v1.json"]
+    assert not list(export_dir.parent.glob(".staging-*"))
+
+
+def test_exported_graph_loads_in_a_fresh_process(exported, tmp_path):
+    from training.model import load_merged
+
+    import paddle
+
+    meta = json.loads((exported["export_dir"] / "export.json").read_text())
+    ids = np.random.RandomState(3).randint(5, meta["vocab_size"], size=(2, 11)).astype("int64")
+    model = load_merged(meta["checkpoint"])
+    model.eval()
+    with paddle.no_grad():
+        expected = model(paddle.to_tensor(ids), use_cache=False, return_dict=False)[0].numpy()
+    np.save(tmp_path / "ids.npy", ids)
+    code = ("import pipeline, sys, numpy as np\n"
+            "from pathlib import Path\n"
+            "from training.export import create_predictor, predict\n"
+            "p = create_predictor(Path(sys.argv[1]))\n"
+            "np.save(sys.argv[3], predict(p, np.load(sys.argv[2])))\n")
+    subprocess.run([sys.executable, "-c", code, str(exported["export_dir"]), str(tmp_path / "ids.npy"),
+                    str(tmp_path / "out.npy")], check=True, cwd=REPO_ROOT, env=env_for(exported["uri"]))
+    assert np.abs(np.load(tmp_path / "out.npy") - expected).max() < 1e-4
+
+
+def test_second_export_is_the_next_version(exported):
+    run_id = json.loads((exported["export_dir"] / "export.json").read_text())["source_run_id"]
+    proc = cli(["export", "--run-id", run_id], exported["uri"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "version 2" in proc.stdout and (exported["root"] / "exports" / "test-model" / "2" / "export.json").is_file()
+
+
+def test_tp2pp2_checkpoint_exports_like_the_merged_single_model(exported):
+    runs = exported["root"] / "runs"
+    proc = cli(["train", "--config", str(exported["config"]), *exported["overrides"], "training.run_name=tp2pp2",
+                *LAYOUTS["tp2pp2"]], exported["uri"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_id = json.loads((runs / "tp2pp2" / "mlflow_run.json").read_text())["run_id"]
+    proc = cli(["export", "--run-id", run_id], exported["uri"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    version = proc.stdout.split("version ")[-1].split(":")[0]
+    export_dir = exported["root"] / "exports" / "test-model" / version
+    meta = json.loads((export_dir / "export.json").read_text())
+    assert meta["source_run_id"] == run_id
+    from training.export import create_predictor, predict
+    from training.model import load_merged
+
+    import paddle
+
+    model = load_merged(meta["checkpoint"])
+    model.eval()
+    ids = np.random.RandomState(0).randint(5, meta["vocab_size"], size=(3, 32)).astype("int64")
+    with paddle.no_grad():
+        expected = model(paddle.to_tensor(ids), use_cache=False, return_dict=False)[0].numpy()
+    assert np.abs(predict(create_predictor(export_dir), ids) - expected).max() < 1e-4
+
+
+def _published(exported):
+    client = tracking.client(exported["uri"])
+    return (sorted(p.name for p in (exported["root"] / "exports" / "test-model").iterdir()),
+            len(client.search_model_versions("name='test-model'")))
+
+
+def test_export_refusals_publish_nothing(exported, tmp_path):
+    client = tracking.client(exported["uri"])
+    before = _published(exported)
+    experiment = client.get_experiment_by_name("tests").experiment_id
+
+    # a finished run with no checkpoints
+    empty_run = client.create_run(experiment, run_name="no-checkpoints")
+    client.log_metric(empty_run.info.run_id, "eval_loss", 1.0)
+    client.set_terminated(empty_run.info.run_id, "FINISHED")
+
+    # a run whose best checkpoint is truncated
+    damaged = tmp_path / "damaged"
+    shutil.copytree(exported["run_dir"], damaged)
+    checkpoint = damaged / "checkpoints" / "checkpoint-12"
+    weights = next(checkpoint.glob("model-*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    bad_run = client.create_run(experiment, run_name="damaged")
+    client.log_dict(bad_run.info.run_id, {"step": 12, "path": str(checkpoint), "eval_loss": 0.5},
+                    "checkpoints/checkpoint-12.json")
+    client.set_terminated(bad_run.info.run_id, "FINISHED")
+
+    client.create_experiment("nothing-finished")
+    cases = [
+        (["--run-id", "0123456789abcdef0123456789abcdef"], "no such MLflow run"),
+        (["--run-id", empty_run.info.run_id], "has no checkpoint"),
+        (["--run-id", bad_run.info.run_id], "is unreadable"),
+        (["--experiment", "nothing-finished"], "has no FINISHED run"),
+        (["--experiment", "no-such-experiment"], "no such MLflow experiment"),
+    ]
+    for args, message in cases:
+        proc = cli(["export", *args], exported["uri"])
+        assert proc.returncode == 2, (args, proc.stderr[-2000:])
+        assert message in proc.stderr, (args, proc.stderr[-2000:])
+        assert _published(exported) == before, args
