@@ -74,6 +74,7 @@ def start(config: Config, model_dir: Path, state_dir: Path) -> dict:
 
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(COMPAT_DIR)])
     env["SERVING_HOME"] = str(state_dir)
+    env["SERVING_LOG_PATH"] = str(state_dir)
     env["GLOG_minloglevel"] = "2"
     env["PYTHONUNBUFFERED"] = "1"
     with open(state_dir / "server.log", "ab") as log:
