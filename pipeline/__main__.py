@@ -5,6 +5,7 @@ import argparse
 import sys
 
 import pipeline  # noqa: F401  (zlib before paddle)
+from pipeline import REPO_ROOT
 from pipeline.config import ConfigError
 
 
@@ -34,6 +35,14 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--config", default=None)
         p.add_argument("overrides", nargs="*")
 
+    compare = sub.add_parser("compare", help="compare the runs of an experiment (table, Markdown, CSV, PNG)")
+    compare.add_argument("--config", default=None, help="config naming the default experiment (default tiny.yaml)")
+    compare.add_argument("--experiment", default="")
+    compare.add_argument("--metric", default="eval_loss")
+    compare.add_argument("--filter", default="", help="MLflow search filter, e.g. \"params.layout.tp = '2'\"")
+    sub.add_parser("mlflow-server", help="start a tracking server on 127.0.0.1 (settings: mlflow/server.env)")
+    sub.add_parser("mlflow-stop", help="stop the tracking server")
+
     args = parser.parse_args(argv)
     try:
         if args.stage == "train":
@@ -45,6 +54,16 @@ def main(argv: list[str] | None = None) -> int:
             from training import export as export_stage
 
             export_stage.run(args.experiment, args.metric, args.run_id, args.config)
+        if args.stage == "compare":
+            from pipeline import compare as compare_stage
+            from pipeline.config import load_config
+
+            base = load_config(args.config or REPO_ROOT / "configs" / "tiny.yaml")
+            return compare_stage.run(args.experiment or base.tracking.experiment, args.metric, args.filter)
+        if args.stage in ("mlflow-server", "mlflow-stop"):
+            from pipeline import mlflow_server
+
+            return mlflow_server.main(args.stage)
         if args.stage in ("serve", "stop", "smoke"):
             return _serving(args)
     except ConfigError as exc:

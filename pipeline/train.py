@@ -64,6 +64,10 @@ def worker_env(config: Config, layout: ParallelLayout, uri: str, run_id: str | N
     env.setdefault("PPNLP_HOME", str(REPO_ROOT / "runs" / ".paddlenlp"))
     if run_id:
         env["PIPELINE_MLFLOW_RUN_ID"] = run_id
+    # A tracking-server outage must not stall training in MLflow's own retry loop (7 retries with backoff by
+    # default): fail fast, and the logger buffers and re-sends (training/callbacks.py).
+    env.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    env.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
     if layout.device == "cpu":
         # 1F1B on gloo deadlocks unless sends are synchronous (read by fleet at import time).
         env["PADDLE_P2P_SYNC_SEND"] = "1"
@@ -193,10 +197,7 @@ def run(config_path: str | None, overrides: list[str], resume: str = "", dry_run
         if status == "FAILED":
             _report_failure(mlflow_client, run_id, run_dir)
         if run_id:
-            if status == "FINISHED":
-                _on_finished(mlflow_client, run_id, run_dir)
-            mlflow_client.set_terminated(run_id, status)
-            print(f"MLflow run {run_id}: {status} (tracking URI {uri})", flush=True)
+            _close_run(mlflow_client, run_id, run_dir, status, uri)
     print(f"run directory: {run_dir}", flush=True)
     return returncode
 
@@ -236,14 +237,22 @@ def _open_run(mlflow_client, config: Config, layout: ParallelLayout, run_dir: Pa
     return run_id
 
 
-def _on_finished(mlflow_client, run_id: str, run_dir: Path) -> None:
-    try:
-        from pipeline.compare import plot_run_losses
+def _close_run(mlflow_client, run_id: str, run_dir: Path, status: str, uri: str) -> None:
+    from pipeline.compare import plot_run_losses
+    from training.callbacks import send_unsent_metrics
 
-        png = plot_run_losses(mlflow_client, run_id, run_dir / "loss_curve.png")
-        mlflow_client.log_artifact(run_id, str(png))
-    except ImportError:
-        pass
+    try:
+        sent = send_unsent_metrics(mlflow_client, run_id, run_dir)
+        if sent:
+            print(f"MLflow: sent {sent} metrics buffered during a tracking outage", flush=True)
+        if status == "FINISHED":
+            png = plot_run_losses(mlflow_client, run_id, run_dir / "loss_curve.png")
+            mlflow_client.log_artifact(run_id, str(png))
+        mlflow_client.set_terminated(run_id, status)
+        print(f"MLflow run {run_id}: {status} (tracking URI {uri})", flush=True)
+    except Exception as exc:  # noqa: BLE001  (tracking server gone: say so, keep the run directory)
+        print(f"MLflow run {run_id}: could not record status {status} ({exc.__class__.__name__}); unsent metrics "
+              f"stay in {run_dir}", file=sys.stderr, flush=True)
 
 
 def _report_failure(mlflow_client, run_id: str | None, run_dir: Path) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,30 +19,13 @@ import yaml
 
 from pipeline import REPO_ROOT
 from pipeline.config import Config, ConfigError
+from pipeline.processes import group_alive, port_in_use
 
 STATE_FILE = "server.json"
 
 
 def default_state_dir(config: Config) -> Path:
     return (REPO_ROOT / config.training.runs_dir / "serving").resolve()
-
-
-def group_alive(pgid: int) -> bool:
-    """Any live (non-zombie) process in the group? (Zombies can linger where PID 1 does not reap orphans.)"""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
-
-
-def port_in_use(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(0.5)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def read_state(state_dir: Path) -> dict | None:

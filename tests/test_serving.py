@@ -26,7 +26,7 @@ def server(exported):
     yield {**exported, "state": state, "state_dir": state_dir, "cli": base + overrides}
     stopped = cli(["stop", *base, *overrides], exported["uri"])
     assert stopped.returncode == 0 and "stopped" in stopped.stdout
-    from serving.server import group_alive, port_in_use
+    from pipeline.processes import group_alive, port_in_use
 
     assert not group_alive(state["pid"]), "server processes left behind"
     assert not port_in_use(state["http_port"]) and not port_in_use(state["rpc_port"])

@@ -1,7 +1,9 @@
 """Trainer callbacks: MLflow logging (PaddleNLP 2.8.1 has no MLflow integration) and checkpoint completion."""
 from __future__ import annotations
 
+import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -9,6 +11,8 @@ from paddlenlp.trainer import TrainerCallback
 
 from pipeline.tracking import CHECKPOINT_ARTIFACTS
 from training.checkpoints import mark_complete
+
+UNSENT_METRICS = "unsent_metrics.jsonl"
 
 
 class FinalStepCallback(TrainerCallback):
@@ -47,10 +51,17 @@ class CheckpointCompleteCallback(TrainerCallback):
 
 
 class MlflowLogger(TrainerCallback):
-    """Rank 0 only: per-logging-step metrics and eval metrics into the MLflow run the launcher created."""
+    """Rank 0 only: per-logging-step metrics and eval metrics into the MLflow run the launcher created.
 
-    def __init__(self, client, run_id: str, seq_length: int):
+    If the tracking server goes away mid-run, training goes on: metrics that could not be sent are kept in memory
+    and re-sent, in order, with the next successful call. Whatever is still unsent when training ends is written to
+    `<run dir>/unsent_metrics.jsonl` and named in a warning (the launcher process retries it once more)."""
+
+    def __init__(self, client, run_id: str, seq_length: int, run_dir: Path):
         self.client, self.run_id, self.seq_length = client, run_id, seq_length
+        self.unsent_file = run_dir / UNSENT_METRICS
+        self.pending: list = []
+        self.failing = False
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
@@ -73,13 +84,53 @@ class MlflowLogger(TrainerCallback):
         for key in ("train_runtime", "train_loss", "train_samples_per_second", "train_steps_per_second"):
             if key in logs:
                 metrics[key] = logs[key]
-        batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if isinstance(v, (int, float))]
-        if batch:
-            self.client.log_batch(self.run_id, metrics=batch)
+        self.pending += [Metric(k, float(v), now, step) for k, v in metrics.items() if isinstance(v, (int, float))]
+        self._send(lambda: None)
 
     def log_checkpoint(self, info: dict) -> None:
         # The artifact is a reference (path + metrics): export finds the best checkpoint from the run alone.
-        self.client.log_dict(self.run_id, info, f"{CHECKPOINT_ARTIFACTS}/checkpoint-{info['step']}.json")
+        self._send(lambda: self.client.log_dict(self.run_id, info,
+                                                f"{CHECKPOINT_ARTIFACTS}/checkpoint-{info['step']}.json"))
+
+    def _send(self, extra) -> None:
+        try:
+            for i in range(0, len(self.pending), 500):  # MLflow's log_batch limit is 1000 metrics
+                self.client.log_batch(self.run_id, metrics=self.pending[i:i + 500])
+            self.pending = []
+            extra()
+            if self.failing:
+                print("[mlflow] tracking server reachable again; buffered metrics sent", file=sys.stderr, flush=True)
+            self.failing = False
+        except Exception as exc:  # noqa: BLE001  (any transport error: keep training, keep the metrics)
+            if not self.failing:
+                print(f"[mlflow] WARNING: logging failed ({exc.__class__.__name__}); training continues, "
+                      f"metrics are buffered and re-sent", file=sys.stderr, flush=True)
+            self.failing = True
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.pending:
+            self._send(lambda: None)
+        if self.pending:
+            with self.unsent_file.open("a") as fh:
+                for m in self.pending:
+                    fh.write(json.dumps({"key": m.key, "value": m.value, "timestamp": m.timestamp,
+                                         "step": m.step}) + "\n")
+            print(f"[mlflow] WARNING: {len(self.pending)} metrics could not be sent; kept in {self.unsent_file}",
+                  file=sys.stderr, flush=True)
+
+
+def send_unsent_metrics(client, run_id: str, run_dir: Path) -> int:
+    """Retry metrics a worker could not send (called by the launcher at the end of the run)."""
+    from mlflow.entities import Metric
+
+    path = run_dir / UNSENT_METRICS
+    if not path.exists():
+        return 0
+    metrics = [Metric(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    for i in range(0, len(metrics), 500):
+        client.log_batch(run_id, metrics=metrics[i:i + 500])
+    path.unlink()
+    return len(metrics)
 
 
 def _perplexity(loss: float) -> float:

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
         from pipeline import tracking
 
         mlflow_logger = MlflowLogger(tracking.client(os.environ["MLFLOW_TRACKING_URI"]), run_id,
-                                     config.training.seq_length)
+                                     config.training.seq_length, run_dir)
     callbacks = [FinalStepCallback(), CheckpointCompleteCallback(mlflow_logger)]
     if mlflow_logger:
         callbacks.append(mlflow_logger)
