@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     compare.add_argument("--experiment", default="")
     compare.add_argument("--metric", default="eval_loss")
     compare.add_argument("--filter", default="", help="MLflow search filter, e.g. \"params.layout.tp = '2'\"")
+    bench = sub.add_parser("bench", help="benchmark suite (reports/bench/bench.{json,md}, MLflow experiment bench)")
+    bench.add_argument("--quick", action="store_true", help="tiny settings: checks the harness, not the machine")
     sub.add_parser("mlflow-server", help="start a tracking server on 127.0.0.1 (settings: mlflow/server.env)")
     sub.add_parser("mlflow-stop", help="stop the tracking server")
 
@@ -60,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
 
             base = load_config(args.config or REPO_ROOT / "configs" / "tiny.yaml")
             return compare_stage.run(args.experiment or base.tracking.experiment, args.metric, args.filter)
+        if args.stage == "bench":
+            from pipeline import bench as bench_stage
+
+            bench_stage.run(quick=args.quick)
+            return 0
         if args.stage in ("mlflow-server", "mlflow-stop"):
             from pipeline import mlflow_server
 

@@ -6,6 +6,8 @@ Paddle Serving's `PipelineClient`. Both raise `ServingError` when the server ans
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import sys
 from dataclasses import dataclass
@@ -68,9 +70,10 @@ class GenerationClient:
 
             self._grpc = PipelineClient()
             self._grpc.connect([self.rpc_address])
-        answer = self._grpc.predict(feed_dict=_fields(prompt=prompt, max_new_tokens=max_new_tokens,
-                                                      temperature=temperature, top_k=top_k, seed=seed),
-                                    fetch=None)
+        with contextlib.redirect_stdout(io.StringIO()):  # PipelineClient prints timing lines on every call
+            answer = self._grpc.predict(feed_dict=_fields(prompt=prompt, max_new_tokens=max_new_tokens,
+                                                          temperature=temperature, top_k=top_k, seed=seed),
+                                        fetch=None)
         if answer.err_no != 0:
             raise ServingError(answer.err_no, answer.err_msg)
         return Generation.from_fields(dict(zip(answer.key, answer.value)))

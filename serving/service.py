@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from serving.generation import GenerationSettings, generate
 BAD_REQUEST = 8001
 INTERNAL_ERROR = 8002
 FIELDS = ("prompt", "max_new_tokens", "temperature", "top_k", "seed")
+PREDICTOR_LOCK = threading.Lock()
 
 
 class RequestError(ValueError):
@@ -145,7 +147,10 @@ def _make_op_classes(model_dir: Path, limits: Limits):
             fetch = self._fetch_names
 
             def forward(input_ids):
-                return self.client.predict(feed={"input_ids": input_ids}, fetch=fetch, batch=True)[fetch[0]]
+                # Paddle Serving's op threads share one LocalPredictor, whose input handles are not thread-safe:
+                # concurrent requests interleaved reshape/run and failed ("Broadcast dimension mismatch").
+                with PREDICTOR_LOCK:
+                    return self.client.predict(feed={"input_ids": input_ids}, fetch=fetch, batch=True)[fetch[0]]
 
             try:
                 new_ids = self.model.generate(forward, [int(i) for i in feed["input_ids"][0]], settings)

@@ -87,6 +87,20 @@ def test_bad_requests_get_an_error_and_the_server_stays_up(server, fields, messa
     assert client.generate("你好", max_new_tokens=2).token_ids
 
 
+def test_concurrent_requests_all_succeed_and_agree(server):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from serving.client import GenerationClient
+
+    def call(prompt):
+        return GenerationClient(server["state"]["http_url"], timeout=60).generate(prompt, max_new_tokens=6).token_ids
+
+    prompts = ["人工智能", "这本书", "快递很快", "价格便宜"] * 4
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(call, prompts))
+    assert results == [call(p) for p in prompts]
+
+
 def test_malformed_json_is_a_400(server):
     response = requests.post(server["state"]["http_url"], data="{not json", timeout=30)
     assert response.status_code == 400

@@ -265,6 +265,9 @@ def run(experiment: str = "", metric: str = "", run_id: str = "", config_path: s
         }
         (staging / "export.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False))
         target = root / str(version)
+        if target.exists():
+            raise ExportError(f"{target} exists but the registry's next version of {name!r} is {version}; move it "
+                              f"away (it belongs to another tracking store) and export again")
         staging.rename(target)  # atomic publish on one file system
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,354 @@
+"""`make bench`: the benchmark suite. Every figure is measured in this run and every ratio uses this run's numbers.
+
+1. hardware ceiling: best fp32 matmul FLOP/s of Paddle on this machine;
+2. training efficiency: model FLOP/s of a matmul-heavy config against that ceiling, tokens/s;
+3. parallel scaling: tokens/s of dp2, tp2, pp2, tp2xpp2 against single on the same global batch, and the measured
+   pipeline idle fraction against (p-1)/(m+p-1);
+4. pipeline overhead: our training step (tracking, checkpoints, eval) against a bare PaddleNLP Trainer;
+5. export: wall time of its stages;
+6. serving: HTTP / gRPC latency against the in-process predictor, served vs in-process tokens/s, and throughput /
+   errors at 1, 4 and 8 concurrent clients.
+Writes reports/bench/bench.json and bench.md and logs them as a run of the MLflow experiment `bench`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from pipeline import REPO_ROOT, tracking
+
+# Model FLOPs per trained token: 6 N (forward + backward of every weight) + 12 L h s (attention scores and values,
+# forward + backward; L layers, h hidden size, s sequence length) -- the PaLM-appendix estimate.
+FLOPS_NOTE = "6N + 12Lhs per token, N = weights without the embedding table"
+BASE = ["data.max_documents=3000", "tokenizer.min_frequency=1", "training.eval_interval=1000",
+        "training.save_interval=1000", "training.logging_interval=2", "training.warmup_steps=1"]
+
+
+def matmul_peak(size: int = 1024, repeats: int = 8) -> float:
+    import paddle
+
+    a, b = paddle.randn([size, size]), paddle.randn([size, size])
+    paddle.matmul(a, b).numpy()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        paddle.matmul(a, b).numpy()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * size**3 / best
+
+
+def train_run(name: str, overrides: list[str], out: Path, uri: str) -> dict:
+    """A real `pipeline train` in a subprocess; returns its MLflow metrics (tokens/s without the first interval)."""
+    cmd = [sys.executable, "-m", "pipeline", "train", "--config", str(REPO_ROOT / "configs" / "tiny.yaml"),
+           f"training.runs_dir={out / 'runs'}", f"training.run_name={name}", "tracking.experiment=bench-train",
+           f"export.exports_dir={out / 'exports'}", "export.registered_model_name=bench-model", *BASE, *overrides]
+    env = dict(os.environ, MLFLOW_TRACKING_URI=uri, PYTHONPATH=str(REPO_ROOT))
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench training {name} failed:\n{proc.stderr[-3000:]}")
+    client = tracking.client(uri)
+    run_id = json.loads((out / "runs" / name / "mlflow_run.json").read_text())["run_id"]
+    history = lambda key: [m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
+    speeds, steps = history("tokens_per_second")[1:], history("step_time_s")[1:]
+    return {"run_id": run_id, "tokens_per_s": float(np.median(speeds)), "step_time_s": float(np.median(steps)),
+            "train_runtime_s": history("train_runtime")[-1], "wall_s": wall, "run_dir": str(out / "runs" / name)}
+
+
+def count_weights(run_dir: Path) -> int:
+    from safetensors.numpy import load_file
+
+    checkpoint = sorted((run_dir / "checkpoints").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[-1]
+    total = 0
+    for f in checkpoint.glob("model-*.safetensors"):
+        total += sum(int(np.prod(v.shape)) for k, v in load_file(f).items() if "embed_tokens" not in k)
+    return total
+
+
+def bare_trainer_step_time(run_dir: Path, steps: int) -> float:
+    """The same model, data and batch with a plain PaddleNLP Trainer: no eval, no checkpoints, no tracking."""
+    code = f"""
+import pipeline, json, sys
+from pathlib import Path
+import paddle
+from pipeline.config import load_config
+from pipeline.layout import ParallelLayout
+from paddlenlp.data import default_data_collator
+from paddlenlp.trainer import Trainer, TrainingArguments
+from training.data import BlockDataset, load_tokenizer
+from training.model import build_model
+run_dir = Path({str(run_dir)!r})
+config = load_config(run_dir / "config.yaml")
+paddle.set_device("cpu")
+paddle.seed(config.training.seed)
+model = build_model(config, load_tokenizer(run_dir / "tokenizer"), 1, 0, pipeline=False)
+args = TrainingArguments(output_dir=str(run_dir / "bare"), max_steps={steps},
+    per_device_train_batch_size=config.parallel.micro_batch_size, learning_rate=config.training.learning_rate,
+    logging_steps=1000, save_strategy="no", evaluation_strategy="no", report_to=["none"], disable_tqdm=True,
+    device="cpu", no_cuda=True, skip_memory_metrics=True, seed=config.training.seed)
+trainer = Trainer(model=model, args=args, train_dataset=BlockDataset(run_dir / "data" / "train.npy"),
+                  data_collator=default_data_collator)
+out = trainer.train()
+print("BARE", json.dumps(out.metrics))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("BARE ")), None)
+    if line is None:
+        raise RuntimeError(f"bare Trainer run failed:\n{proc.stderr[-3000:]}")
+    return json.loads(line[5:])["train_runtime"] / steps
+
+
+def latencies(call, count: int) -> list[float]:
+    out = []
+    for _ in range(count):
+        t0 = time.perf_counter()
+        call()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def load_test(call, clients: int, duration_s: float, max_requests: int) -> dict:
+    done, errors, lock, first_error = [0], [0], threading.Lock(), []
+    stop_at = time.perf_counter() + duration_s
+
+    def worker():
+        while time.perf_counter() < stop_at:
+            with lock:
+                if done[0] + errors[0] >= max_requests:
+                    return
+            try:
+                call()
+                with lock:
+                    done[0] += 1
+            except Exception as exc:  # noqa: BLE001  (counted, not raised: this is a load test)
+                with lock:
+                    errors[0] += 1
+                    first_error[:] = first_error or [f"{exc.__class__.__name__}: {str(exc)[:200]}"]
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - t0
+    return {"clients": clients, "requests": done[0], "errors": errors[0], "req_per_s": done[0] / elapsed,
+            "first_error": first_error[0] if first_error else ""}
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values) * 1000, q))
+
+
+def run(quick: bool = False) -> dict:
+    out = REPO_ROOT / "reports" / "bench"
+    out.mkdir(parents=True, exist_ok=True)
+    uri = f"sqlite:///{out / 'bench-mlflow.db'}"
+    steps = 6 if quick else 40
+    results: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "quick": quick,
+                     "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}"}
+    import paddle
+
+    paddle.set_device("cpu")
+
+    # 1. hardware ceiling
+    peak = matmul_peak(512 if quick else 1024)
+    results["hardware"] = {"matmul_peak_gflops": peak / 1e9}
+    print(f"[bench] matmul peak {peak / 1e9:.1f} GFLOP/s", flush=True)
+
+    # 2. training efficiency on a matmul-heavy config
+    big = ["model.hidden_size=256", "model.intermediate_size=688", "model.num_layers=4", "training.seq_length=128",
+           "model.max_position_embeddings=256", "training.global_batch_size=8", "parallel.micro_batch_size=8",
+           f"training.max_steps={steps}"] if not quick else ["training.seq_length=32", f"training.max_steps={steps}"]
+    stamp = time.strftime("%H%M%S")
+    eff = train_run(f"efficiency-{stamp}", big, out, uri)
+    from pipeline.config import load_config
+
+    eff_config = load_config(Path(eff["run_dir"]) / "config.yaml")
+    weights = count_weights(Path(eff["run_dir"]))
+    m, s = eff_config.model, eff_config.training.seq_length
+    flops_token = 6 * weights + 12 * m.num_layers * m.hidden_size * s
+    achieved = eff["tokens_per_s"] * flops_token
+    results["training_efficiency"] = {
+        "weights": weights, "flops_per_token": flops_token, "tokens_per_s": eff["tokens_per_s"],
+        "model_gflops": achieved / 1e9, "fraction_of_peak": achieved / peak, "flops_estimate": FLOPS_NOTE}
+    print(f"[bench] training {eff['tokens_per_s']:.0f} tok/s = {achieved / 1e9:.2f} GFLOP/s = "
+          f"{achieved / peak:.1%} of peak", flush=True)
+
+    # 3. parallel scaling on the tiny model, same global batch (8)
+    layouts = {"single": [], "dp2": ["parallel.data=2", "parallel.micro_batch_size=4"],
+               "tp2": ["parallel.tensor=2"],
+               "pp2": ["parallel.pipeline=2", "parallel.micro_batch_size=2", "parallel.accumulation_steps=4"],
+               "tp2pp2": ["parallel.tensor=2", "parallel.pipeline=2", "parallel.micro_batch_size=2",
+                          "parallel.accumulation_steps=4"]}
+    if quick:
+        layouts = {k: layouts[k] for k in ("single", "dp2")}
+    scaling = {}
+    for name, overrides in layouts.items():
+        scaling[name] = train_run(f"{name}-{stamp}", [*overrides, f"training.max_steps={steps}",
+                                                      *(["training.seq_length=32"] if quick else [])], out, uri)
+        print(f"[bench] {name}: {scaling[name]['tokens_per_s']:.0f} tok/s", flush=True)
+    single = scaling["single"]
+    results["scaling"] = {name: {"tokens_per_s": r["tokens_per_s"], "step_time_s": r["step_time_s"],
+                                 "speedup_vs_single": r["tokens_per_s"] / single["tokens_per_s"]}
+                          for name, r in scaling.items()}
+    if "pp2" in scaling:
+        p, micro = 2, 4
+        # Ideal p-stage step = single step / p; the rest of the pipeline step is idle (bubble + communication).
+        measured = 1 - single["step_time_s"] / (p * scaling["pp2"]["step_time_s"])
+        results["pipeline_idle"] = {"measured_idle_fraction": measured,
+                                    "theoretical_bubble": (p - 1) / (micro + p - 1),
+                                    "definition": "1 - T_single / (p * T_pp2), same global batch"}
+
+    # 4. our step against a bare PaddleNLP Trainer (same model, data, batch)
+    bare = bare_trainer_step_time(Path(single["run_dir"]), steps)
+    ours = single["train_runtime_s"] / steps
+    results["pipeline_overhead"] = {"ours_step_s": ours, "bare_trainer_step_s": bare, "ratio": ours / bare,
+                                    "ours_includes": "eval + checkpoint at the last step, MLflow logging"}
+    print(f"[bench] step: ours {ours * 1000:.1f} ms vs bare Trainer {bare * 1000:.1f} ms", flush=True)
+
+    # 5. export of the single run
+    t0 = time.perf_counter()
+    meta = _export(single["run_id"], uri)
+    results["export"] = {"wall_s": time.perf_counter() - t0, **meta["timings_s"],
+                         "parity_max_abs_error": meta["parity_max_abs_error"]}
+
+    # 6. serving
+    results["serving"] = _bench_serving(Path(meta["export_dir"]), uri, out, quick)
+    (out / "bench.json").write_text(json.dumps(results, indent=2))
+    (out / "bench.md").write_text(markdown(results))
+    _log_to_mlflow(results, out)
+    print(markdown(results))
+    return results
+
+
+def _export(run_id: str, uri: str) -> dict:
+    env = dict(os.environ, MLFLOW_TRACKING_URI=uri, PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "export", "--run-id", run_id], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench export failed:\n{proc.stderr[-3000:]}")
+    export_dir = proc.stdout.strip().splitlines()[-1].split(": ", 1)[1]
+    meta = json.loads((Path(export_dir) / "export.json").read_text())
+    return {**meta, "export_dir": export_dir}
+
+
+def _bench_serving(export_dir: Path, uri: str, out: Path, quick: bool) -> dict:
+    from pipeline.config import load_config
+    from pipeline.processes import port_in_use
+    from serving import server
+    from serving.client import GenerationClient
+    from serving.generation import GenerationSettings
+    from serving.service import ExportedModel
+    from training.export import create_predictor, predict
+
+    import socket
+
+    def free_port():
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+
+    config = load_config(REPO_ROOT / "configs" / "tiny.yaml",
+                         [f"serving.http_port={free_port()}", f"serving.rpc_port={free_port()}"])
+    state_dir = out / "serving"
+    prompt, new_tokens, count = "这本书", 8, (10 if quick else 40)
+    model = ExportedModel(export_dir)
+    predictor = create_predictor(export_dir)
+    settings = GenerationSettings(max_new_tokens=new_tokens)
+    ids = model.encode(prompt)
+    in_process = lambda: model.generate(lambda x: predict(predictor, x), ids, settings)  # noqa: E731
+    local = latencies(in_process, count // 2)  # half before, half after the server: same machine conditions
+    state = server.start(config, export_dir, state_dir)
+    try:
+        client = GenerationClient(state["http_url"], state["rpc_address"], timeout=30)
+        generated = len(client.generate(prompt, max_new_tokens=new_tokens).token_ids)
+        http = latencies(lambda: client.generate(prompt, max_new_tokens=new_tokens), count)
+        grpc = latencies(lambda: client.generate_grpc(prompt, max_new_tokens=new_tokens), count)
+        load = [load_test(lambda: GenerationClient(state["http_url"], timeout=30).generate(
+            prompt, max_new_tokens=new_tokens), n, 3 if quick else 8, 40 if quick else 200) for n in (1, 4, 8)]
+    finally:
+        server.stop(state_dir)
+    assert not port_in_use(state["http_port"])
+    local += latencies(in_process, count - count // 2)
+    tokens_per_s = lambda lat: generated / float(np.median(lat))
+    return {
+        "prompt": prompt, "new_tokens": generated, "calls": count,
+        "in_process_p50_ms": pct(local, 50), "in_process_p99_ms": pct(local, 99),
+        "http_p50_ms": pct(http, 50), "http_p99_ms": pct(http, 99),
+        "grpc_p50_ms": pct(grpc, 50), "grpc_p99_ms": pct(grpc, 99),
+        "http_vs_in_process_p50": pct(http, 50) / pct(local, 50),
+        "grpc_vs_in_process_p50": pct(grpc, 50) / pct(local, 50),
+        "served_tokens_per_s": tokens_per_s(http), "in_process_tokens_per_s": tokens_per_s(local),
+        "served_vs_in_process_tokens": tokens_per_s(http) / tokens_per_s(local),
+        "concurrency": load,
+    }
+
+
+def markdown(r: dict) -> str:
+    t, s, sv = r["training_efficiency"], r["scaling"], r["serving"]
+    lines = [f"Bench {r['date']} on {r['machine']}{' (quick)' if r['quick'] else ''}", "",
+             "| figure | value |", "|---|---|",
+             f"| matmul peak (fp32) | {r['hardware']['matmul_peak_gflops']:.1f} GFLOP/s |",
+             f"| training tokens/s (matmul-heavy config) | {t['tokens_per_s']:.0f} |",
+             f"| model FLOP/s ({t['flops_estimate']}) | {t['model_gflops']:.2f} GFLOP/s = "
+             f"{t['fraction_of_peak']:.1%} of peak |"]
+    lines += [f"| {name} tokens/s (vs single) | {v['tokens_per_s']:.0f} ({v['speedup_vs_single']:.2f}x) |"
+              for name, v in s.items()]
+    if "pipeline_idle" in r:
+        p = r["pipeline_idle"]
+        lines.append(f"| pp2 idle fraction measured / (p-1)/(m+p-1) | {p['measured_idle_fraction']:.2f} / "
+                     f"{p['theoretical_bubble']:.2f} |")
+    o = r["pipeline_overhead"]
+    lines.append(f"| step time ours / bare PaddleNLP Trainer | {o['ours_step_s'] * 1000:.1f} ms / "
+                 f"{o['bare_trainer_step_s'] * 1000:.1f} ms = {o['ratio']:.2f}x |")
+    e = r["export"]
+    lines.append(f"| export wall (load / convert / parity) | {e['wall_s']:.1f} s ({e['load_s']:.1f} / "
+                 f"{e['convert_s']:.1f} / {e['parity_s']:.1f} s), parity {e['parity_max_abs_error']:.1e} |")
+    lines += [f"| generate {sv['new_tokens']} tokens p50 / p99: in-process | {sv['in_process_p50_ms']:.1f} / "
+              f"{sv['in_process_p99_ms']:.1f} ms |",
+              f"| ... HTTP | {sv['http_p50_ms']:.1f} / {sv['http_p99_ms']:.1f} ms "
+              f"({sv['http_vs_in_process_p50']:.2f}x) |",
+              f"| ... gRPC | {sv['grpc_p50_ms']:.1f} / {sv['grpc_p99_ms']:.1f} ms "
+              f"({sv['grpc_vs_in_process_p50']:.2f}x) |",
+              f"| generated tokens/s served / in-process | {sv['served_tokens_per_s']:.0f} / "
+              f"{sv['in_process_tokens_per_s']:.0f} ({sv['served_vs_in_process_tokens']:.2f}x) |"]
+    lines += [f"| HTTP {c['clients']} concurrent clients | {c['req_per_s']:.1f} req/s, {c['requests']} ok, "
+              f"{c['errors']} errors |" for c in sv["concurrency"]]
+    return "\n".join(lines) + "\n"
+
+
+def _log_to_mlflow(results: dict, out: Path) -> None:
+    uri = tracking.tracking_uri()
+    client = tracking.client(uri)
+    experiment = tracking.experiment_id(client, "bench", uri)
+    run = client.create_run(experiment, run_name=f"bench-{results['date']}", tags={"pipeline.stage": "bench",
+                                                                                   "machine": results["machine"]})
+
+    def flat(prefix, value):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                yield from flat(f"{prefix}.{k}" if prefix else k, v)
+        elif isinstance(value, list):
+            for item in value:
+                if isinstance(item, dict) and "clients" in item:
+                    yield from flat(f"{prefix}.c{item['clients']}", {k: v for k, v in item.items() if k != "clients"})
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            yield prefix, float(value)
+
+    for key, value in flat("", results):
+        client.log_metric(run.info.run_id, key.replace(" ", "_"), value)
+    client.log_artifact(run.info.run_id, str(out / "bench.json"))
+    client.log_artifact(run.info.run_id, str(out / "bench.md"))
+    client.set_terminated(run.info.run_id, "FINISHED")
+    print(f"[bench] logged to MLflow experiment 'bench', run {run.info.run_id}", flush=True)
