@@ -117,15 +117,10 @@ class ParallelLayout:
             lines.append(f"pipeline stage {stage}: decoder layers {layers.start}..{layers.stop - 1}"
                          + (" + embedding" if stage == 0 else "") + (" + norm, lm head" if stage == self.pp - 1
                                                                        else ""))
-        shown = self.world_size if self.world_size <= 64 else 16
-        for rank in range(shown):
+        for rank in range(self.world_size):
             c = self.coordinates(rank)
             lines.append(f"rank {rank:4d} (node {rank // self.procs_per_node}): dp {c['data']} pp {c['pipe']} "
                          f"sharding {c['sharding']} tp {c['model']}")
-        if shown < self.world_size:
-            last = self.coordinates(self.world_size - 1)
-            lines.append(f"... ({self.world_size - shown} more ranks; rank {self.world_size - 1}: dp {last['data']} "
-                         f"pp {last['pipe']} sharding {last['sharding']} tp {last['model']})")
         return "\n".join(lines)
 
     # -- validation ---------------------------------------------------------------------------------------------------
@@ -180,3 +175,13 @@ class ParallelLayout:
             raise ConfigError(
                 f"layout {self.name} needs {self.procs_per_node} processes on this node but only {available} {what} "
                 f"are available; lower the parallel degrees or raise parallel.nnodes")
+
+
+def estimate_parameters(config: Config) -> int:
+    """Llama weights for the config, with the vocabulary at its configured maximum (embedding + untied LM head)."""
+    m = config.model
+    kv_dim = m.hidden_size * m.num_key_value_heads // m.num_attention_heads
+    attention = 2 * m.hidden_size * m.hidden_size + 2 * m.hidden_size * kv_dim
+    mlp = 3 * m.hidden_size * m.intermediate_size
+    return m.num_layers * (attention + mlp + 2 * m.hidden_size) + 2 * config.tokenizer.max_vocab_size * m.hidden_size \
+        + m.hidden_size

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pipeline import REPO_ROOT, tracking
 from pipeline.config import Config, ConfigError, load_config
-from pipeline.layout import ParallelLayout
+from pipeline.layout import ParallelLayout, estimate_parameters
 
 RUN_INFO = "mlflow_run.json"
 LOG_TAIL_LINES = 40
@@ -148,7 +148,9 @@ def run(config_path: str | None, overrides: list[str], resume: str = "", dry_run
         run_dir = None
     uri = tracking.tracking_uri(config)
     layout = ParallelLayout.from_config(config)
-    print(layout.describe(), flush=True)
+    params = estimate_parameters(config)
+    print(f"model: {params / 1e9:.2f}B parameters (vocabulary <= {config.tokenizer.max_vocab_size}), about "
+          f"{params / (layout.tp * layout.pp) / 1e9:.2f}B per rank\n" + layout.describe(), flush=True)
     if dry_run:
         return 0
     layout.check_fits_machine()
