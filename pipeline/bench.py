@@ -2,7 +2,7 @@
 
 1. hardware ceiling: best fp32 matmul FLOP/s of Paddle on this machine;
 2. training efficiency: model FLOP/s of a matmul-heavy config against that ceiling, tokens/s;
-3. parallel scaling: tokens/s of dp2, tp2, pp2, tp2xpp2 against single on the same global batch, and the measured
+3. parallel scaling: tokens/s of every CPU layout (dp2, tp2, pp2, sharding1x2, tp2pp2, dp2tp2) against single on the same global batch, and the measured
    pipeline idle fraction against (p-1)/(m+p-1);
 4. pipeline overhead: our training step (tracking, checkpoints, eval) against a bare PaddleNLP Trainer;
 5. export: wall time of its stages;
@@ -189,8 +189,11 @@ def run(quick: bool = False) -> dict:
     layouts = {"single": [], "dp2": ["parallel.data=2", "parallel.micro_batch_size=4"],
                "tp2": ["parallel.tensor=2"],
                "pp2": ["parallel.pipeline=2", "parallel.micro_batch_size=2", "parallel.accumulation_steps=4"],
+               "sharding1x2": ["parallel.sharding_stage=1", "parallel.sharding_degree=2",
+                               "parallel.micro_batch_size=4"],
                "tp2pp2": ["parallel.tensor=2", "parallel.pipeline=2", "parallel.micro_batch_size=2",
-                          "parallel.accumulation_steps=4"]}
+                          "parallel.accumulation_steps=4"],
+               "dp2tp2": ["parallel.data=2", "parallel.tensor=2", "parallel.micro_batch_size=4"]}
     if quick:
         layouts = {k: layouts[k] for k in ("single", "dp2")}
     scaling = {}
