@@ -140,7 +140,7 @@ def save_static(model, prefix: Path) -> None:
         paddle.jit.save(static, str(prefix))
 
 
-def create_predictor(model_dir: Path):
+def create_predictor(model_dir: Path, ir_optim: bool = False):
     from paddle import inference
 
     config = inference.Config(str(model_dir / f"{MODEL_PREFIX}.pdmodel"), str(model_dir / f"{MODEL_PREFIX}.pdiparams"))
@@ -148,7 +148,7 @@ def create_predictor(model_dir: Path):
     config.disable_glog_info()
     # Generation feeds a new sequence length at every step; with IR optimisation on, the CPU predictor measured
     # 2x slower per generated token (191 vs 75 ms for 8 tokens). Same setting as the served model (ir_optim: false).
-    config.switch_ir_optim(False)
+    config.switch_ir_optim(ir_optim)
     return inference.create_predictor(config)
 
 
@@ -244,10 +244,14 @@ def run(experiment: str = "", metric: str = "", run_id: str = "", config_path: s
         save_static(model, staging / MODEL_PREFIX)
         timings["convert_s"] = time.time() - t1
         t2 = time.time()
-        error = parity_error(model, create_predictor(staging), vocab, config.training.seq_length)
+        # Both predictor configurations users run: plain (as served; bit-identical kernels) and IR-optimised
+        # (fused passes change the arithmetic slightly). The gate takes the worse of the two.
+        error = max(parity_error(model, create_predictor(staging, ir_optim), vocab, config.training.seq_length)
+                    for ir_optim in (False, True))
         timings["parity_s"] = time.time() - t2
         tolerance = config.export.parity_tolerance
-        print(f"parity: max |dynamic - paddle.inference| = {error:.3e} (tolerance {tolerance:.0e})", flush=True)
+        print(f"parity: max |dynamic - paddle.inference| = {error:.3e} over shapes {PARITY_SHAPES} and "
+              f"ir_optim off/on (tolerance {tolerance:.0e})", flush=True)
         if not error <= tolerance:
             raise ExportError(f"parity check failed: max logit difference {error:.3e} > export.parity_tolerance "
                               f"{tolerance:.0e}; nothing was published")
