@@ -250,19 +250,12 @@ def _export(run_id: str, uri: str) -> dict:
 
 def _bench_serving(export_dir: Path, uri: str, out: Path, quick: bool) -> dict:
     from pipeline.config import load_config
-    from pipeline.processes import port_in_use
+    from pipeline.processes import free_port, port_in_use
     from serving import server
     from serving.client import GenerationClient
     from serving.generation import GenerationSettings
     from serving.service import ExportedModel
     from training.export import create_predictor, predict
-
-    import socket
-
-    def free_port():
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            return sock.getsockname()[1]
 
     config = load_config(REPO_ROOT / "configs" / "tiny.yaml",
                          [f"serving.http_port={free_port()}", f"serving.rpc_port={free_port()}"])

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pipeline
 from pipeline import REPO_ROOT
+from pipeline.processes import free_port  # noqa: F401  (re-exported for the tests)
 
 TINY_CONFIG = """\
 name: t
@@ -70,10 +71,3 @@ def metric_history(client, run_id: str, key: str) -> dict[int, float]:
     history = sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
     return {m.step: m.value for m in history}
 
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
