@@ -16,8 +16,9 @@ METRIC ?=
 EXPERIMENT ?=
 MODEL ?=
 FILTER ?=
+REAP ?=
 
-.PHONY: setup train export serve stop smoke all compare bench test mlflow-ui mlflow-server mlflow-stop clean
+.PHONY: setup train export serve stop smoke all compare bench test runs mlflow-ui mlflow-server mlflow-stop clean
 setup: $(STAMP)
 
 # One environment from exact pins (requirements/lock.txt, verified to install and import together) plus the Paddle
@@ -52,6 +53,10 @@ all: $(STAMP)
 
 compare: $(STAMP)
 	$(PY) -m pipeline compare --config $(CONFIG) $(if $(EXPERIMENT),--experiment $(EXPERIMENT)) $(if $(METRIC),--metric $(METRIC)) $(if $(FILTER),--filter "$(FILTER)")
+
+# RUNNING runs of the experiment, alive / dead / stale; REAP=1 marks the dead and stale ones FAILED.
+runs: $(STAMP)
+	$(PY) -m pipeline runs --config $(CONFIG) $(if $(EXPERIMENT),--experiment $(EXPERIMENT)) $(if $(REAP),--reap)
 
 bench: $(STAMP)
 	$(PY) -m pipeline bench $(ARGS)

@@ -42,6 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     compare.add_argument("--filter", default="", help="MLflow search filter, e.g. \"params.layout.tp = '2'\"")
     bench = sub.add_parser("bench", help="benchmark suite (reports/bench/bench.{json,md}, MLflow experiment bench)")
     bench.add_argument("--quick", action="store_true", help="tiny settings: checks the harness, not the machine")
+    runs = sub.add_parser("runs", help="RUNNING runs of an experiment: alive, dead or stale; --reap marks the "
+                                       "dead and stale ones FAILED")
+    runs.add_argument("--config", default=None, help="config naming the experiment (default tiny.yaml)")
+    runs.add_argument("--experiment", default="")
+    runs.add_argument("--reap", action="store_true")
     sub.add_parser("mlflow-server", help="start a tracking server on 127.0.0.1 (settings: mlflow/server.env)")
     sub.add_parser("mlflow-stop", help="stop the tracking server")
 
@@ -62,6 +67,13 @@ def main(argv: list[str] | None = None) -> int:
 
             base = load_config(args.config or REPO_ROOT / "configs" / "tiny.yaml")
             return compare_stage.run(args.experiment or base.tracking.experiment, args.metric, args.filter)
+        if args.stage == "runs":
+            from pipeline import runs as runs_stage, tracking
+            from pipeline.config import load_config
+
+            base = load_config(args.config or REPO_ROOT / "configs" / "tiny.yaml")
+            return runs_stage.main(args.experiment or base.tracking.experiment, base.tracking.stale_after_s,
+                                   tracking.tracking_uri(base), args.reap)
         if args.stage == "bench":
             from pipeline import bench as bench_stage
 
@@ -76,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before training started (data preparation, MLflow set-up): nothing was kept
+        print("interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -73,6 +73,10 @@ class TrainingConfig:
     seed: int = 42
     runs_dir: str = "runs"
     run_name: str = ""  # default: <config name>-<UTC timestamp>
+    # SIGTERM / SIGINT (Slurm time limit, preemption, pod eviction, Ctrl-C): the ranks finish the current step, save
+    # a checkpoint and exit; whatever still runs this many seconds after the signal is killed. Keep it below the
+    # scheduler's kill delay (Slurm KillWait, 30 s by default; Kubernetes terminationGracePeriodSeconds).
+    stop_grace_s: int = 25
 
 
 @dataclass
@@ -99,6 +103,13 @@ class ParallelConfig:
 class TrackingConfig:
     tracking_uri: str = ""  # "" = $MLFLOW_TRACKING_URI, else the local SQLite store under mlflow/
     experiment: str = "tiny-zh-llama"
+    # Complete checkpoints uploaded as run artifacts, so export and resume work from the MLflow run alone:
+    # none | best (each checkpoint that improves export.metric) | all.
+    checkpoint_artifacts: str = "best"
+    # The launcher stamps its run every heartbeat_s; a RUNNING run whose stamp is older than stale_after_s (or whose
+    # launcher process is gone, on the same host) is marked FAILED by `make runs REAP=1` and at the next `make train`.
+    heartbeat_s: int = 30
+    stale_after_s: int = 300
 
 
 @dataclass
@@ -221,8 +232,15 @@ def _read_yaml(path: Path, seen: tuple = ()) -> dict:
     """One YAML file; `extends: other.yaml` (relative to it) is read first and deep-merged under it."""
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist (see configs/ for examples)")
+    raw = path.read_bytes()
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at line {line}); save the config as "
+                          f"UTF-8") from None
+    try:
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -322,7 +340,12 @@ def validate(config: Config) -> None:
     _require(not tr.run_name or ("/" not in tr.run_name and tr.run_name.strip() == tr.run_name),
              "training.run_name: must be a plain name without '/' or surrounding spaces")
 
+    _positive("training.stop_grace_s", tr.stop_grace_s)
     _require(bool(config.tracking.experiment.strip()), "tracking.experiment: must be a non-empty name")
+    _one_of("tracking.checkpoint_artifacts", config.tracking.checkpoint_artifacts, ("none", "best", "all"))
+    _positive("tracking.heartbeat_s", config.tracking.heartbeat_s)
+    _require(config.tracking.stale_after_s >= 2 * config.tracking.heartbeat_s,
+             "tracking.stale_after_s: must be at least 2 x tracking.heartbeat_s")
     _require(bool(config.export.registered_model_name.strip()), "export.registered_model_name: must be non-empty")
     _require(config.export.metric.startswith("eval_"), "export.metric: must be an eval metric, e.g. eval_loss")
     _positive("export.parity_tolerance", config.export.parity_tolerance)

@@ -17,6 +17,11 @@ LOCAL_ARTIFACTS = MLFLOW_DIR / "artifacts"
 TAG_RUN_DIR = "pipeline.run_dir"
 TAG_LAYOUT = "pipeline.layout"
 CHECKPOINT_ARTIFACTS = "checkpoints"
+EXPORT_ARTIFACTS = "exports"
+TAG_HEARTBEAT = "pipeline.heartbeat"
+TAG_LAUNCHER = "pipeline.launcher"  # host:pid:start-time of the `make train` process that drives the run
+# Records a rank could not send during a tracking outage, kept in the run directory for the launcher to re-send.
+UNSENT_RECORDS = "unsent_records.jsonl"
 
 
 def tracking_uri(config: Config | None = None) -> str:
@@ -73,3 +78,71 @@ def as_path(artifact_uri: str) -> Path:
     from urllib.parse import unquote, urlparse
 
     return Path(unquote(urlparse(artifact_uri).path)) if artifact_uri.startswith("file:") else Path(artifact_uri)
+
+
+def checkpoint_ref_path(step: int) -> str:
+    """Artifact path of a checkpoint's record (step, local path, eval metrics, and `artifact` once uploaded)."""
+    return f"{CHECKPOINT_ARTIFACTS}/checkpoint-{step}.json"
+
+
+def checkpoint_artifact_path(step: int) -> str:
+    """Artifact directory of an uploaded checkpoint."""
+    return f"{CHECKPOINT_ARTIFACTS}/checkpoint-{step}"
+
+
+def metric_record(key: str, value: float, step: int, timestamp_ms: int) -> dict:
+    return {"kind": "metric", "key": key, "value": float(value), "step": int(step), "timestamp": int(timestamp_ms)}
+
+
+def checkpoint_record(info: dict, upload: bool) -> dict:
+    return {"kind": "checkpoint", "info": info, "upload": upload}
+
+
+def send_records(mlflow_client, run_id: str, pending: list[dict]) -> None:
+    """Send records in order and remove each from `pending` once it is sent; raises on the first failure, leaving
+    the rest in `pending` (so a caller can keep them and retry). Metrics go in batches; a checkpoint is uploaded
+    (when asked) before its record, so a record that names an `artifact` always has the files behind it."""
+    from mlflow.entities import Metric
+
+    while pending:
+        if pending[0]["kind"] == "metric":
+            n = 0
+            while n < min(len(pending), 500) and pending[n]["kind"] == "metric":  # log_batch takes <= 1000
+                n += 1
+            mlflow_client.log_batch(run_id, metrics=[Metric(r["key"], r["value"], r["timestamp"], r["step"])
+                                                     for r in pending[:n]])
+            del pending[:n]
+            continue
+        info = dict(pending[0]["info"])
+        if pending[0]["upload"]:
+            mlflow_client.log_artifacts(run_id, info["path"], checkpoint_artifact_path(info["step"]))
+            info["artifact"] = checkpoint_artifact_path(info["step"])
+        mlflow_client.log_dict(run_id, info, checkpoint_ref_path(info["step"]))
+        del pending[0]
+
+
+def save_unsent(run_dir: Path, pending: list[dict]) -> None:
+    import json
+
+    with (Path(run_dir) / UNSENT_RECORDS).open("a") as fh:
+        for record in pending:
+            fh.write(json.dumps(record) + "\n")
+
+
+def send_unsent(mlflow_client, run_id: str, run_dir: Path) -> int:
+    """Re-send what the ranks could not (called by the launcher when it closes the run); returns how many."""
+    import json
+
+    path = Path(run_dir) / UNSENT_RECORDS
+    if not path.exists():
+        return 0
+    pending = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    total = len(pending)
+    try:
+        send_records(mlflow_client, run_id, pending)
+    finally:
+        if pending:  # keep what is still unsent for the next try
+            path.write_text("".join(json.dumps(r) + "\n" for r in pending))
+        else:
+            path.unlink()
+    return total

@@ -13,15 +13,19 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-from pipeline import REPO_ROOT, tracking
+from pipeline import REPO_ROOT, runs, tracking
 from pipeline.config import Config, ConfigError, load_config
 from pipeline.layout import ParallelLayout, estimate_parameters
+from pipeline.processes import child_dies_with_parent, descendants, signal_pids
 
 RUN_INFO = "mlflow_run.json"
+# A resume's config waits here until the resumed run has completed a step (training/callbacks.py PromoteConfig).
+PENDING_CONFIG = "config.next.yaml"
 LOG_TAIL_LINES = 40
 
 
@@ -39,8 +43,10 @@ def resolve_run_dir(resume: str, uri: str) -> Path:
     return Path(run_dir)
 
 
-def launch_command(layout: ParallelLayout, run_dir: Path, resume_from: Path | None) -> list[str]:
-    worker = ["--run-dir", str(run_dir)] + (["--resume-from", str(resume_from)] if resume_from else [])
+def launch_command(layout: ParallelLayout, run_dir: Path, resume_from: Path | None,
+                   pending_config: Path | None = None) -> list[str]:
+    worker = ["--run-dir", str(run_dir)] + (["--resume-from", str(resume_from)] if resume_from else []) + \
+        (["--pending-config", str(pending_config)] if pending_config else [])
     if layout.world_size == 1:
         return [sys.executable, "-m", "training.worker", *worker]
     cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(layout.procs_per_node),
@@ -116,19 +122,91 @@ def failing_rank(log_dir: Path) -> tuple[int, str, str] | None:
     return rank, "reported an error" if errored else "exited non-zero", tail(rank)
 
 
-def _run_launcher(cmd: list[str], env: dict, run_dir: Path, single: bool) -> int:
+class Stopper:
+    """SIGTERM / SIGINT to the launcher (Slurm's time limit, pod eviction, `kill`, Ctrl-C).
+
+    The first signal is forwarded once, as SIGTERM, to every rank: they finish the current step, save a complete
+    checkpoint and exit (training/callbacks.py GracefulStop). Ranks are signalled directly, not through
+    paddle.distributed.launch, whose own handler gives them a fixed 30 s and closes their logs. Whatever still runs
+    `grace_s` after the signal, or after a second signal, is killed. The ranks run in their own session, so a
+    terminal's Ctrl-C reaches them only through this forwarding (once, not twice)."""
+
+    def __init__(self, grace_s: float):
+        self.grace_s, self.signum, self.proc, self.single = grace_s, 0, None, True
+        self.deadline: float | None = None
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def attach(self, proc: subprocess.Popen, single: bool) -> None:
+        self.proc, self.single = proc, single
+        if self.signum:  # signalled while starting
+            self._forward()
+
+    def _ranks(self) -> list[int]:
+        return [self.proc.pid] if self.single else descendants(self.proc.pid)
+
+    def _handle(self, signum, frame):
+        if self.signum:
+            print(f"\n{signal.Signals(signum).name} again: stopping now", file=sys.stderr, flush=True)
+            self.kill()
+            return
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name}: the ranks save a checkpoint after the current step and stop "
+              f"(killed after {self.grace_s:g}s)", file=sys.stderr, flush=True)
+        if self.proc:
+            self._forward()
+
+    def _forward(self) -> None:
+        self.deadline = time.time() + self.grace_s
+        signal_pids(self._ranks(), signal.SIGTERM)
+        timer = threading.Timer(self.grace_s, self.kill)
+        timer.daemon = True
+        timer.start()
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            signal_pids(descendants(self.proc.pid) + [self.proc.pid], signal.SIGKILL)
+
+
+class Heartbeat(threading.Thread):
+    """Stamps the MLflow run every `interval_s` while the launcher lives (stale runs: pipeline/runs.py)."""
+
+    def __init__(self, mlflow_client, run_id: str, interval_s: float):
+        super().__init__(daemon=True)
+        self.client, self.run_id, self.interval_s, self.done = mlflow_client, run_id, interval_s, threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(self.interval_s):
+            try:
+                self.client.set_tag(self.run_id, tracking.TAG_HEARTBEAT, str(int(time.time())))
+            except Exception:  # noqa: BLE001  (tracking outage: the metrics buffer says so; try again next beat)
+                pass
+
+
+def _run_launcher(cmd: list[str], env: dict, run_dir: Path, single: bool, stopper: Stopper,
+                  on_start=lambda: None) -> int:
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
+    # Own session: signals reach the ranks only through the Stopper. The child gets SIGTERM if this process dies.
+    options = dict(env=env, cwd=REPO_ROOT, start_new_session=True, preexec_fn=child_dies_with_parent())
     if not single:
-        return subprocess.run(cmd, env=env, cwd=REPO_ROOT).returncode
+        proc = subprocess.Popen(cmd, **options)
+        stopper.attach(proc, single)
+        on_start()
+        return proc.wait()
     # Single process: same log layout as the launcher (logs/workerlog.0), echoed to the terminal.
     with open(log_dir / "workerlog.0", "a") as log:
-        proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, bufsize=1)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                **options)
+        stopper.attach(proc, single)
+        on_start()
         try:
             for line in proc.stdout:
                 sys.stdout.write(line)
                 log.write(line)
+                log.flush()
         finally:
             proc.wait()
     return proc.returncode
@@ -136,9 +214,10 @@ def _run_launcher(cmd: list[str], env: dict, run_dir: Path, single: bool) -> int
 
 def run(config_path: str | None, overrides: list[str], resume: str = "", dry_run: bool = False) -> int:
     uri = tracking.tracking_uri()
-    resume_from = None
+    resume_from = previous = None
     if resume:
         run_dir = resolve_run_dir(resume, uri)
+        previous = load_config(run_dir / "config.yaml")
         config = load_config(run_dir / "config.yaml", overrides)
         from training.checkpoints import latest_complete
 
@@ -155,72 +234,127 @@ def run(config_path: str | None, overrides: list[str], resume: str = "", dry_run
         return 0
     layout.check_fits_machine()
     tracking.check_reachable(uri)
-
-    if run_dir is None:
-        name = config.training.run_name or f"{config.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
-        run_dir = (REPO_ROOT / config.training.runs_dir / name).resolve()
-        if run_dir.exists():
-            raise ConfigError(f"run directory {run_dir} exists; continue it with RESUME={run_dir} or pick another "
-                              f"training.run_name")
-        run_dir.mkdir(parents=True)
-        try:
-            (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
-            from training.data import prepare
-
-            t0 = time.time()
-            data = prepare(config, run_dir / "data", run_dir / "tokenizer")
-            print(f"data: {data.train_documents} train / {data.validation_documents} validation documents -> "
-                  f"{data.train_blocks} / {data.validation_blocks} blocks of {config.training.seq_length} tokens; "
-                  f"vocabulary {data.vocab_size} (model {data.model_vocab_size}), validation unknown rate "
-                  f"{data.unknown_rate:.4f}; {time.time() - t0:.1f}s", flush=True)
-        except BaseException:
-            shutil.rmtree(run_dir, ignore_errors=True)  # nothing half-written is left behind
-            raise
-        (run_dir / "data" / "stats.json").write_text(json.dumps(asdict(data), indent=2))
-    else:
-        (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
-        print(f"resuming {run_dir} from {resume_from or 'the start (no complete checkpoint yet)'}", flush=True)
-
-    run_id = None
     is_node0 = os.environ.get("NODE_RANK", "0") == "0"
     mlflow_client = tracking.client(uri)
     if is_node0:
-        run_id = _open_run(mlflow_client, config, layout, run_dir, uri)
-    single = layout.world_size == 1
-    cmd = launch_command(layout, run_dir, resume_from)
+        for line in runs.reap(mlflow_client, config.tracking.experiment, config.tracking.stale_after_s):
+            print(f"marked stale run FAILED: {line}", flush=True)
+
+    pending = None
+    if run_dir is None:
+        run_dir = _new_run_dir(config)
+    else:
+        # The new config (maybe another layout) goes live only once the resumed run has completed a step.
+        pending = run_dir / PENDING_CONFIG
+        pending.write_text(config.to_yaml(), encoding="utf-8")
+        changed = f"; layout {ParallelLayout.from_config(previous).name} -> {layout.name}" \
+            if ParallelLayout.from_config(previous).name != layout.name else ""
+        print(f"resuming {run_dir} from {resume_from or 'the start (no complete checkpoint yet)'}{changed}",
+              flush=True)
+
+    stopper = Stopper(config.training.stop_grace_s)
+    stopper.install()  # here: data preparation imported paddlenlp, which resets SIGTERM
+    run_id, previous_status = (_open_run(mlflow_client, config, layout, run_dir, uri) if is_node0 else (None, None))
+    heartbeat = Heartbeat(mlflow_client, run_id, config.tracking.heartbeat_s) if run_id else None
+    cmd = launch_command(layout, run_dir, resume_from, pending)
     env = worker_env(config, layout, uri, run_id)
     status, returncode = "FAILED", 1
     try:
-        returncode = _run_launcher(cmd, env, run_dir, single)
-        status = "FINISHED" if returncode == 0 else "FAILED"
-    except KeyboardInterrupt:
-        status, returncode = "KILLED", 130
+        # (The heartbeat thread starts after the fork, so the child's preexec_fn never races a thread.)
+        returncode = _run_launcher(cmd, env, run_dir, layout.world_size == 1, stopper,
+                                   heartbeat.start if heartbeat else lambda: None)
+        status = "KILLED" if stopper.signum else "FINISHED" if returncode == 0 else "FAILED"
     finally:
+        if heartbeat:
+            heartbeat.done.set()
+        started = pending is None or not pending.exists()
+        if pending is not None and not started:
+            # The resume never completed a step: the run stays as it was (config.yaml, MLflow status).
+            pending.unlink(missing_ok=True)
+            print(f"the resume did not complete a step; {run_dir / 'config.yaml'} and the MLflow run's status "
+                  f"({previous_status}) are unchanged", file=sys.stderr, flush=True)
         if status == "FAILED":
-            _report_failure(mlflow_client, run_id, run_dir)
+            _report_failure(mlflow_client if started else None, run_id, run_dir)
         if run_id:
+            if not started:
+                status = previous_status
+            elif previous is not None and ParallelLayout.from_config(previous).name != layout.name:
+                _record_new_layout(mlflow_client, run_id, layout, resume_from)
             _close_run(mlflow_client, run_id, run_dir, status, uri)
+    if stopper.signum:
+        returncode = 128 + stopper.signum
+        if resume_from is not None or (run_dir / "checkpoints").is_dir():
+            from training.checkpoints import latest_complete
+
+            print(f"stopped; latest complete checkpoint: {latest_complete(run_dir)}\ncontinue with: make train "
+                  f"RESUME={run_dir}", flush=True)
     print(f"run directory: {run_dir}", flush=True)
     return returncode
 
 
-def _open_run(mlflow_client, config: Config, layout: ParallelLayout, run_dir: Path, uri: str) -> str:
-    """Create the MLflow run (or reopen the run directory's run on resume) and record what the run is."""
+def _new_run_dir(config: Config) -> Path:
+    """Create runs/<name>/ with the resolved config, tokenizer and packed data; nothing is left if this fails."""
+    name = config.training.run_name or f"{config.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    run_dir = (REPO_ROOT / config.training.runs_dir / name).resolve()
+    if run_dir.exists():
+        raise ConfigError(f"run directory {run_dir} exists; continue it with RESUME={run_dir} or pick another "
+                          f"training.run_name")
+    run_dir.mkdir(parents=True)
+    try:
+        (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
+        from training.data import prepare
+
+        t0 = time.time()
+        data = prepare(config, run_dir / "data", run_dir / "tokenizer")
+        print(f"data: {data.train_documents} train / {data.validation_documents} validation documents -> "
+              f"{data.train_blocks} / {data.validation_blocks} blocks of {config.training.seq_length} tokens; "
+              f"vocabulary {data.vocab_size} (model {data.model_vocab_size}), validation unknown rate "
+              f"{data.unknown_rate:.4f}; {time.time() - t0:.1f}s", flush=True)
+        (run_dir / "data" / "stats.json").write_text(json.dumps(asdict(data), indent=2))
+    except BaseException:
+        shutil.rmtree(run_dir, ignore_errors=True)  # nothing half-written is left behind
+        raise
+    return run_dir
+
+
+def _record_new_layout(mlflow_client, run_id: str, layout: ParallelLayout, resume_from: Path | None) -> None:
+    """Params are immutable in MLflow: a resume on another layout is recorded in tags."""
+    try:
+        old = mlflow_client.get_run(run_id).data.tags.get(tracking.TAG_LAYOUT, "?")
+        history = mlflow_client.get_run(run_id).data.tags.get("pipeline.layout_history", old)
+        step = resume_from.name.split("-")[-1] if resume_from else "0"
+        mlflow_client.log_batch(run_id, tags=[
+            _tag(tracking.TAG_LAYOUT, layout.name), _tag("pipeline.layout_history", f"{history} -> {layout.name}@{step}"),
+            *[_tag(f"layout.{k}", str(v)) for k, v in layout.as_params().items()]])
+    except Exception as exc:  # noqa: BLE001
+        print(f"MLflow: could not record the new layout ({exc.__class__.__name__})", file=sys.stderr, flush=True)
+
+
+def _tag(key: str, value: str):
+    from mlflow.entities import RunTag
+
+    return RunTag(key, value)
+
+
+def _open_run(mlflow_client, config: Config, layout: ParallelLayout, run_dir: Path, uri: str) -> tuple[str, str]:
+    """Create the MLflow run (or reopen the run directory's run on resume) and record what the run is.
+    Returns the run id and the status it had before (None for a new run)."""
     info_file = run_dir / RUN_INFO
+    liveness = {tracking.TAG_LAUNCHER: runs.launcher_id(), tracking.TAG_HEARTBEAT: str(int(time.time()))}
     if info_file.exists():
         run_id = json.loads(info_file.read_text())["run_id"]
+        previous_status = mlflow_client.get_run(run_id).info.status
         mlflow_client.update_run(run_id, status="RUNNING")
-        return run_id
-    import paddle
-    import paddlenlp
+        mlflow_client.log_batch(run_id, tags=[_tag(k, v) for k, v in liveness.items()])
+        return run_id, previous_status
     from mlflow.entities import Param, RunTag
 
     experiment = tracking.experiment_id(mlflow_client, config.tracking.experiment, uri)
     tags = {
         "mlflow.runName": run_dir.name, tracking.TAG_RUN_DIR: str(run_dir), tracking.TAG_LAYOUT: layout.name,
-        "git_commit": tracking.git_commit(), "paddle_version": paddle.__version__,
-        "paddlenlp_version": paddlenlp.__version__, "device": layout.device, "world_size": str(layout.world_size),
-        **{f"layout.{k}": str(v) for k, v in layout.as_params().items()},
+        "git_commit": tracking.git_commit(), "paddle_version": _version("paddlepaddle", "paddlepaddle-gpu"),
+        "paddlenlp_version": _version("paddlenlp"), "device": layout.device, "world_size": str(layout.world_size),
+        **{f"layout.{k}": str(v) for k, v in layout.as_params().items()}, **liveness,
     }
     run = mlflow_client.create_run(experiment, tags=tags, run_name=run_dir.name)
     run_id = run.info.run_id
@@ -236,17 +370,28 @@ def _open_run(mlflow_client, config: Config, layout: ParallelLayout, run_dir: Pa
     mlflow_client.log_artifacts(run_id, str(run_dir / "tokenizer"), "tokenizer")
     info_file.write_text(json.dumps({"run_id": run_id, "experiment_id": experiment, "tracking_uri": uri}))
     print(f"MLflow run {run_id} in experiment {config.tracking.experiment!r}", flush=True)
-    return run_id
+    return run_id, None
+
+
+def _version(*distributions: str) -> str:
+    """An installed package's version without importing it (importing paddlenlp would reset SIGTERM here)."""
+    from importlib import metadata
+
+    for name in distributions:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return "not installed"
 
 
 def _close_run(mlflow_client, run_id: str, run_dir: Path, status: str, uri: str) -> None:
     from pipeline.compare import plot_run_losses
-    from training.callbacks import send_unsent_metrics
 
     try:
-        sent = send_unsent_metrics(mlflow_client, run_id, run_dir)
+        sent = tracking.send_unsent(mlflow_client, run_id, run_dir)
         if sent:
-            print(f"MLflow: sent {sent} metrics buffered during a tracking outage", flush=True)
+            print(f"MLflow: sent {sent} records buffered during a tracking outage", flush=True)
         if status == "FINISHED":
             png = plot_run_losses(mlflow_client, run_id, run_dir / "loss_curve.png")
             mlflow_client.log_artifact(run_id, str(png))
@@ -265,7 +410,7 @@ def _report_failure(mlflow_client, run_id: str | None, run_dir: Path) -> None:
     rank, why, tail = found
     print(f"\ntraining failed: rank {rank} {why}\nlast lines of {run_dir / 'logs' / f'workerlog.{rank}'}:\n{tail}\n",
           file=sys.stderr, flush=True)
-    if run_id:
+    if run_id and mlflow_client:
         mlflow_client.log_text(run_id, tail, f"failure/workerlog.{rank}.tail.txt")
         mlflow_client.set_tag(run_id, "failed_rank", str(rank))
 

@@ -54,6 +54,17 @@ def _number(name: str, raw, kind, low, high):
     return value
 
 
+def check_unique_keys(keys) -> None:
+    """A key sent twice is ambiguous (which value counts?): refuse it rather than silently keep one."""
+    seen, repeated = set(), []
+    for key in keys:
+        if key in seen and key not in repeated:
+            repeated.append(key)
+        seen.add(key)
+    if repeated:
+        raise RequestError(f"parameter(s) sent more than once: {', '.join(map(str, repeated))}")
+
+
 def parse_request(fields: dict, limits: Limits) -> tuple[str, GenerationSettings]:
     """Validate one request's key/value fields; every problem raises RequestError with a message for the client."""
     size = sum(len(str(k).encode()) + len(str(v).encode()) for k, v in fields.items())
@@ -120,7 +131,19 @@ class ExportedModel:
 
 def _make_op_classes(model_dir: Path, limits: Limits):
     import numpy as np
+    from paddle_serving_server.pipeline import RequestOp
     from paddle_serving_server.web_service import Op, WebService
+
+    class UniqueKeysRequestOp(RequestOp):
+        """Paddle Serving turns the request's key/value lists into a dict, so a repeated key would silently keep its
+        last value; this is the documented extension point (`unpack_request_package`) to refuse it first."""
+
+        def unpack_request_package(self, request):
+            try:
+                check_unique_keys(request.key)
+            except RequestError as exc:
+                return {}, request.logid, BAD_REQUEST, str(exc)
+            return super().unpack_request_package(request)
 
     class GenerateOp(Op):
         def init_op(self):
@@ -165,7 +188,8 @@ def _make_op_classes(model_dir: Path, limits: Limits):
 
     class GenerateService(WebService):
         def get_pipeline_response(self, read_op):
-            return GenerateOp(name=self.name, input_ops=[read_op])
+            # The DAG is found from the response op back through input_ops: our request op replaces `read_op`.
+            return GenerateOp(name=self.name, input_ops=[UniqueKeysRequestOp()])
 
     return GenerateService
 

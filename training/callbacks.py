@@ -1,18 +1,18 @@
-"""Trainer callbacks: MLflow logging (PaddleNLP 2.8.1 has no MLflow integration) and checkpoint completion."""
+"""Trainer callbacks: MLflow logging (PaddleNLP 2.8.1 has no MLflow integration), checkpoint completion and upload,
+graceful stop on SIGTERM / SIGINT, and the switch to a new config once a resume has started."""
 from __future__ import annotations
 
-import json
 import math
+import os
+import signal
 import sys
 import time
 from pathlib import Path
 
-from paddlenlp.trainer import TrainerCallback
+from paddlenlp.trainer import TrainerCallback  # (this import resets SIGTERM: handlers are installed after it)
 
-from pipeline.tracking import CHECKPOINT_ARTIFACTS
-from training.checkpoints import mark_complete
-
-UNSENT_METRICS = "unsent_metrics.jsonl"
+from pipeline import tracking
+from training.checkpoints import checkpoint_info, complete_checkpoints, mark_complete
 
 
 class FinalStepCallback(TrainerCallback):
@@ -26,11 +26,22 @@ class FinalStepCallback(TrainerCallback):
         return control
 
 
-class CheckpointCompleteCallback(TrainerCallback):
-    """After every rank has written checkpoint-<step>, rank 0 marks it complete and records it in MLflow."""
+def should_upload(mode: str, metric: str, info: dict, earlier: list[dict]) -> bool:
+    """tracking.checkpoint_artifacts: `all` uploads every complete checkpoint, `best` those that improve `metric`
+    (lower is better) over every earlier checkpoint of the run, `none` nothing."""
+    if mode == "all":
+        return True
+    if mode != "best" or metric not in info:
+        return False
+    return all(info[metric] < e[metric] for e in earlier if metric in e)
 
-    def __init__(self, mlflow_logger: "MlflowLogger | None"):
-        self.mlflow_logger = mlflow_logger
+
+class CheckpointCompleteCallback(TrainerCallback):
+    """After every rank has written checkpoint-<step>, rank 0 marks it complete and records it in MLflow (uploading
+    the files too when tracking.checkpoint_artifacts asks for it)."""
+
+    def __init__(self, mlflow_logger: "MlflowLogger | None", upload_mode: str = "none", metric: str = "eval_loss"):
+        self.mlflow_logger, self.upload_mode, self.metric = mlflow_logger, upload_mode, metric
 
     def on_save(self, args, state, control, **kwargs):
         import paddle.distributed as dist
@@ -44,30 +55,85 @@ class CheckpointCompleteCallback(TrainerCallback):
                     **{k: v for k, v in (evals[-1] if evals else {}).items() if k.startswith("eval_")}}
             if "eval_loss" in info:
                 info["eval_perplexity"] = _perplexity(info["eval_loss"])
+            earlier = [checkpoint_info(path) for step, path in complete_checkpoints(Path(args.output_dir).parent)
+                       if step != state.global_step]
             mark_complete(checkpoint, info)
             if self.mlflow_logger:
-                self.mlflow_logger.log_checkpoint(info)
+                self.mlflow_logger.log_checkpoint(info, should_upload(self.upload_mode, self.metric, info, earlier))
+        return control
+
+
+class GracefulStop(TrainerCallback):
+    """SIGTERM / SIGINT: finish the current step, save a complete checkpoint, stop.
+
+    The handler only sets a flag. At every step end the ranks agree (all-reduce MAX of the flag over the global
+    group), so all of them stop after the same step even if the signal reached them at different times — a rank
+    that stopped alone would leave its peers waiting in a collective."""
+
+    def __init__(self):
+        self.requested = 0
+        self.install()
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._request)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.install()  # again, in case anything during set-up reset the handlers (as `import paddlenlp` does)
+
+    def _request(self, signum, frame):
+        if not self.requested:
+            print(f"[rank {os.environ.get('PADDLE_TRAINER_ID', '0')}] {signal.Signals(signum).name}: saving a "
+                  f"checkpoint after this step, then stopping", file=sys.stderr, flush=True)
+        self.requested = signum
+
+    def agreed(self) -> bool:
+        import paddle
+        import paddle.distributed as dist
+
+        if dist.get_world_size() <= 1:
+            return bool(self.requested)
+        flag = paddle.to_tensor([1 if self.requested else 0], dtype="int32")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(int(flag.numpy()[0]))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.agreed():
+            control.should_save = True
+            control.should_training_stop = True
+        return control
+
+
+class PromoteConfig(TrainerCallback):
+    """Resume with a changed config (e.g. another layout): the launcher writes it next to the run's config.yaml,
+    and rank 0 moves it into place only once the resumed run has completed a step, so a resume that fails leaves
+    the run as it was."""
+
+    def __init__(self, pending: Path | None, target: Path):
+        self.pending, self.target = pending, target
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.pending and state.is_world_process_zero and self.pending.exists():
+            os.replace(self.pending, self.target)
+        self.pending = None
         return control
 
 
 class MlflowLogger(TrainerCallback):
-    """Rank 0 only: per-logging-step metrics and eval metrics into the MLflow run the launcher created.
+    """Rank 0 only: per-logging-step metrics, eval metrics and checkpoint records into the launcher's MLflow run.
 
-    If the tracking server goes away mid-run, training goes on: metrics that could not be sent are kept in memory
+    If the tracking server goes away mid-run, training goes on: records that could not be sent are kept in memory
     and re-sent, in order, with the next successful call. Whatever is still unsent when training ends is written to
-    `<run dir>/unsent_metrics.jsonl` and named in a warning (the launcher process retries it once more)."""
+    `<run dir>/unsent_records.jsonl` and named in a warning (the launcher process retries it once more)."""
 
     def __init__(self, client, run_id: str, seq_length: int, run_dir: Path):
-        self.client, self.run_id, self.seq_length = client, run_id, seq_length
-        self.unsent_file = run_dir / UNSENT_METRICS
-        self.pending: list = []
+        self.client, self.run_id, self.seq_length, self.run_dir = client, run_id, seq_length, run_dir
+        self.pending: list[dict] = []
         self.failing = False
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
             return
-        from mlflow.entities import Metric
-
         step, now = int(state.global_step), int(time.time() * 1000)
         metrics = {}
         if "loss" in logs:
@@ -84,53 +150,36 @@ class MlflowLogger(TrainerCallback):
         for key in ("train_runtime", "train_loss", "train_samples_per_second", "train_steps_per_second"):
             if key in logs:
                 metrics[key] = logs[key]
-        self.pending += [Metric(k, float(v), now, step) for k, v in metrics.items() if isinstance(v, (int, float))]
-        self._send(lambda: None)
+        self.pending += [tracking.metric_record(k, v, step, now) for k, v in metrics.items()
+                         if isinstance(v, (int, float))]
+        self._send()
 
-    def log_checkpoint(self, info: dict) -> None:
-        # The artifact is a reference (path + metrics): export finds the best checkpoint from the run alone.
-        self._send(lambda: self.client.log_dict(self.run_id, info,
-                                                f"{CHECKPOINT_ARTIFACTS}/checkpoint-{info['step']}.json"))
+    def log_checkpoint(self, info: dict, upload: bool) -> None:
+        # The record (path + metrics, + the artifact path once uploaded) lets export find the best checkpoint from
+        # the run alone.
+        self.pending.append(tracking.checkpoint_record(info, upload))
+        self._send()
 
-    def _send(self, extra) -> None:
+    def _send(self) -> None:
         try:
-            for i in range(0, len(self.pending), 500):  # MLflow's log_batch limit is 1000 metrics
-                self.client.log_batch(self.run_id, metrics=self.pending[i:i + 500])
-            self.pending = []
-            extra()
+            tracking.send_records(self.client, self.run_id, self.pending)
             if self.failing:
-                print("[mlflow] tracking server reachable again; buffered metrics sent", file=sys.stderr, flush=True)
+                print("[mlflow] tracking server reachable again; buffered records sent", file=sys.stderr, flush=True)
             self.failing = False
-        except Exception as exc:  # noqa: BLE001  (any transport error: keep training, keep the metrics)
+        except Exception as exc:  # noqa: BLE001  (any transport error: keep training, keep the records)
             if not self.failing:
                 print(f"[mlflow] WARNING: logging failed ({exc.__class__.__name__}); training continues, "
-                      f"metrics are buffered and re-sent", file=sys.stderr, flush=True)
+                      f"metrics and checkpoint records are buffered and re-sent", file=sys.stderr, flush=True)
             self.failing = True
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.pending:
-            self._send(lambda: None)
+            self._send()
         if self.pending:
-            with self.unsent_file.open("a") as fh:
-                for m in self.pending:
-                    fh.write(json.dumps({"key": m.key, "value": m.value, "timestamp": m.timestamp,
-                                         "step": m.step}) + "\n")
-            print(f"[mlflow] WARNING: {len(self.pending)} metrics could not be sent; kept in {self.unsent_file}",
-                  file=sys.stderr, flush=True)
-
-
-def send_unsent_metrics(client, run_id: str, run_dir: Path) -> int:
-    """Retry metrics a worker could not send (called by the launcher at the end of the run)."""
-    from mlflow.entities import Metric
-
-    path = run_dir / UNSENT_METRICS
-    if not path.exists():
-        return 0
-    metrics = [Metric(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
-    for i in range(0, len(metrics), 500):
-        client.log_batch(run_id, metrics=metrics[i:i + 500])
-    path.unlink()
-    return len(metrics)
+            tracking.save_unsent(self.run_dir, self.pending)
+            print(f"[mlflow] WARNING: {len(self.pending)} records could not be sent; kept in "
+                  f"{self.run_dir / tracking.UNSENT_RECORDS}", file=sys.stderr, flush=True)
+            self.pending = []
 
 
 def _perplexity(loss: float) -> float:

@@ -37,29 +37,43 @@ def read_documents(config: DataConfig) -> list[str]:
     for path in files:
         if not path.is_file():
             raise ConfigError(f"data.files: corpus file {path} does not exist")
-        with path.open(encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if path.suffix == ".jsonl":
-                    if not line.strip():
-                        continue
-                    try:
-                        text = json.loads(line)[config.text_field]
-                    except (json.JSONDecodeError, KeyError, TypeError):
-                        raise ConfigError(f"{path}:{lineno}: expected a JSON object with a string field "
-                                          f"{config.text_field!r} (data.text_field)") from None
-                    if not isinstance(text, str):
-                        raise ConfigError(f"{path}:{lineno}: field {config.text_field!r} is not a string")
-                else:
-                    text = line
-                text = text.strip()
-                if text:
-                    docs.append(text)
+        for lineno, line in enumerate(_text_lines(path), 1):
+            if path.suffix == ".jsonl":
+                if not line.strip():
+                    continue
+                try:
+                    text = json.loads(line)[config.text_field]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise ConfigError(f"{path}:{lineno}: expected a JSON object with a string field "
+                                      f"{config.text_field!r} (data.text_field)") from None
+                if not isinstance(text, str):
+                    raise ConfigError(f"{path}:{lineno}: field {config.text_field!r} is not a string")
+            else:
+                text = line
+            text = text.strip()
+            if text:
+                docs.append(text)
     if not docs:
         raise ConfigError(f"the corpus is empty: no non-blank documents in {', '.join(map(str, files))}")
     if config.max_documents:
         order = np.random.RandomState(config.split_seed).permutation(len(docs))[: config.max_documents]
         docs = [docs[i] for i in sorted(order)]
     return docs
+
+
+def _text_lines(path: Path):
+    """The lines of a UTF-8 text file; a binary or otherwise non-UTF-8 file is a one-line ConfigError."""
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ConfigError(f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[exc.start]:02x}); data.files "
+                                  f"takes UTF-8 .txt or .jsonl files") from None
+            if "\x00" in line:
+                raise ConfigError(f"{path}:{lineno}: contains NUL bytes (a binary file?); data.files takes UTF-8 "
+                                  f".txt or .jsonl files")
+            yield line
 
 
 def split_documents(docs: list[str], fraction: float, seed: int) -> tuple[list[str], list[str]]:

@@ -91,9 +91,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--resume-from", default="", help="a complete checkpoint directory")
+    parser.add_argument("--pending-config", default="",
+                        help="resume with this config; it replaces the run's config.yaml after the first step")
     args = parser.parse_args(argv)
+    from pipeline.processes import die_with_parent
+
+    die_with_parent()  # the launcher gone (even by SIGKILL) = SIGTERM here = save and stop, never an orphan
     run_dir = Path(args.run_dir)
-    config = load_config(run_dir / "config.yaml")
+    pending = Path(args.pending_config) if args.pending_config else None
+    config = load_config(pending or run_dir / "config.yaml")
     layout = ParallelLayout.from_config(config)
 
     import paddle
@@ -108,7 +114,14 @@ def main(argv: list[str] | None = None) -> None:
         cpu_gloo.apply(timeout_s=config.parallel.collective_timeout_s)
 
     from paddlenlp.data import default_data_collator
-    from training.callbacks import CheckpointCompleteCallback, FinalStepCallback, MlflowLogger
+    from training.callbacks import (CheckpointCompleteCallback, FinalStepCallback, GracefulStop, MlflowLogger,
+                                    PromoteConfig)
+
+    graceful_stop = GracefulStop()  # after the paddlenlp import, which resets SIGTERM to the default action
+    if world == 1:
+        from training import paddlenlp_resume
+
+        paddlenlp_resume.apply()  # a checkpoint of any layout resumes on one process
     from training.data import BlockDataset, load_tokenizer
     from training.model import build_model
 
@@ -124,7 +137,8 @@ def main(argv: list[str] | None = None) -> None:
 
         mlflow_logger = MlflowLogger(tracking.client(os.environ["MLFLOW_TRACKING_URI"]), run_id,
                                      config.training.seq_length, run_dir)
-    callbacks = [FinalStepCallback(), CheckpointCompleteCallback(mlflow_logger)]
+    callbacks = [FinalStepCallback(), graceful_stop, PromoteConfig(pending, run_dir / "config.yaml"),
+                 CheckpointCompleteCallback(mlflow_logger, config.tracking.checkpoint_artifacts, config.export.metric)]
     if mlflow_logger:
         callbacks.append(mlflow_logger)
     trainer = make_trainer(
