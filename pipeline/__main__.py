@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
 
     serve = sub.add_parser("serve", help="start the Paddle Serving endpoint in the background")
     serve.add_argument("--config", default=None, help="config with the serving section (default tiny.yaml)")
-    serve.add_argument("--model", default="", help="export directory (default: latest registered version)")
+    serve.add_argument("--model", default="", help="export directory, models:/<name>/<version>, models:/<name>@<alias> "
+                                                    "or models:/<name>/latest (default: the newest registered version)")
     serve.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. serving.http_port=18280")
     for verb, text in (("stop", "stop the running endpoint (whole process group)"),
                        ("smoke", "real HTTP/gRPC calls against the running endpoint")):
@@ -95,7 +96,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serving(args) -> int:
-    from pathlib import Path
 
     from pipeline import REPO_ROOT, tracking
     from pipeline.config import load_config
@@ -104,10 +104,9 @@ def _serving(args) -> int:
     config = load_config(args.config or REPO_ROOT / "configs" / "tiny.yaml", args.overrides)
     state_dir = server.default_state_dir(config)
     if args.stage == "serve":
-        from training.export import latest_export
+        from pipeline import models
 
-        model = Path(args.model) if args.model else latest_export(config)
-        state = server.start(config, model, state_dir)
+        state = server.start(config, models.resolve(config, args.model), state_dir)
         print(f"serving {state['model_dir']} (ready in {state['ready_after_s']}s, pid {state['pid']})\n"
               f"HTTP: {state['http_url']}\ngRPC: {state['rpc_address']}\nlogs: {state_dir}")
         return 0

@@ -38,6 +38,10 @@ def is_local(uri: str) -> bool:
 def client(uri: str):
     import mlflow
 
+    # MLflow retries a failed HTTP call 7 times with exponential backoff (minutes) by default: a few, then a clear
+    # error. (Training workers set 0: they buffer and re-send instead.)
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
+
     if is_local(uri):
         LOCAL_STORE.parent.mkdir(parents=True, exist_ok=True)
     return mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri)

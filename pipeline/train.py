@@ -128,12 +128,11 @@ class Stopper:
     The first signal is forwarded once, as SIGTERM, to every rank: they finish the current step, save a complete
     checkpoint and exit (training/callbacks.py GracefulStop). Ranks are signalled directly, not through
     paddle.distributed.launch, whose own handler gives them a fixed 30 s and closes their logs. Whatever still runs
-    `grace_s` after the signal, or after a second signal, is killed. The ranks run in their own session, so a
+    `grace_s` after the signal (or after a second Ctrl-C) is killed. The ranks run in their own session, so a
     terminal's Ctrl-C reaches them only through this forwarding (once, not twice)."""
 
     def __init__(self, grace_s: float):
-        self.grace_s, self.signum, self.proc, self.single = grace_s, 0, None, True
-        self.deadline: float | None = None
+        self.grace_s, self.signum, self.first_at, self.proc, self.single = grace_s, 0, 0.0, None, True
 
     def install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -149,17 +148,19 @@ class Stopper:
 
     def _handle(self, signum, frame):
         if self.signum:
-            print(f"\n{signal.Signals(signum).name} again: stopping now", file=sys.stderr, flush=True)
-            self.kill()
+            # A repeated SIGTERM is usually the same request by two routes (`kill` of a process group, `timeout`,
+            # make forwarding): ignore it. A second Ctrl-C, pressed a moment later, means "now".
+            if signum == signal.SIGINT and time.time() - self.first_at > 1.0:
+                print("\nSIGINT again: stopping now", file=sys.stderr, flush=True)
+                self.kill()
             return
-        self.signum = signum
+        self.signum, self.first_at = signum, time.time()
         print(f"\n{signal.Signals(signum).name}: the ranks save a checkpoint after the current step and stop "
               f"(killed after {self.grace_s:g}s)", file=sys.stderr, flush=True)
         if self.proc:
             self._forward()
 
     def _forward(self) -> None:
-        self.deadline = time.time() + self.grace_s
         signal_pids(self._ranks(), signal.SIGTERM)
         timer = threading.Timer(self.grace_s, self.kill)
         timer.daemon = True

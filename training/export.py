@@ -6,7 +6,13 @@ The export directory `exports/<model-name>/<version>/` is everything serving nee
     tokenizer/                        the run's tokenizer (save_pretrained form)
     serving_server_conf.prototxt      feed/fetch description for Paddle Serving's local_predictor
     export.json                       lineage and parity metadata
-It is written to a temporary directory and renamed into place, so a failed export publishes nothing.
+The same files are logged as artifacts of the source run (`exports/<model-name>/v<version>/`) and the registered
+version's source is that run path (`runs:/<run>/exports/...`), so `make serve MODEL=models:/<name>/<version>` works on
+any machine that reaches the tracking server. The checkpoint comes from the training machine's disk or, when it is
+not there, from the run's artifacts (tracking.checkpoint_artifacts).
+
+Publishing is all-or-nothing: the directory is built in a staging area, and the run artifacts, the registered version
+and the renamed directory are undone in reverse order if a later step fails (e.g. the tracking server goes away).
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ from pipeline import REPO_ROOT, tracking  # (pipeline first: zlib before paddle)
 
 import paddle  # noqa: E402
 from pipeline.config import Config, ConfigError, load_config
+from training.checkpoints import COMPLETE_MARKER
 
 MODEL_PREFIX = "model"
 FEED_NAME = "input_ids"
@@ -42,17 +49,29 @@ class ExportError(ConfigError):
 class Selection:
     run_id: str
     run_name: str
-    run_dir: Path
-    checkpoint: Path
-    step: int
+    info: dict  # the checkpoint's record: step, path (on the training machine), eval metrics, artifact if uploaded
     metric: str
-    metric_value: float
+
+    @property
+    def step(self) -> int:
+        return int(self.info["step"])
+
+    @property
+    def metric_value(self) -> float:
+        return float(self.info[self.metric])
+
+    @property
+    def local_checkpoint(self) -> Path | None:
+        path = Path(self.info["path"])
+        return path if (path / COMPLETE_MARKER).is_file() else None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Selection through the MLflow client.
 
 def select(client, experiment: str, metric: str, run_id: str = "") -> Selection:
+    """The best checkpoint (lowest `metric`) of the best FINISHED run, or of RUN_ID, that this machine can read:
+    on its disk, or uploaded to the run's artifacts (tracking.checkpoint_artifacts)."""
     if run_id:
         try:
             run = client.get_run(run_id)
@@ -68,20 +87,38 @@ def select(client, experiment: str, metric: str, run_id: str = "") -> Selection:
         if not runs:
             raise ExportError(f"experiment {experiment!r} has no FINISHED run with metric {metric!r}; train first")
         run = runs[0]
-    refs = [a.path for a in client.list_artifacts(run.info.run_id, tracking.CHECKPOINT_ARTIFACTS)]
+    refs = [a.path for a in client.list_artifacts(run.info.run_id, tracking.CHECKPOINT_ARTIFACTS)
+            if not a.is_dir and a.path.endswith(".json")]
     candidates = []
     with tempfile.TemporaryDirectory() as tmp:
         for ref in refs:
             info = json.loads(Path(client.download_artifacts(run.info.run_id, ref, tmp)).read_text())
-            if metric in info and Path(info["path"]).is_dir():
+            if metric in info and ((Path(info["path"]) / COMPLETE_MARKER).is_file() or info.get("artifact")):
                 candidates.append(info)
     if not candidates:
-        raise ExportError(f"run {run.info.run_id} has no checkpoint with metric {metric!r} on this machine "
-                          f"({len(refs)} recorded)")
+        raise ExportError(f"run {run.info.run_id} has no checkpoint with metric {metric!r} on this machine or in "
+                          f"its MLflow artifacts ({len(refs)} recorded; see tracking.checkpoint_artifacts)")
     best = min(candidates, key=lambda info: (info[metric], -info["step"]))
-    return Selection(run_id=run.info.run_id, run_name=run.info.run_name, run_dir=Path(best["path"]).parent.parent,
-                     checkpoint=Path(best["path"]), step=int(best["step"]), metric=metric,
-                     metric_value=float(best[metric]))
+    return Selection(run_id=run.info.run_id, run_name=run.info.run_name, info=best, metric=metric)
+
+
+def fetch_inputs(client, chosen: Selection, scratch: Path) -> tuple[Path, Path, Path]:
+    """(checkpoint, config.yaml, tokenizer/) of the chosen run: from the training machine's run directory when it
+    is here, else downloaded from the run's MLflow artifacts into `scratch`."""
+    checkpoint = chosen.local_checkpoint
+    if checkpoint is not None:
+        run_dir = checkpoint.parent.parent
+        return checkpoint, run_dir / "config.yaml", run_dir / "tokenizer"
+    print(f"checkpoint-{chosen.step} is not on this machine: downloading {chosen.info['artifact']} from the run's "
+          f"MLflow artifacts", flush=True)
+    try:
+        checkpoint = Path(client.download_artifacts(chosen.run_id, chosen.info["artifact"], str(scratch)))
+        config = Path(client.download_artifacts(chosen.run_id, "config.yaml", str(scratch)))
+        tokenizer = Path(client.download_artifacts(chosen.run_id, "tokenizer", str(scratch)))
+    except Exception as exc:  # noqa: BLE001  (store / network errors)
+        raise ExportError(f"could not download checkpoint-{chosen.step} of run {chosen.run_id} "
+                          f"({exc.__class__.__name__}: {str(exc)[:200]})") from None
+    return checkpoint, config, tokenizer
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -207,104 +244,150 @@ def load_checkpoint(checkpoint: Path):
 
 
 def next_version(client, name: str) -> int:
-    from mlflow.exceptions import MlflowException
-
-    try:
-        client.get_registered_model(name)
-    except MlflowException:
-        client.create_registered_model(name, description="Chinese causal LM exported by the train-to-serve pipeline")
     versions = client.search_model_versions(f"name='{name}'")
     return max((int(v.version) for v in versions), default=0) + 1
 
 
-def run(experiment: str = "", metric: str = "", run_id: str = "", config_path: str | None = None) -> dict:
-    import paddle
+def register(client, name: str, run_id: str, artifact_path: str, tags: dict, description: str):
+    """A model version whose source is the run's artifacts (`runs:/<run>/<path>`: MLflow's convention, which a
+    tracking server accepts whatever its artifact store; a local path is refused by a server). If it fails, a
+    registered model created for it is removed again."""
+    from mlflow.exceptions import MlflowException
 
+    created = False
+    try:
+        client.get_registered_model(name)
+    except MlflowException:
+        client.create_registered_model(name, description="Chinese causal LM exported by the train-to-serve pipeline")
+        created = True
+    try:
+        return client.create_model_version(name, source=f"runs:/{run_id}/{artifact_path}", run_id=run_id,
+                                           tags=tags, description=description)
+    except BaseException:
+        if created:
+            _quietly(lambda: client.delete_registered_model(name))
+        raise
+
+
+def _quietly(action) -> None:
+    try:
+        action()
+    except Exception:  # noqa: BLE001  (clean-up after a failure: the first error is the one to report)
+        pass
+
+
+def _delete_artifacts(client, run_id: str, path: str) -> None:
+    """Remove what a failed export uploaded (stores that support deletion: local, mlflow-artifacts proxy)."""
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+    _quietly(lambda: get_artifact_repository(client.get_run(run_id).info.artifact_uri).delete_artifacts(path))
+
+
+def run(experiment: str = "", metric: str = "", run_id: str = "", config_path: str | None = None) -> dict:
+    """Select, convert, check and publish. Publishing is all-or-nothing: the export directory, the run artifacts
+    and the registered version appear together, or none of them does."""
     base = load_config(config_path) if config_path else load_config(REPO_ROOT / "configs" / "tiny.yaml")
     uri = tracking.tracking_uri(base)
     tracking.check_reachable(uri)
     client = tracking.client(uri)
+    chosen = select(client, experiment or base.tracking.experiment, metric or base.export.metric, run_id)
+    root = REPO_ROOT / base.export.exports_dir
+    root.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=".staging-", dir=root))
+    try:
+        return _export(client, chosen, base, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _export(client, chosen: Selection, base: Config, scratch: Path) -> dict:
+    import paddle
+
     timings = {}
     t0 = time.time()
-    chosen = select(client, experiment or base.tracking.experiment, metric or base.export.metric, run_id)
-    config: Config = load_config(chosen.run_dir / "config.yaml")
+    checkpoint, config_file, tokenizer_dir = fetch_inputs(client, chosen, scratch / "inputs")
+    config: Config = load_config(config_file)
     print(f"run {chosen.run_id} ({chosen.run_name}); checkpoint step {chosen.step} ({chosen.metric} "
-          f"{chosen.metric_value:.5f}): {chosen.checkpoint}", flush=True)
+          f"{chosen.metric_value:.5f}): {checkpoint}", flush=True)
     paddle.set_device("cpu")
-    model = load_checkpoint(chosen.checkpoint)
+    model = load_checkpoint(checkpoint)
     vocab = model.config.vocab_size
     timings["load_s"] = time.time() - t0
 
     name = config.export.registered_model_name
-    root = REPO_ROOT / config.export.exports_dir / name
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=root))
+    root = REPO_ROOT / base.export.exports_dir / name
+    staging = scratch / "export"
+    staging.mkdir()
+    t1 = time.time()
+    save_static(model, staging / MODEL_PREFIX)
+    timings["convert_s"] = time.time() - t1
+    t2 = time.time()
+    # Both predictor configurations users run: plain (as served; bit-identical kernels) and IR-optimised
+    # (fused passes change the arithmetic slightly). The gate takes the worse of the two.
+    error = max(parity_error(model, create_predictor(staging, ir_optim), vocab, config.training.seq_length)
+                for ir_optim in (False, True))
+    timings["parity_s"] = time.time() - t2
+    tolerance = config.export.parity_tolerance
+    print(f"parity: max |dynamic - paddle.inference| = {error:.3e} over shapes {PARITY_SHAPES} and "
+          f"ir_optim off/on (tolerance {tolerance:.0e})", flush=True)
+    if not error <= tolerance:
+        raise ExportError(f"parity check failed: max logit difference {error:.3e} > export.parity_tolerance "
+                          f"{tolerance:.0e}; nothing was published")
+    write_serving_conf(staging, vocab)
+    shutil.copytree(tokenizer_dir, staging / "tokenizer")
+
     try:
-        t1 = time.time()
-        save_static(model, staging / MODEL_PREFIX)
-        timings["convert_s"] = time.time() - t1
-        t2 = time.time()
-        # Both predictor configurations users run: plain (as served; bit-identical kernels) and IR-optimised
-        # (fused passes change the arithmetic slightly). The gate takes the worse of the two.
-        error = max(parity_error(model, create_predictor(staging, ir_optim), vocab, config.training.seq_length)
-                    for ir_optim in (False, True))
-        timings["parity_s"] = time.time() - t2
-        tolerance = config.export.parity_tolerance
-        print(f"parity: max |dynamic - paddle.inference| = {error:.3e} over shapes {PARITY_SHAPES} and "
-              f"ir_optim off/on (tolerance {tolerance:.0e})", flush=True)
-        if not error <= tolerance:
-            raise ExportError(f"parity check failed: max logit difference {error:.3e} > export.parity_tolerance "
-                              f"{tolerance:.0e}; nothing was published")
-        write_serving_conf(staging, vocab)
-        shutil.copytree(chosen.run_dir / "tokenizer", staging / "tokenizer")
         version = next_version(client, name)
-        meta = {
-            "registered_model_name": name, "version": version, "source_run_id": chosen.run_id,
-            "source_run_name": chosen.run_name, "run_dir": str(chosen.run_dir), "checkpoint": str(chosen.checkpoint),
-            "checkpoint_step": chosen.step, "metric": chosen.metric, "metric_value": chosen.metric_value,
-            "config_hash": config.digest(), "paddle_version": paddle.__version__, "parity_max_abs_error": error,
-            "parity_tolerance": tolerance, "parity_shapes": [list(s) for s in PARITY_SHAPES],
-            "vocab_size": vocab, "seq_length": config.training.seq_length,
-            "max_position_embeddings": config.model.max_position_embeddings,
-            "eos_token_id": model.config.eos_token_id, "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "weights_sha256": hashlib.sha256((staging / f"{MODEL_PREFIX}.pdiparams").read_bytes()).hexdigest(),
-            "timings_s": timings,
-        }
-        (staging / "export.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False))
-        target = root / str(version)
-        if target.exists():
-            raise ExportError(f"{target} exists but the registry's next version of {name!r} is {version}; move it "
-                              f"away (it belongs to another tracking store) and export again")
-        staging.rename(target)  # atomic publish on one file system
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+    except Exception as exc:  # noqa: BLE001  (tracking server unreachable)
+        raise ExportError(f"the model registry is unreachable ({exc.__class__.__name__}); nothing was published") \
+            from None
+    target = root / str(version)
+    if target.exists():
+        raise ExportError(f"{target} exists but the registry's next version of {name!r} is {version}; move it "
+                          f"away (it belongs to another tracking store) and export again")
+    artifact_path = f"{tracking.EXPORT_ARTIFACTS}/{name}/v{version}"
+    meta = {
+        "registered_model_name": name, "version": version, "source_run_id": chosen.run_id,
+        "source_run_name": chosen.run_name, "run_dir": str(Path(chosen.info["path"]).parent.parent),
+        "checkpoint": chosen.info["path"], "checkpoint_step": chosen.step,
+        "checkpoint_uri": f"runs:/{chosen.run_id}/{chosen.info['artifact']}" if chosen.info.get("artifact") else "",
+        "artifact_uri": f"runs:/{chosen.run_id}/{artifact_path}", "metric": chosen.metric,
+        "metric_value": chosen.metric_value, "config_hash": config.digest(), "paddle_version": paddle.__version__,
+        "parity_max_abs_error": error, "parity_tolerance": tolerance, "parity_shapes": [list(s) for s in PARITY_SHAPES],
+        "vocab_size": vocab, "seq_length": config.training.seq_length,
+        "max_position_embeddings": config.model.max_position_embeddings,
+        "eos_token_id": model.config.eos_token_id, "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "weights_sha256": hashlib.sha256((staging / f"{MODEL_PREFIX}.pdiparams").read_bytes()).hexdigest(),
+        "timings_s": timings,
+    }
+    (staging / "export.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False))
+
+    # Publish: run artifacts -> registered version -> export directory; undo the earlier steps if a later one fails.
+    version_made = None
+    try:
+        client.log_artifacts(chosen.run_id, str(staging), artifact_path)
+        version_made = register(client, name, chosen.run_id, artifact_path, description=(
+            f"checkpoint-{chosen.step} of run {chosen.run_name}"), tags={
+            "parity_max_abs_error": f"{error:.3e}", "checkpoint_step": str(chosen.step), "export_dir": str(target),
+            "artifact_path": artifact_path, chosen.metric: f"{chosen.metric_value:.6f}"})
+        if int(version_made.version) != version:  # another export registered concurrently: follow the registry
+            version, target = int(version_made.version), root / version_made.version
+            meta["version"] = version
+            (staging / "export.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False))
+            client.log_artifact(chosen.run_id, str(staging / "export.json"), artifact_path)
+            client.set_model_version_tag(name, version_made.version, "export_dir", str(target))
+        root.mkdir(parents=True, exist_ok=True)
+        staging.rename(target)  # atomic on one file system; fails if the directory appeared meanwhile
+    except BaseException as exc:
+        if version_made is not None:
+            _quietly(lambda: client.delete_model_version(name, version_made.version))
+        _delete_artifacts(client, chosen.run_id, artifact_path)
+        if isinstance(exc, Exception) and not isinstance(exc, ExportError):
+            raise ExportError(f"publishing failed ({exc.__class__.__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
+                              f"nothing was published: no export directory, no registered version") from None
         raise
-    mv = client.create_model_version(name, source=str(target), run_id=chosen.run_id,
-                                     tags={"parity_max_abs_error": f"{error:.3e}", "checkpoint_step": str(chosen.step),
-                                           "export_dir": str(target), chosen.metric: f"{chosen.metric_value:.6f}"},
-                                     description=f"checkpoint-{chosen.step} of run {chosen.run_name}")
-    if int(mv.version) != version:  # another export registered concurrently: keep directory and version in step
-        fixed = root / str(mv.version)
-        target.rename(fixed)
-        target, meta["version"] = fixed, int(mv.version)
-        (target / "export.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False))
-    client.log_dict(chosen.run_id, meta, f"exports/{name}-v{meta['version']}.json")
-    client.set_tag(chosen.run_id, "exported_versions",
-                   ",".join(filter(None, [client.get_run(chosen.run_id).data.tags.get("exported_versions"),
-                                          str(meta["version"])])))
-    print(f"registered model {name!r} version {meta['version']}: {target}", flush=True)
+    _quietly(lambda: client.set_tag(chosen.run_id, "exported_versions", ",".join(filter(None, [
+        client.get_run(chosen.run_id).data.tags.get("exported_versions"), str(version)]))))
+    print(f"registered model {name!r} version {version}: {target} (source runs:/{chosen.run_id}/{artifact_path})",
+          flush=True)
     return meta
-
-
-def latest_export(config: Config) -> Path:
-    """The export directory of the newest registered version of the config's model."""
-    client = tracking.client(tracking.tracking_uri(config))
-    name = config.export.registered_model_name
-    versions = client.search_model_versions(f"name='{name}'")
-    if not versions:
-        raise ExportError(f"no registered version of {name!r}; run `make export` first or pass MODEL=<export dir>")
-    newest = max(versions, key=lambda v: int(v.version))
-    path = Path(newest.tags.get("export_dir") or newest.source)
-    if not (path / "export.json").is_file():
-        raise ExportError(f"{name!r} version {newest.version} points at {path}, which is not an export directory")
-    return path
