@@ -33,7 +33,7 @@ train: $(STAMP)
 	$(PY) -m pipeline train --config $(CONFIG) $(if $(RESUME),--resume $(RESUME)) $(if $(DRY_RUN),--dry-run) $(ARGS)
 
 export: $(STAMP)
-	$(PY) -m pipeline export --config $(CONFIG) $(if $(RUN_ID),--run-id $(RUN_ID)) $(if $(METRIC),--metric $(METRIC)) $(if $(EXPERIMENT),--experiment $(EXPERIMENT))
+	$(PY) -m pipeline export --config $(CONFIG) $(if $(RUN_ID),--run-id $(RUN_ID)) $(if $(METRIC),--metric $(METRIC)) $(if $(EXPERIMENT),--experiment $(EXPERIMENT)) $(ARGS)
 
 serve: $(STAMP)
 	$(PY) -m pipeline serve --config $(CONFIG) $(if $(MODEL),--model $(MODEL)) $(ARGS)

@@ -24,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--experiment", default="", help="MLflow experiment to pick the best run from")
     export.add_argument("--metric", default="", help="eval metric to minimise (default export.metric)")
     export.add_argument("--run-id", default="", help="export this run instead of the best one")
+    export.add_argument("overrides", nargs="*", help="section.key=value on top of the source run's config, "
+                                                     "e.g. export.exports_dir=/data/exports")
 
     serve = sub.add_parser("serve", help="start the Paddle Serving endpoint in the background")
     serve.add_argument("--config", default=None, help="config with the serving section (default tiny.yaml)")
@@ -61,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.stage == "export":
             from training import export as export_stage
 
-            export_stage.run(args.experiment, args.metric, args.run_id, args.config)
+            export_stage.run(args.experiment, args.metric, args.run_id, args.config, args.overrides)
         if args.stage == "compare":
             from pipeline import compare as compare_stage
             from pipeline.config import load_config

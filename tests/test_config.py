@@ -42,6 +42,23 @@ def test_malformed_yaml_says_where(tmp_path):
         load_config(write(tmp_path, "training:\n  max_steps: [1\n"))
 
 
+def test_non_utf8_config_says_where(tmp_path):
+    path = tmp_path / "gbk.yaml"
+    path.write_bytes("training:\n  max_steps: 3\n".encode() + "# 训练\n".encode("gbk"))
+    with pytest.raises(ConfigError, match=r"gbk.yaml: not UTF-8 text \(byte 0xc1 at line 3\)"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("tracking.checkpoint_artifacts=some", "tracking.checkpoint_artifacts: 'some' is not allowed"),
+    ("training.stop_grace_s=0", "training.stop_grace_s: must be > 0"),
+    ("tracking.stale_after_s=30", "tracking.stale_after_s: must be at least 2 x tracking.heartbeat_s"),
+])
+def test_stop_and_tracking_settings_are_checked(override, message):
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        load_config(None, [override])
+
+
 def test_missing_config_file():
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("configs/nope.yaml")

@@ -88,3 +88,18 @@ def test_prepare_refuses_a_corpus_too_small_for_one_batch(tmp_path):
                                 "training.global_batch_size=64", "parallel.micro_batch_size=64"])
     with pytest.raises(ConfigError, match="fewer than training.global_batch_size=64"):
         data.prepare(config, tmp_path / "d", tmp_path / "t")
+
+
+def test_binary_or_non_utf8_corpus_is_a_one_line_error(tmp_path):
+    binary = tmp_path / "weights.txt"
+    binary.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(ConfigError, match=r"weights.txt:1: contains NUL bytes \(a binary file\?\)"):
+        data.read_documents(config_for(tmp_path, [binary]).data)
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("第一行\n".encode("utf-8") + "caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin1.txt:2: not UTF-8 text \(byte 0xe9\)"):
+        data.read_documents(config_for(tmp_path, [latin1]).data)
+    high = tmp_path / "high.jsonl"
+    high.write_bytes(b'{"text": "a"}\n' + bytes(range(128, 256)))
+    with pytest.raises(ConfigError, match=r"high.jsonl:2: not UTF-8 text \(byte 0x80\)"):
+        data.read_documents(config_for(tmp_path, [high]).data)

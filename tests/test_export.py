@@ -27,7 +27,12 @@ def test_export_of_the_best_run(exported):
     version = client.get_model_version("test-model", "1")
     assert version.run_id == meta["source_run_id"] and version.tags["export_dir"] == str(export_dir)
     assert float(version.tags["parity_max_abs_error"]) == pytest.approx(meta["parity_max_abs_error"], rel=1e-2)
-    assert [a.path for a in client.list_artifacts(meta["source_run_id"], "exports")] == ["exports/test-model-v1.json"]
+    # the registered version's source is the run's copy of the export directory (works with any tracking server)
+    assert version.source == f"runs:/{meta['source_run_id']}/exports/test-model/v1" == meta["artifact_uri"]
+    logged = {a.path for a in client.list_artifacts(meta["source_run_id"], "exports/test-model/v1")}
+    assert {f"exports/test-model/v1/{name}" for name in ("model.pdmodel", "model.pdiparams", "model.pdiparams.info",
+                                                          "export.json",
+                                                          "serving_server_conf.prototxt", "tokenizer")} == logged
     assert not list(export_dir.parent.glob(".staging-*"))
 
 

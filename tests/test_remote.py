@@ -45,7 +45,7 @@ def test_train_here_export_there_serve_a_registered_version(remote):
     # machine B: the run directory is not there; only the tracking server is shared
     shutil.rmtree(train_dir)
     export_root = root / "machine-b"
-    proc = cli(["export", "--run-id", run_id, "--config", str(_config_with(remote, export_root, "b.yaml"))], url)
+    proc = cli(["export", "--run-id", run_id, f"export.exports_dir={export_root / 'exports'}"], url)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "downloading checkpoints/checkpoint-6" in proc.stdout
     version = client.get_model_version("remote-model", "1")
@@ -55,10 +55,9 @@ def test_train_here_export_there_serve_a_registered_version(remote):
     assert list((remote["artifacts"]).rglob("model.pdiparams")), "artifacts are stored by the server"
     # machine C: serve the registered version from a clean directory (downloads it)
     shutil.rmtree(export_root)
-    serve_config = _config_with(remote, root / "machine-c", "c.yaml")
     overrides = [f"serving.http_port={free_port()}", f"serving.rpc_port={free_port()}",
-                 f"training.runs_dir={root / 'machine-c' / 'runs'}"]
-    proc = cli(["serve", "--config", str(serve_config), "--model", "models:/remote-model/1", *overrides], url)
+                 f"training.runs_dir={root / 'machine-c' / 'runs'}", f"export.exports_dir={root / 'machine-c' / 'exports'}"]
+    proc = cli(["serve", "--model", "models:/remote-model/1", *overrides], url)
     try:
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         assert "downloading 'remote-model' version 1" in proc.stdout
@@ -71,17 +70,9 @@ def test_train_here_export_there_serve_a_registered_version(remote):
         assert answer["err_no"] == 0 and fields["model_name"] == "remote-model" and fields["model_version"] == "1"
         assert fields["source_run_id"] == run_id and len(json.loads(fields["token_ids"])) >= 1
     finally:
-        stopped = cli(["stop", "--config", str(serve_config), *overrides], url)
+        stopped = cli(["stop", *overrides], url)
         assert stopped.returncode == 0
     remote["run_id"] = run_id
-
-
-def _config_with(remote, machine_root, name: str):
-    """The test config with this "machine's" export directory."""
-    path = remote["root"] / name
-    path.write_text(remote["config"].read_text() + f"export: {{exports_dir: {machine_root / 'exports'}, "
-                                                   f"registered_model_name: remote-model}}\n")
-    return path
 
 
 def test_registration_failure_publishes_nothing(remote):
@@ -93,7 +84,7 @@ def test_registration_failure_publishes_nothing(remote):
     client = tracking.client(remote["url"])
     before = len(client.search_model_versions("name='remote-model'"))
     export_root = remote["root"] / "machine-d"
-    config = _config_with(remote, export_root, "d.yaml")
+    override = f"export.exports_dir={export_root / 'exports'}"
     code = (
         "import sys, pipeline\n"
         "from pipeline import mlflow_server\n"
@@ -105,7 +96,7 @@ def test_registration_failure_publishes_nothing(remote):
         "    return real(*a, **k)\n"
         "export.register = stop_then_register\n"
         "try:\n"
-        "    export.run(run_id=sys.argv[1], config_path=sys.argv[3])\n"
+        "    export.run(run_id=sys.argv[1], overrides=[sys.argv[3]])\n"
         "except export.ExportError as exc:\n"
         "    print('error:', exc); sys.exit(2)\n")
     import subprocess
@@ -115,7 +106,7 @@ def test_registration_failure_publishes_nothing(remote):
     from pipeline import REPO_ROOT
 
     env = {**env_for(remote["url"]), "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
-    proc = subprocess.run([sys.executable, "-c", code, run_id, str(remote["state_dir"]), str(config)],
+    proc = subprocess.run([sys.executable, "-c", code, run_id, str(remote["state_dir"]), override],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "nothing was published" in proc.stdout
@@ -123,6 +114,6 @@ def test_registration_failure_publishes_nothing(remote):
         not any(p.name.isdigit() for p in (export_root / "exports" / "remote-model").iterdir())
     mlflow_server.start("127.0.0.1", remote["port"], remote["store"], remote["artifacts"], remote["state_dir"])
     assert len(client.search_model_versions("name='remote-model'")) == before
-    retry = cli(["export", "--run-id", run_id, "--config", str(config)], remote["url"])
+    retry = cli(["export", "--run-id", run_id, override], remote["url"])
     assert retry.returncode == 0, retry.stderr[-3000:]
     assert len(client.search_model_versions("name='remote-model'")) == before + 1

@@ -283,30 +283,35 @@ def _delete_artifacts(client, run_id: str, path: str) -> None:
     _quietly(lambda: get_artifact_repository(client.get_run(run_id).info.artifact_uri).delete_artifacts(path))
 
 
-def run(experiment: str = "", metric: str = "", run_id: str = "", config_path: str | None = None) -> dict:
+def run(experiment: str = "", metric: str = "", run_id: str = "", config_path: str | None = None,
+        overrides: list[str] | tuple[str, ...] = ()) -> dict:
     """Select, convert, check and publish. Publishing is all-or-nothing: the export directory, the run artifacts
-    and the registered version appear together, or none of them does."""
+    and the registered version appear together, or none of them does.
+
+    The export settings are the source run's config with `overrides` on top (e.g. `export.exports_dir=...` on the
+    machine that exports); `config_path` only names the experiment, metric and tracking URI to select from."""
     base = load_config(config_path) if config_path else load_config(REPO_ROOT / "configs" / "tiny.yaml")
     uri = tracking.tracking_uri(base)
     tracking.check_reachable(uri)
     client = tracking.client(uri)
     chosen = select(client, experiment or base.tracking.experiment, metric or base.export.metric, run_id)
-    root = REPO_ROOT / base.export.exports_dir
-    root.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=".staging-", dir=root))
-    try:
-        return _export(client, chosen, base, scratch)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="export-inputs-") as inputs:
+        checkpoint, config_file, tokenizer_dir = fetch_inputs(client, chosen, Path(inputs))
+        config = load_config(config_file, overrides)
+        root = REPO_ROOT / config.export.exports_dir / config.export.registered_model_name
+        root.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=root))
+        try:
+            return _export(client, chosen, config, checkpoint, tokenizer_dir, staging)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
-def _export(client, chosen: Selection, base: Config, scratch: Path) -> dict:
+def _export(client, chosen: Selection, config: Config, checkpoint: Path, tokenizer_dir: Path, staging: Path) -> dict:
     import paddle
 
     timings = {}
     t0 = time.time()
-    checkpoint, config_file, tokenizer_dir = fetch_inputs(client, chosen, scratch / "inputs")
-    config: Config = load_config(config_file)
     print(f"run {chosen.run_id} ({chosen.run_name}); checkpoint step {chosen.step} ({chosen.metric} "
           f"{chosen.metric_value:.5f}): {checkpoint}", flush=True)
     paddle.set_device("cpu")
@@ -315,9 +320,7 @@ def _export(client, chosen: Selection, base: Config, scratch: Path) -> dict:
     timings["load_s"] = time.time() - t0
 
     name = config.export.registered_model_name
-    root = REPO_ROOT / base.export.exports_dir / name
-    staging = scratch / "export"
-    staging.mkdir()
+    root = staging.parent
     t1 = time.time()
     save_static(model, staging / MODEL_PREFIX)
     timings["convert_s"] = time.time() - t1

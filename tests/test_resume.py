@@ -1,0 +1,177 @@
+"""Graceful stop and resume, with real signals: SIGTERM to `make train`, resume on another layout (optimizer state
+included), a resume that fails, a launcher killed with SIGKILL.
+
+Every run here starts from the same saved weights and sees the same batches, so any layout's losses can be compared
+with one uninterrupted single-process reference (layouts agree to ~1e-7; asserted 1e-4 relative)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import LAYOUTS, TINY_CONFIG, env_for, make_init_weights, metric_history
+from pipeline import REPO_ROOT, tracking
+from pipeline.processes import descendants
+
+pytestmark = pytest.mark.slow
+RTOL = 1e-4
+STEPS = 30  # long enough that a signal sent after the first checkpoint always lands mid-run
+GRACE_S = 20
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume")
+    config = root / "tiny.yaml"
+    config.write_text(TINY_CONFIG)
+    weights = make_init_weights(config, root / "runs", root / "init")
+    world = {"root": root, "config": config, "runs": root / "runs", "uri": f"sqlite:///{root / 'mlflow.db'}",
+             "common": [f"training.runs_dir={root / 'runs'}", f"model.init_from={weights}",
+                        f"training.max_steps={STEPS}", f"training.stop_grace_s={GRACE_S}"]}
+    proc = _train(world, "reference")
+    assert proc.wait(timeout=300) == 0
+    world["reference"] = metric_history(tracking.client(world["uri"]), _run_id(world, "reference"), "loss")
+    assert sorted(world["reference"]) == list(range(1, STEPS + 1))
+    return world
+
+
+def _train(world, name, *extra, make=False):
+    """Start a training run in the background (through `make train` when asked, as a user would)."""
+    if make:
+        args = " ".join([*world["common"], f"training.run_name={name}", *extra])
+        cmd = ["make", "-s", "train", f"CONFIG={world['config']}", f"ARGS={args}"]
+    else:
+        cmd = [sys.executable, "-m", "pipeline", "train", "--config", str(world["config"]), *world["common"],
+               f"training.run_name={name}", *extra]
+    return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env_for(world["uri"]), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _resume(world, name, *overrides):
+    return subprocess.run([sys.executable, "-m", "pipeline", "train", "--resume", str(world["runs"] / name),
+                           *overrides], cwd=REPO_ROOT, env=env_for(world["uri"]), capture_output=True, text=True,
+                          timeout=300)
+
+
+def _run_id(world, name):
+    return json.loads((world["runs"] / name / "mlflow_run.json").read_text())["run_id"]
+
+
+def _wait_for_checkpoint(world, name, proc, step=3):
+    marker = world["runs"] / name / "checkpoints" / f"checkpoint-{step}" / "checkpoint_complete.json"
+    deadline = time.time() + 240
+    while not marker.exists():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
+        time.sleep(0.05)
+
+
+def _workers_of(run_dir: Path) -> list[int]:
+    found = subprocess.run(["pgrep", "-f", "training"], capture_output=True, text=True).stdout.split()
+    return [int(p) for p in found if str(run_dir) in Path(f"/proc/{p}/cmdline").read_text(errors="replace")
+            .replace("\0", " ")] if found else []
+
+
+def _stop_with(world, name, proc, sig=signal.SIGTERM, target=None):
+    """Signal the run after its first checkpoint; returns (seconds to exit, output, stop step)."""
+    _wait_for_checkpoint(world, name, proc)
+    sent = time.time()
+    os.kill(target or proc.pid, sig)
+    output, _ = proc.communicate(timeout=GRACE_S + 60)
+    elapsed = time.time() - sent
+    latest = (world["runs"] / name / "checkpoints" / "latest").read_text().strip()
+    return elapsed, output, int(latest.split("-")[1])
+
+
+def _assert_losses_continue(world, name, stop_step):
+    got = metric_history(tracking.client(world["uri"]), _run_id(world, name), "loss")
+    after = list(range(stop_step + 1, STEPS + 1))
+    assert sorted(got) == list(range(1, STEPS + 1))
+    bad = {s: (got[s], world["reference"][s]) for s in after
+           if got[s] != pytest.approx(world["reference"][s], rel=RTOL)}
+    assert not bad, bad
+
+
+def test_sigterm_to_make_train_saves_and_resumes_on_dp2(world):
+    proc = _train(world, "stopped", make=True)
+    elapsed, output, stop_step = _stop_with(world, "stopped", proc)
+    run_dir = world["runs"] / "stopped"
+    assert proc.returncode != 0 and elapsed < GRACE_S, (elapsed, output[-3000:])
+    assert "SIGTERM: the ranks save a checkpoint after the current step and stop" in output
+    assert 3 <= stop_step < STEPS, output[-2000:]
+    logged = [int(line.split("global_step: ")[1].split(",")[0]) for line in output.splitlines()
+              if "loss: " in line and "global_step: " in line]
+    assert max(logged) == stop_step, "the checkpoint is at the step where training stopped"
+    assert not _workers_of(run_dir), "a rank outlived `make train`"
+    client = tracking.client(world["uri"])
+    run_id = _run_id(world, "stopped")
+    assert client.get_run(run_id).info.status == "KILLED"
+    refs = {a.path for a in client.list_artifacts(run_id, "checkpoints")}
+    assert f"checkpoints/checkpoint-{stop_step}.json" in refs
+
+    # a resume that fails (the checkpoint does not fit the model) changes nothing
+    before = (run_dir / "config.yaml").read_text()
+    failed = _resume(world, "stopped", "model.intermediate_size=96")
+    assert failed.returncode != 0
+    assert (run_dir / "config.yaml").read_text() == before and not (run_dir / "config.next.yaml").exists()
+    assert client.get_run(run_id).info.status == "KILLED"
+
+    # resume on two processes (data parallel): optimizer state and losses continue exactly
+    resumed = _resume(world, "stopped", *LAYOUTS["dp2"])
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    assert "layout single -> dp2" in resumed.stdout
+    assert client.get_run(run_id).info.status == "FINISHED"
+    from pipeline.config import load_config
+
+    assert load_config(run_dir / "config.yaml").parallel.data == 2  # the new layout is the run's config now
+    assert client.get_run(run_id).data.tags["pipeline.layout"] == "dp2"
+    _assert_losses_continue(world, "stopped", stop_step)
+
+
+def test_tp2pp2_checkpoint_resumes_on_one_process(world):
+    proc = _train(world, "tp2pp2", *LAYOUTS["tp2pp2"])
+    elapsed, output, stop_step = _stop_with(world, "tp2pp2", proc)
+    assert elapsed < GRACE_S and stop_step < STEPS, output[-3000:]
+    assert not _workers_of(world["runs"] / "tp2pp2")
+    # the stop step's checkpoint holds the state of all four ranks (two tensor shards x two stages)
+    checkpoint = world["runs"] / "tp2pp2" / "checkpoints" / f"checkpoint-{stop_step}"
+    assert len(list(checkpoint.glob("optimizer-*.safetensors"))) > 1
+    resumed = _resume(world, "tp2pp2", "parallel.tensor=1", "parallel.pipeline=1", "parallel.micro_batch_size=8",
+                      "parallel.accumulation_steps=1")
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    _assert_losses_continue(world, "tp2pp2", stop_step)
+
+
+def test_sigkill_of_the_launcher_leaves_no_orphan_the_run_is_reaped_and_resumes_exactly(world):
+    proc = _train(world, "orphan")
+    _wait_for_checkpoint(world, "orphan", proc)
+    workers = descendants(proc.pid)
+    assert workers
+    os.kill(proc.pid, signal.SIGKILL)  # like a lost node or an OOM kill of the launcher
+    proc.communicate(timeout=60)
+    deadline = time.time() + 60
+    while any(Path(f"/proc/{p}").exists() for p in workers) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not _workers_of(world["runs"] / "orphan"), "the worker kept training without its launcher"
+    client = tracking.client(world["uri"])
+    run_id = _run_id(world, "orphan")
+    assert client.get_run(run_id).info.status == "RUNNING"  # nobody could close it ...
+    listed = subprocess.run([sys.executable, "-m", "pipeline", "runs", "--config", str(world["config"]), "--reap"],
+                            cwd=REPO_ROOT, env=env_for(world["uri"]), capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    assert "dead" in listed.stdout and "orphan" in listed.stdout
+    run = client.get_run(run_id)  # ... until the reaper marked it
+    assert run.info.status == "FAILED" and run.data.tags["pipeline.reaped"].startswith("dead: launcher process")
+
+    # the worker saw its launcher die (SIGTERM from the kernel), saved a checkpoint and stopped; the same layout
+    # resumes from it bit for bit
+    stop_step = int((world["runs"] / "orphan" / "checkpoints" / "latest").read_text().split("-")[1])
+    assert stop_step < STEPS
+    resumed = _resume(world, "orphan")
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    assert client.get_run(run_id).info.status == "FINISHED"
+    got = metric_history(client, run_id, "loss")
+    assert all(got[s] == pytest.approx(world["reference"][s], rel=1e-6, abs=1e-6) for s in range(stop_step + 1, STEPS + 1))

@@ -1,0 +1,126 @@
+"""Unit tests of the seams' logic: buffered MLflow records, checkpoint upload choice, run liveness, registry URIs,
+repeated request keys. (Fast: no training, no server.)"""
+import time
+
+import pytest
+
+from pipeline import runs, tracking
+from pipeline.config import ConfigError
+from pipeline.models import parse_models_uri
+
+
+class RecordingClient:
+    """Records what would reach MLflow; fails the first `fail_calls` calls like an unreachable server."""
+
+    def __init__(self, fail_calls=0):
+        self.calls, self.fail_calls = [], fail_calls
+
+    def _call(self, *entry):
+        if self.fail_calls:
+            self.fail_calls -= 1
+            raise ConnectionError("server down")
+        self.calls.append(entry)
+
+    def log_batch(self, run_id, metrics=()):
+        self._call("metrics", [(m.key, m.step) for m in metrics])
+
+    def log_artifacts(self, run_id, local_dir, artifact_path):
+        self._call("upload", artifact_path)
+
+    def log_dict(self, run_id, info, path):
+        self._call("record", path, info.get("artifact"))
+
+
+def test_records_are_sent_in_order_and_kept_on_failure():
+    pending = [tracking.metric_record("loss", 1.0, 1, 0), tracking.metric_record("loss", 0.9, 2, 0),
+               tracking.checkpoint_record({"step": 2, "path": "/x/checkpoint-2"}, upload=True),
+               tracking.metric_record("loss", 0.8, 3, 0),
+               tracking.checkpoint_record({"step": 3, "path": "/x/checkpoint-3"}, upload=False)]
+    client = RecordingClient(fail_calls=1)
+    with pytest.raises(ConnectionError):
+        tracking.send_records(client, "r", pending)
+    assert len(pending) == 5 and client.calls == []  # nothing lost while the server is down
+    tracking.send_records(client, "r", pending)
+    assert pending == []
+    assert client.calls == [
+        ("metrics", [("loss", 1), ("loss", 2)]),
+        ("upload", "checkpoints/checkpoint-2"),  # files first, then the record that points at them
+        ("record", "checkpoints/checkpoint-2.json", "checkpoints/checkpoint-2"),
+        ("metrics", [("loss", 3)]),
+        ("record", "checkpoints/checkpoint-3.json", None),
+    ]
+
+
+def test_a_failure_mid_way_keeps_only_the_unsent_tail():
+    pending = [tracking.metric_record("loss", 1.0, 1, 0),
+               tracking.checkpoint_record({"step": 1, "path": "/x/checkpoint-1"}, upload=True)]
+    client = RecordingClient()
+    client.log_artifacts = lambda *a: (_ for _ in ()).throw(ConnectionError("gone during the upload"))
+    with pytest.raises(ConnectionError):
+        tracking.send_records(client, "r", pending)
+    assert [r["kind"] for r in pending] == ["checkpoint"] and client.calls == [("metrics", [("loss", 1)])]
+
+
+def test_unsent_records_survive_in_the_run_directory(tmp_path):
+    pending = [tracking.metric_record("eval_loss", 2.5, 6, 1),
+               tracking.checkpoint_record({"step": 6, "path": "/x/checkpoint-6", "eval_loss": 2.5}, upload=False)]
+    tracking.save_unsent(tmp_path, pending)
+    with pytest.raises(ConnectionError):
+        tracking.send_unsent(RecordingClient(fail_calls=1), "r", tmp_path)
+    assert (tmp_path / tracking.UNSENT_RECORDS).exists()  # still there for the next try
+    client = RecordingClient()
+    assert tracking.send_unsent(client, "r", tmp_path) == 2
+    assert not (tmp_path / tracking.UNSENT_RECORDS).exists()
+    assert client.calls == [("metrics", [("eval_loss", 6)]), ("record", "checkpoints/checkpoint-6.json", None)]
+
+
+def test_checkpoint_upload_choice():
+    from training.callbacks import should_upload
+
+    earlier = [{"step": 3, "eval_loss": 5.0}, {"step": 6, "eval_loss": 4.0}, {"step": 7}]
+    assert should_upload("best", "eval_loss", {"step": 9, "eval_loss": 3.9}, earlier)
+    assert not should_upload("best", "eval_loss", {"step": 9, "eval_loss": 4.0}, earlier)  # ties are not better
+    assert not should_upload("best", "eval_loss", {"step": 8}, earlier)  # a stop checkpoint has no eval metric
+    assert should_upload("best", "eval_loss", {"step": 3, "eval_loss": 9.0}, [])  # the first rated one
+    assert should_upload("all", "eval_loss", {"step": 8}, earlier)
+    assert not should_upload("none", "eval_loss", {"step": 9, "eval_loss": 0.1}, earlier)
+
+
+def test_run_liveness():
+    me = runs.launcher_id()
+    host = me.split(":")[0]
+    now = float(int(time.time()))
+    beat = {tracking.TAG_HEARTBEAT: str(int(now - 10))}
+    assert runs.liveness({tracking.TAG_LAUNCHER: me, **beat}, now, 300)[0] == "alive"
+    # this pid, but another start time: the pid was reused, the launcher is gone
+    pid = me.split(":")[1]
+    assert runs.liveness({tracking.TAG_LAUNCHER: f"{host}:{pid}:1", **beat}, now, 300)[0] == "dead"
+    assert runs.liveness({tracking.TAG_LAUNCHER: f"{host}:999999999:5", **beat}, now, 300)[0] == "dead"
+    # another host: only the heartbeat can tell
+    other = {tracking.TAG_LAUNCHER: "elsewhere:1:1"}
+    assert runs.liveness({**other, tracking.TAG_HEARTBEAT: str(int(now - 10))}, now, 300)[0] == "alive"
+    state, why = runs.liveness({**other, tracking.TAG_HEARTBEAT: str(int(now - 400))}, now, 300)
+    assert state == "stale" and "400s" in why
+
+
+@pytest.mark.parametrize("uri, expected", [
+    ("models:/tiny-zh-llama/3", ("tiny-zh-llama", "3", None)),
+    ("models:/tiny-zh-llama/latest", ("tiny-zh-llama", "latest", None)),
+    ("models:/tiny-zh-llama@champion", ("tiny-zh-llama", None, "champion")),
+])
+def test_models_uris(uri, expected):
+    assert parse_models_uri(uri) == expected
+
+
+@pytest.mark.parametrize("uri", ["models:/", "models:/name", "models:/name/v3", "models:/a/b/c", "models:/x@"])
+def test_bad_models_uris(uri):
+    with pytest.raises(ConfigError, match="expected models:/<name>/<version>"):
+        parse_models_uri(uri)
+
+
+def test_repeated_request_keys_are_refused():
+    from serving.service import RequestError, check_unique_keys
+
+    check_unique_keys(["prompt", "max_new_tokens"])
+    with pytest.raises(RequestError, match=r"sent more than once: prompt$"):
+        check_unique_keys(["prompt", "seed", "prompt", "prompt"])
