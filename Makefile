@@ -18,7 +18,7 @@ MODEL ?=
 FILTER ?=
 REAP ?=
 
-.PHONY: setup train export serve stop smoke all compare bench test runs mlflow-ui mlflow-server mlflow-stop clean
+.PHONY: setup train export serve stop smoke all compare bench test test-fast runs mlflow-ui mlflow-server mlflow-stop clean
 setup: $(STAMP)
 
 # One environment from exact pins (requirements/lock.txt, verified to install and import together) plus the Paddle
@@ -69,6 +69,10 @@ mlflow-stop: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest tests
+
+# The unit layer only (no training, no servers): under a minute.
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow" tests
 
 mlflow-ui: $(STAMP)
 	$(PY) -m mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow/mlflow.db --host 127.0.0.1 --port $${MLFLOW_PORT:-5000}

@@ -72,7 +72,7 @@ def worker_env(config: Config, layout: ParallelLayout, uri: str, run_id: str | N
         env["PIPELINE_MLFLOW_RUN_ID"] = run_id
     # A tracking-server outage must not stall training in MLflow's own retry loop (7 retries with backoff by
     # default): fail fast, and the logger buffers and re-sends (training/callbacks.py).
-    env.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    env["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
     env.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
     if layout.device == "cpu":
         # 1F1B on gloo deadlocks unless sends are synchronous (read by fleet at import time).
@@ -247,7 +247,6 @@ def run(config_path: str | None, overrides: list[str], resume: str = "", dry_run
     else:
         # The new config (maybe another layout) goes live only once the resumed run has completed a step.
         pending = run_dir / PENDING_CONFIG
-        pending.write_text(config.to_yaml(), encoding="utf-8")
         changed = f"; layout {ParallelLayout.from_config(previous).name} -> {layout.name}" \
             if ParallelLayout.from_config(previous).name != layout.name else ""
         print(f"resuming {run_dir} from {resume_from or 'the start (no complete checkpoint yet)'}{changed}",
@@ -257,13 +256,16 @@ def run(config_path: str | None, overrides: list[str], resume: str = "", dry_run
     stopper.install()  # here: data preparation imported paddlenlp, which resets SIGTERM
     run_id, previous_status = (_open_run(mlflow_client, config, layout, run_dir, uri) if is_node0 else (None, None))
     heartbeat = Heartbeat(mlflow_client, run_id, config.tracking.heartbeat_s) if run_id else None
+    if pending is not None:
+        pending.write_text(config.to_yaml(), encoding="utf-8")
     cmd = launch_command(layout, run_dir, resume_from, pending)
     env = worker_env(config, layout, uri, run_id)
     status, returncode = "FAILED", 1
     try:
         # (The heartbeat thread starts after the fork, so the child's preexec_fn never races a thread.)
-        returncode = _run_launcher(cmd, env, run_dir, layout.world_size == 1, stopper,
-                                   heartbeat.start if heartbeat else lambda: None)
+        if not stopper.signum:  # (a signal while the run was being opened: do not start the ranks at all)
+            returncode = _run_launcher(cmd, env, run_dir, layout.world_size == 1, stopper,
+                                       heartbeat.start if heartbeat else lambda: None)
         status = "KILLED" if stopper.signum else "FINISHED" if returncode == 0 else "FAILED"
     finally:
         if heartbeat:
@@ -303,6 +305,8 @@ def _new_run_dir(config: Config) -> Path:
     run_dir.mkdir(parents=True)
     try:
         (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
+        import paddlenlp  # noqa: F401  (the tokenizer needs it; its import resets SIGTERM to the default action,
+        stop_signal_handler()  # so re-arm: a SIGTERM during data preparation still removes the half-made run)
         from training.data import prepare
 
         t0 = time.time()
@@ -417,5 +421,5 @@ def _report_failure(mlflow_client, run_id: str | None, run_dir: Path) -> None:
 
 
 def stop_signal_handler() -> None:
-    """SIGTERM behaves like Ctrl-C, so the run is closed as KILLED."""
+    """Until the ranks start, SIGTERM behaves like Ctrl-C (KeyboardInterrupt): what was half-made is removed."""
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))

@@ -6,6 +6,7 @@ err_no != 0 and the next good request succeeds; the lineage fields match the MLf
 """
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import serving  # noqa: F401
@@ -17,22 +18,40 @@ PROMPTS = ("人工智能", "这本书", "快递很快，")
 MAX_NEW_TOKENS = 8
 
 
-def in_process_generators(model: ExportedModel):
-    """forward() callables for the exported graph (paddle.inference) and the dynamic model of the checkpoint."""
+def source_checkpoint(meta: dict, registry_client, scratch: Path, log=print) -> Path | None:
+    """The export's source checkpoint: on this machine, else downloaded from the run's artifacts when it was
+    uploaded (tracking.checkpoint_artifacts), else None."""
+    local = Path(meta["checkpoint"])
+    if local.is_dir():
+        return local
+    uri = meta.get("checkpoint_uri", "")
+    if not uri or registry_client is None:
+        return None
+    run_id, path = uri[len("runs:/"):].split("/", 1)
+    log(f"     downloading the source checkpoint {uri}")
+    return Path(registry_client.download_artifacts(run_id, path, str(scratch)))
+
+
+def in_process_generators(model: ExportedModel, checkpoint: Path | None):
+    """forward() callables for the exported graph (paddle.inference) and, when its checkpoint is at hand, the
+    dynamic model it was exported from."""
     import paddle
 
     from training.export import create_predictor, predict
     from training.model import load_merged
 
     predictor = create_predictor(model.dir)
-    dynamic = load_merged(model.meta["checkpoint"])
-    dynamic.eval()
+    forwards = {"paddle.inference": lambda ids: predict(predictor, ids)}
+    if checkpoint is not None:
+        dynamic = load_merged(checkpoint)
+        dynamic.eval()
 
-    def dynamic_forward(ids):
-        with paddle.no_grad():
-            return dynamic(paddle.to_tensor(ids), use_cache=False, return_dict=False)[0].numpy()
+        def dynamic_forward(ids):
+            with paddle.no_grad():
+                return dynamic(paddle.to_tensor(ids), use_cache=False, return_dict=False)[0].numpy()
 
-    return {"paddle.inference": lambda ids: predict(predictor, ids), "dynamic": dynamic_forward}
+        forwards["dynamic"] = dynamic_forward
+    return forwards
 
 
 def run_smoke(state: dict, registry_client=None, log=print) -> list[str]:
@@ -46,7 +65,12 @@ def run_smoke(state: dict, registry_client=None, log=print) -> list[str]:
 
     client = GenerationClient(state["http_url"], state["rpc_address"], timeout=60)
     model = ExportedModel(Path(state["model_dir"]))
-    references = in_process_generators(model)
+    with tempfile.TemporaryDirectory() as scratch:
+        checkpoint = source_checkpoint(model.meta, registry_client, Path(scratch), log)
+        if checkpoint is None:
+            log(f"note: the source checkpoint {model.meta['checkpoint']} is neither on this machine nor in MLflow: "
+                f"served output is compared with the exported graph only")
+        references = in_process_generators(model, checkpoint)
     settings = GenerationSettings(max_new_tokens=MAX_NEW_TOKENS)
     for prompt in PROMPTS:
         http = client.generate(prompt, max_new_tokens=MAX_NEW_TOKENS)

@@ -9,6 +9,7 @@ import requests
 
 from helpers import cli, free_port
 from pipeline import mlflow_server, tracking
+from pipeline.config import ConfigError
 from pipeline.processes import group_alive, port_in_use
 
 pytestmark = pytest.mark.slow
@@ -72,6 +73,15 @@ def test_train_here_export_there_serve_a_registered_version(remote):
     finally:
         stopped = cli(["stop", *overrides], url)
         assert stopped.returncode == 0
+    # an alias resolves to the same version, already on this machine (no second download)
+    from pipeline import models
+    from pipeline.config import load_config
+
+    client.set_registered_model_alias("remote-model", "champion", "1")
+    config = load_config(None, [f"export.exports_dir={root / 'machine-c' / 'exports'}", f"tracking.tracking_uri={url}"])
+    assert models.resolve(config, "models:/remote-model@champion") == served
+    with pytest.raises(ConfigError, match="'remote-model' @nobody is not in the registry"):
+        models.resolve(config, "models:/remote-model@nobody")
     remote["run_id"] = run_id
 
 

@@ -101,6 +101,15 @@ def test_concurrent_requests_all_succeed_and_agree(server):
     assert results == [call(p) for p in prompts]
 
 
+def test_a_key_sent_twice_is_refused(server):
+    body = {"key": ["prompt", "max_new_tokens", "prompt"], "value": ["你好", "2", "再见"]}
+    answer = requests.post(server["state"]["http_url"], data=json.dumps(body), timeout=30).json()
+    assert answer["err_no"] != 0 and "sent more than once: prompt" in answer["err_msg"], answer
+    from serving.client import GenerationClient
+
+    assert GenerationClient(server["state"]["http_url"]).generate("你好", max_new_tokens=1).token_ids
+
+
 def test_malformed_json_is_a_400(server):
     response = requests.post(server["state"]["http_url"], data="{not json", timeout=30)
     assert response.status_code == 400

@@ -391,6 +391,6 @@ def _export(client, chosen: Selection, config: Config, checkpoint: Path, tokeniz
         raise
     _quietly(lambda: client.set_tag(chosen.run_id, "exported_versions", ",".join(filter(None, [
         client.get_run(chosen.run_id).data.tags.get("exported_versions"), str(version)]))))
-    print(f"registered model {name!r} version {version}: {target} (source runs:/{chosen.run_id}/{artifact_path})",
+    print(f"logged to runs:/{chosen.run_id}/{artifact_path}\nregistered model {name!r} version {version}: {target}",
           flush=True)
     return meta
