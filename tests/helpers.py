@@ -66,6 +66,16 @@ def make_init_weights(config_file: Path, runs_dir: Path, out: Path) -> Path:
     return out / "weights"
 
 
+def seeded_world(root: Path) -> dict:
+    """A test config, saved initial weights and an MLflow store under `root`: runs of any layout started from it
+    see the same weights and batches, so their losses are comparable."""
+    config = root / "tiny.yaml"
+    config.write_text(TINY_CONFIG)
+    weights = make_init_weights(config, root / "runs", root / "init")
+    return {"root": root, "config": config, "weights": weights, "runs": root / "runs",
+            "uri": f"sqlite:///{root / 'mlflow.db'}"}
+
+
 def metric_history(client, run_id: str, key: str) -> dict[int, float]:
     """step -> value; on duplicate steps (a resumed run re-logs them) the last value wins."""
     history = sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))

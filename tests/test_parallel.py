@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import LAYOUTS, cli, env_for, make_init_weights, metric_history
+from helpers import LAYOUTS, cli, env_for, metric_history, seeded_world
 from pipeline import REPO_ROOT, tracking
 
 pytestmark = pytest.mark.slow
@@ -22,14 +22,7 @@ RTOL = 1e-4
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    root = tmp_path_factory.mktemp("parallel")
-    config = root / "tiny.yaml"
-    from helpers import TINY_CONFIG
-
-    config.write_text(TINY_CONFIG)
-    weights = make_init_weights(config, root / "runs", root / "init")
-    return {"root": root, "config": config, "weights": weights, "uri": f"sqlite:///{root / 'mlflow.db'}",
-            "losses": {}}
+    return {**seeded_world(tmp_path_factory.mktemp("parallel")), "losses": {}}
 
 
 def train(world, name: str, extra=()):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import LAYOUTS, TINY_CONFIG, env_for, make_init_weights, metric_history
+from helpers import LAYOUTS, env_for, metric_history, seeded_world
 from pipeline import REPO_ROOT, tracking
 from pipeline.processes import descendants
 
@@ -25,13 +25,9 @@ GRACE_S = 20
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    root = tmp_path_factory.mktemp("resume")
-    config = root / "tiny.yaml"
-    config.write_text(TINY_CONFIG)
-    weights = make_init_weights(config, root / "runs", root / "init")
-    world = {"root": root, "config": config, "runs": root / "runs", "uri": f"sqlite:///{root / 'mlflow.db'}",
-             "common": [f"training.runs_dir={root / 'runs'}", f"model.init_from={weights}",
-                        f"training.max_steps={STEPS}", f"training.stop_grace_s={GRACE_S}"]}
+    world = seeded_world(tmp_path_factory.mktemp("resume"))
+    world["common"] = [f"training.runs_dir={world['runs']}", f"model.init_from={world['weights']}",
+                       f"training.max_steps={STEPS}", f"training.stop_grace_s={GRACE_S}"]
     proc = _train(world, "reference")
     assert proc.wait(timeout=300) == 0
     world["reference"] = metric_history(tracking.client(world["uri"]), _run_id(world, "reference"), "loss")
