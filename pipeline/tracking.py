@@ -1,6 +1,7 @@
 """Where MLflow lives and how the pipeline talks to it (through `mlflow.MlflowClient` only)."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -126,8 +127,6 @@ def send_records(mlflow_client, run_id: str, pending: list[dict]) -> None:
 
 
 def save_unsent(run_dir: Path, pending: list[dict]) -> None:
-    import json
-
     with (Path(run_dir) / UNSENT_RECORDS).open("a") as fh:
         for record in pending:
             fh.write(json.dumps(record) + "\n")
@@ -135,8 +134,6 @@ def save_unsent(run_dir: Path, pending: list[dict]) -> None:
 
 def send_unsent(mlflow_client, run_id: str, run_dir: Path) -> int:
     """Re-send what the ranks could not (called by the launcher when it closes the run); returns how many."""
-    import json
-
     path = Path(run_dir) / UNSENT_RECORDS
     if not path.exists():
         return 0

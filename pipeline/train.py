@@ -247,8 +247,8 @@ def run(config_path: str | None, overrides: list[str], resume: str = "", dry_run
     else:
         # The new config (maybe another layout) goes live only once the resumed run has completed a step.
         pending = run_dir / PENDING_CONFIG
-        changed = f"; layout {ParallelLayout.from_config(previous).name} -> {layout.name}" \
-            if ParallelLayout.from_config(previous).name != layout.name else ""
+        old_layout = ParallelLayout.from_config(previous).name
+        changed = f"; layout {old_layout} -> {layout.name}" if old_layout != layout.name else ""
         print(f"resuming {run_dir} from {resume_from or 'the start (no complete checkpoint yet)'}{changed}",
               flush=True)
 
@@ -263,9 +263,18 @@ def run(config_path: str | None, overrides: list[str], resume: str = "", dry_run
     status, returncode = "FAILED", 1
     try:
         # (The heartbeat thread starts after the fork, so the child's preexec_fn never races a thread.)
+        from training.checkpoints import STOPPED_MARKER
+
+        stopped = run_dir / STOPPED_MARKER
+        stopped.unlink(missing_ok=True)
         if not stopper.signum:  # (a signal while the run was being opened: do not start the ranks at all)
             returncode = _run_launcher(cmd, env, run_dir, layout.world_size == 1, stopper,
                                        heartbeat.start if heartbeat else lambda: None)
+        if stopped.exists() and not stopper.signum:
+            print(f"the ranks were signalled directly and stopped early "
+                  f"({json.loads(stopped.read_text())}); the run is KILLED", file=sys.stderr, flush=True)
+        if stopped.exists():
+            stopper.signum = stopper.signum or json.loads(stopped.read_text())["signal"]
         status = "KILLED" if stopper.signum else "FINISHED" if returncode == 0 else "FAILED"
     finally:
         if heartbeat:
@@ -281,7 +290,7 @@ def run(config_path: str | None, overrides: list[str], resume: str = "", dry_run
         if run_id:
             if not started:
                 status = previous_status
-            elif previous is not None and ParallelLayout.from_config(previous).name != layout.name:
+            elif previous is not None and old_layout != layout.name:
                 _record_new_layout(mlflow_client, run_id, layout, resume_from)
             _close_run(mlflow_client, run_id, run_dir, status, uri)
     if stopper.signum:

@@ -171,3 +171,26 @@ def test_sigkill_of_the_launcher_leaves_no_orphan_the_run_is_reaped_and_resumes_
     assert client.get_run(run_id).info.status == "FINISHED"
     got = metric_history(client, run_id, "loss")
     assert all(got[s] == pytest.approx(world["reference"][s], rel=1e-6, abs=1e-6) for s in range(stop_step + 1, STEPS + 1))
+
+
+def test_a_signal_that_reaches_one_rank_stops_all_ranks_at_the_same_step(world):
+    """As when a scheduler signals processes one by one: SIGTERM to rank 1 of a dp2 run only (not the launcher).
+    The ranks agree to stop after the same step, the checkpoint is complete, and the run is KILLED, not FINISHED."""
+    proc = _train(world, "one-rank", *LAYOUTS["dp2"])
+    _wait_for_checkpoint(world, "one-rank", proc)
+    run_dir = world["runs"] / "one-rank"
+    rank1 = next(pid for pid in _workers_of(run_dir)
+                 if "PADDLE_TRAINER_ID=1\0" in Path(f"/proc/{pid}/environ").read_text(errors="replace"))
+    os.kill(rank1, signal.SIGTERM)
+    output, _ = proc.communicate(timeout=GRACE_S + 60)
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert "the ranks were signalled directly and stopped early" in output
+    stop_step = int((run_dir / "checkpoints" / "latest").read_text().split("-")[1])
+    assert stop_step < STEPS
+    log0, log1 = ((run_dir / "logs" / f"workerlog.{rank}").read_text(errors="replace") for rank in (0, 1))
+    assert "[rank 1] SIGTERM" in log1 and "SIGTERM" not in log0  # only rank 1 was told ...
+    logged = [int(line.split("global_step: ")[1].split(",")[0]) for line in log0.splitlines()
+              if "global_step: " in line and "loss: " in line]
+    assert max(logged) == stop_step  # ... and rank 0 stopped with it, at the checkpointed step
+    assert tracking.client(world["uri"]).get_run(_run_id(world, "one-rank")).info.status == "KILLED"
+    assert not _workers_of(run_dir)

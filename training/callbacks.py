@@ -2,6 +2,7 @@
 graceful stop on SIGTERM / SIGINT, and the switch to a new config once a resume has started."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -12,7 +13,7 @@ from pathlib import Path
 from paddlenlp.trainer import TrainerCallback  # (this import resets SIGTERM: handlers are installed after it)
 
 from pipeline import tracking
-from training.checkpoints import checkpoint_info, complete_checkpoints, mark_complete
+from training.checkpoints import STOPPED_MARKER, checkpoint_info, complete_checkpoints, mark_complete
 
 
 class FinalStepCallback(TrainerCallback):
@@ -70,8 +71,8 @@ class GracefulStop(TrainerCallback):
     group), so all of them stop after the same step even if the signal reached them at different times — a rank
     that stopped alone would leave its peers waiting in a collective."""
 
-    def __init__(self):
-        self.requested = 0
+    def __init__(self, marker: Path | None = None):
+        self.requested, self.marker = 0, marker
         self.install()
 
     def install(self) -> None:
@@ -85,22 +86,28 @@ class GracefulStop(TrainerCallback):
         if not self.requested:
             print(f"[rank {os.environ.get('PADDLE_TRAINER_ID', '0')}] {signal.Signals(signum).name}: saving a "
                   f"checkpoint after this step, then stopping", file=sys.stderr, flush=True)
-        self.requested = signum
+        self.requested = int(signum)
 
-    def agreed(self) -> bool:
+    def agreed(self) -> int:
+        """The signal any rank received (0 = none), the same on every rank."""
         import paddle
         import paddle.distributed as dist
 
         if dist.get_world_size() <= 1:
-            return bool(self.requested)
-        flag = paddle.to_tensor([1 if self.requested else 0], dtype="int32")
+            return self.requested
+        flag = paddle.to_tensor([self.requested], dtype="int32")
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(int(flag.numpy()[0]))
+        return int(flag.numpy()[0])
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.agreed():
+        signum = self.agreed()
+        if signum:
             control.should_save = True
             control.should_training_stop = True
+            if state.is_world_process_zero and self.marker:
+                # For the launcher: training ended early on a signal (it may have reached only the ranks, as when
+                # a scheduler signals every process), so the run is KILLED, not FINISHED.
+                self.marker.write_text(json.dumps({"step": state.global_step, "signal": signum}))
         return control
 
 

@@ -12,6 +12,8 @@ import re
 from pathlib import Path
 
 COMPLETE_MARKER = "checkpoint_complete.json"
+# Written in the run directory by rank 0 when a signal stopped training early (step, signal).
+STOPPED_MARKER = "stopped.json"
 LATEST_FILE = "latest"
 _STEP = re.compile(r"^checkpoint-(\d+)$")
 

@@ -117,7 +117,10 @@ def main(argv: list[str] | None = None) -> None:
     from training.callbacks import (CheckpointCompleteCallback, FinalStepCallback, GracefulStop, MlflowLogger,
                                     PromoteConfig)
 
-    graceful_stop = GracefulStop()  # after the paddlenlp import, which resets SIGTERM to the default action
+    from training.checkpoints import STOPPED_MARKER
+
+    # (after the paddlenlp import, which resets SIGTERM to the default action)
+    graceful_stop = GracefulStop(run_dir / STOPPED_MARKER)
     if world == 1:
         from training import paddlenlp_resume
 
