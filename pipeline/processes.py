@@ -5,16 +5,26 @@ import socket
 from pathlib import Path
 
 
+def proc_stat(pid: int | str) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (state, ppid, pgrp, ...; start time is index 19),
+    or None if the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _all_stats():
+    for entry in Path("/proc").glob("[0-9]*"):
+        fields = proc_stat(entry.name)
+        if fields:
+            yield int(entry.name), fields
+
+
 def group_alive(pgid: int) -> bool:
     """Any live (non-zombie) process in the group? (Zombies can linger where PID 1 does not reap orphans.)"""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+    return any(int(fields[2]) == pgid and fields[0] != "Z" for _, fields in _all_stats())
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
@@ -33,12 +43,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 def children_map() -> dict[int, list[int]]:
     """parent pid -> child pids, from /proc."""
     tree: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        tree.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    for pid, fields in _all_stats():
+        tree.setdefault(int(fields[1]), []).append(pid)
     return tree
 
 

@@ -16,15 +16,13 @@ import socket
 import time
 
 from pipeline import tracking
+from pipeline.processes import proc_stat
 
 
 def _start_time(pid: int) -> str | None:
-    """The process's start time (clock ticks since boot, /proc/<pid>/stat field 22), or None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
+    """The process's start time (clock ticks since boot), or None if it is gone."""
+    fields = proc_stat(pid)
+    return fields[19] if fields else None
 
 
 def launcher_id(pid: int | None = None) -> str:
