@@ -2,7 +2,7 @@
 import pytest
 
 from pipeline import REPO_ROOT
-from pipeline.config import Config, ConfigError, load_config
+from pipeline.config import ConfigError, load_config
 from pipeline.layout import ParallelLayout
 
 
@@ -17,7 +17,14 @@ def test_defaults_and_shipped_configs_validate():
     shipped = sorted((REPO_ROOT / "configs").glob("*.yaml"))
     assert len(shipped) >= 8  # tiny (single) + 6 CPU layouts + the 512-GPU example
     for path in shipped:
-        assert isinstance(load_config(path), Config), path
+        config = load_config(path)
+        layout = ParallelLayout.from_config(config)
+        assert config.name == path.stem, path
+        if path.stem.startswith("tiny"):  # each tiny config is the layout its name says, at the same global batch
+            assert layout.name.replace("-", "") == (path.stem.removeprefix("tiny-") if "-" in path.stem else "single")
+            assert layout.global_batch_size == load_config(REPO_ROOT / "configs" / "tiny.yaml").training.global_batch_size
+        else:
+            assert layout.world_size == 512, path
 
 
 @pytest.mark.parametrize("text, message", [
@@ -132,7 +139,11 @@ def test_512_gpu_layout_validates_and_describes():
     assert 95e9 < estimate_parameters(config) < 105e9
 
 
-def test_too_many_processes_for_this_machine():
-    config = load_config(None, ["parallel.data=16", "parallel.micro_batch_size=1"])
-    with pytest.raises(ConfigError, match="processes on this node"):
+def test_too_many_processes_for_this_machine(monkeypatch):
+    """CPU: at most 2 processes per core (the machine's core count is pinned so the test means the same anywhere)."""
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    fits = load_config(None, ["parallel.data=4", "parallel.micro_batch_size=4"])
+    ParallelLayout.from_config(fits).check_fits_machine()
+    config = load_config(None, ["parallel.data=8", "parallel.micro_batch_size=2"])
+    with pytest.raises(ConfigError, match="needs 8 processes on this node but only 4 CPU processes"):
         ParallelLayout.from_config(config).check_fits_machine()

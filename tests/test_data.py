@@ -43,7 +43,8 @@ def test_tokenizer_round_trip_on_chinese(tmp_path):
         assert data.decode(reloaded, ids) == text.lower().replace(" ", "")
     unseen = reloaded("龘", add_special_tokens=False)["input_ids"]
     assert unseen == [reloaded.unk_token_id]
-    assert data.model_vocab_size(reloaded) % data.VOCAB_MULTIPLE == 0 >= 0
+    size = data.model_vocab_size(reloaded)  # the smallest multiple of VOCAB_MULTIPLE that holds the vocabulary
+    assert size % data.VOCAB_MULTIPLE == 0 and len(reloaded) <= size < len(reloaded) + data.VOCAB_MULTIPLE
 
 
 def test_pack_makes_shifted_fixed_blocks(tmp_path):

@@ -103,14 +103,14 @@ def test_a_killed_rank_fails_the_job(world):
                       and str(runs / "victim") in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"))
         killed_at = time.time()
         os.kill(victim, signal.SIGKILL)
-        _, stderr = proc.communicate(timeout=180)
+        _, stderr = proc.communicate(timeout=300)
         elapsed = time.time() - killed_at
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0
     assert "training failed: rank 1" in stderr, stderr[-2000:]
-    assert elapsed < 180
+    assert elapsed < 60, elapsed  # bounded by parallel.collective_timeout_s=30, not by the test's timeout
     run_id = json.loads((runs / "victim" / "mlflow_run.json").read_text())["run_id"]
     client = tracking.client(world["uri"])
     run = client.get_run(run_id)

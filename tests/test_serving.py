@@ -64,6 +64,12 @@ def test_sampling_is_reproducible_by_seed(server):
     a = client.generate("这本书", max_new_tokens=6, temperature=1.0, top_k=20, seed=7)
     b = client.generate("这本书", max_new_tokens=6, temperature=1.0, top_k=20, seed=7)
     assert a.token_ids == b.token_ids
+    # ... and seed and temperature are really used: other seeds give other samples, temperature 0 is greedy
+    others = {tuple(client.generate("这本书", max_new_tokens=6, temperature=1.0, top_k=20, seed=s).token_ids)
+              for s in (1, 2, 3)}
+    assert others - {tuple(a.token_ids)}, "every seed gave the same sample"
+    greedy = client.generate("这本书", max_new_tokens=6).token_ids
+    assert client.generate("这本书", max_new_tokens=6, temperature=0.0, seed=99).token_ids == greedy
 
 
 @pytest.mark.parametrize("fields, message", [
