@@ -1,0 +1,89 @@
+"""Generation and request parsing as pure logic (fast): the smoke test compares served output with `generate`
+itself, so `generate`'s own behaviour is pinned here against a hand-made model."""
+import numpy as np
+import pytest
+
+from serving.generation import GenerationSettings, generate
+from serving.service import Limits, RequestError, parse_request
+
+VOCAB = 12  # ids 0..9 usable, 10..11 padding rows of the embedding
+EOS, PAD = 3, 0
+
+
+def scripted(next_token: dict[int, int], calls: list | None = None):
+    """A model whose logits favour next_token[last id] (else id 9), with padding rows scoring highest of all."""
+    def forward(ids):
+        if calls is not None:
+            calls.append(ids.copy())
+        logits = np.zeros((1, ids.shape[1], VOCAB), dtype="float32")
+        logits[0, -1, 10:] = 100.0  # padding rows must never be chosen
+        logits[0, -1, PAD] = 50.0   # nor banned ids
+        logits[0, -1, next_token.get(int(ids[0, -1]), 9)] = 10.0
+        return logits
+    return forward
+
+
+def run(forward, prompt, max_length=64, **settings):
+    return generate(forward, prompt, GenerationSettings(**settings), EOS, [PAD], usable_vocab=10,
+                    max_length=max_length)
+
+
+def test_greedy_follows_the_model_and_skips_padding_and_banned_ids():
+    calls = []
+    assert run(scripted({5: 6, 6: 7, 7: 8}, calls), [4, 5], max_new_tokens=4) == [6, 7, 8, 9]
+    # each step feeds the whole sequence so far (no KV cache)
+    assert [c.tolist() for c in calls] == [[[4, 5]], [[4, 5, 6]], [[4, 5, 6, 7]], [[4, 5, 6, 7, 8]]]
+
+
+def test_stops_after_the_end_token_and_at_the_maximum_length():
+    assert run(scripted({5: 6, 6: EOS}), [5], max_new_tokens=10) == [6, EOS]
+    assert run(scripted({}), [5, 5, 5], max_new_tokens=10, max_length=5) == [9, 9]
+    assert run(scripted({}), [5] * 5, max_new_tokens=10, max_length=5) == []
+
+
+def test_sampling_depends_on_seed_and_top_k_limits_the_choices():
+    def flat(ids):  # every usable token equally likely
+        logits = np.zeros((1, ids.shape[1], VOCAB), dtype="float32")
+        logits[0, -1, 10:] = -1e9
+        return logits
+
+    def sample(seed, top_k=0):
+        return run(flat, [5], max_new_tokens=20, temperature=1.0, top_k=top_k, seed=seed)
+
+    assert sample(1) == sample(1)
+    assert sample(1) != sample(2)
+    assert PAD not in sample(1) + sample(2)
+    def mild(ids):  # token 7 slightly ahead: plain sampling often picks another token, top_k=1 never does
+        logits = flat(ids)
+        logits[0, -1, 7] = 1.0
+        return logits
+
+    assert {run(mild, [5], max_new_tokens=1, temperature=1.0, top_k=1, seed=s)[0] for s in range(20)} == {7}
+    assert len({run(mild, [5], max_new_tokens=1, temperature=1.0, seed=s)[0] for s in range(20)}) > 1
+
+
+LIMITS = Limits(max_prompt_chars=10, max_new_tokens_limit=8, default_max_new_tokens=4, max_request_bytes=200)
+
+
+def test_request_defaults_and_values():
+    prompt, settings = parse_request({"prompt": "  你好  "}, LIMITS)
+    assert prompt == "你好" and settings == GenerationSettings(max_new_tokens=4, temperature=0.0, top_k=0, seed=0)
+    _, settings = parse_request({"prompt": "你好", "max_new_tokens": "8", "temperature": "0.7", "top_k": "5",
+                                 "seed": "11"}, LIMITS)
+    assert settings == GenerationSettings(max_new_tokens=8, temperature=0.7, top_k=5, seed=11)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({}, "missing prompt"),
+    ({"prompt": 5}, "prompt must be a string"),
+    ({"prompt": "很" * 11}, "prompt has 11 characters; the limit is 10"),
+    ({"prompt": "x", "max_new_tokens": "9"}, r"max_new_tokens must be in \[1, 8\], got 9"),
+    ({"prompt": "x", "max_new_tokens": 3}, "max_new_tokens must be sent as a string"),
+    ({"prompt": "x", "temperature": "-1"}, "temperature must be in"),
+    ({"prompt": "x", "seed": "1.5"}, "seed must be an integer"),
+    ({"prompt": "x", "beam": "2", "alpha": "1"}, r"unknown parameter\(s\) alpha, beam"),
+    ({"prompt": "x" * 300}, "the limit is 200"),
+])
+def test_bad_requests(fields, message):
+    with pytest.raises(RequestError, match=message):
+        parse_request(fields, LIMITS)
