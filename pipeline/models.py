@@ -86,7 +86,8 @@ def _holds(path: Path, version_info) -> bool:
 
 
 def _download(client, version_info, target: Path) -> Path:
-    artifact_path = version_info.tags.get("artifact_path") or _run_path(version_info.source)
+    artifact_path = version_info.tags.get("artifact_path") or (
+        _parse_runs_uri(version_info.source)[1] if version_info.source.startswith("runs:/") else "")
     if not artifact_path:
         raise ConfigError(f"version {version_info.version} of {version_info.name!r} has no run artifacts to download "
                           f"(source {version_info.source}); export it again")
@@ -109,6 +110,8 @@ def _download(client, version_info, target: Path) -> Path:
     return target
 
 
-def _run_path(source: str) -> str:
-    """`runs:/<run>/<path>` -> <path>."""
-    return source.split("/", 2)[2] if source.startswith("runs:/") and source.count("/") >= 2 else ""
+def _parse_runs_uri(uri: str) -> tuple[str, str]:
+    """`runs:/<run>/<path>` -> (run id, path), with MLflow's own parser."""
+    from mlflow.store.artifact.runs_artifact_repo import RunsArtifactRepository
+
+    return RunsArtifactRepository.parse_runs_uri(uri)

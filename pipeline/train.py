@@ -271,10 +271,10 @@ def run(config_path: str | None, overrides: list[str], resume: str = "", dry_run
             returncode = _run_launcher(cmd, env, run_dir, layout.world_size == 1, stopper,
                                        heartbeat.start if heartbeat else lambda: None)
         if stopped.exists() and not stopper.signum:
-            print(f"the ranks were signalled directly and stopped early "
-                  f"({json.loads(stopped.read_text())}); the run is KILLED", file=sys.stderr, flush=True)
-        if stopped.exists():
-            stopper.signum = stopper.signum or json.loads(stopped.read_text())["signal"]
+            info = json.loads(stopped.read_text())
+            print(f"the ranks were signalled directly and stopped early ({info}); the run is KILLED",
+                  file=sys.stderr, flush=True)
+            stopper.signum = info["signal"]
         status = "KILLED" if stopper.signum else "FINISHED" if returncode == 0 else "FAILED"
     finally:
         if heartbeat:
@@ -295,11 +295,10 @@ def run(config_path: str | None, overrides: list[str], resume: str = "", dry_run
             _close_run(mlflow_client, run_id, run_dir, status, uri)
     if stopper.signum:
         returncode = 128 + stopper.signum
-        if resume_from is not None or (run_dir / "checkpoints").is_dir():
-            from training.checkpoints import latest_complete
+        from training.checkpoints import latest_complete
 
-            print(f"stopped; latest complete checkpoint: {latest_complete(run_dir)}\ncontinue with: make train "
-                  f"RESUME={run_dir}", flush=True)
+        print(f"stopped; latest complete checkpoint: {latest_complete(run_dir)}\ncontinue with: make train "
+              f"RESUME={run_dir}", flush=True)
     print(f"run directory: {run_dir}", flush=True)
     return returncode
 
@@ -334,8 +333,8 @@ def _new_run_dir(config: Config) -> Path:
 def _record_new_layout(mlflow_client, run_id: str, layout: ParallelLayout, resume_from: Path | None) -> None:
     """Params are immutable in MLflow: a resume on another layout is recorded in tags."""
     try:
-        old = mlflow_client.get_run(run_id).data.tags.get(tracking.TAG_LAYOUT, "?")
-        history = mlflow_client.get_run(run_id).data.tags.get("pipeline.layout_history", old)
+        tags = mlflow_client.get_run(run_id).data.tags
+        history = tags.get("pipeline.layout_history", tags.get(tracking.TAG_LAYOUT, "?"))
         step = resume_from.name.split("-")[-1] if resume_from else "0"
         mlflow_client.log_batch(run_id, tags=[
             _tag(tracking.TAG_LAYOUT, layout.name), _tag("pipeline.layout_history", f"{history} -> {layout.name}@{step}"),

@@ -27,7 +27,9 @@ def source_checkpoint(meta: dict, registry_client, scratch: Path, log=print) -> 
     uri = meta.get("checkpoint_uri", "")
     if not uri or registry_client is None:
         return None
-    run_id, path = uri[len("runs:/"):].split("/", 1)
+    from mlflow.store.artifact.runs_artifact_repo import RunsArtifactRepository
+
+    run_id, path = RunsArtifactRepository.parse_runs_uri(uri)
     log(f"     downloading the source checkpoint {uri}")
     return Path(registry_client.download_artifacts(run_id, path, str(scratch)))
 

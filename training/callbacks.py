@@ -57,7 +57,7 @@ class CheckpointCompleteCallback(TrainerCallback):
             if "eval_loss" in info:
                 info["eval_perplexity"] = _perplexity(info["eval_loss"])
             earlier = [checkpoint_info(path) for step, path in complete_checkpoints(Path(args.output_dir).parent)
-                       if step != state.global_step]
+                       if step != state.global_step] if self.upload_mode == "best" else []
             mark_complete(checkpoint, info)
             if self.mlflow_logger:
                 self.mlflow_logger.log_checkpoint(info, should_upload(self.upload_mode, self.metric, info, earlier))
