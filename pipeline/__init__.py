@@ -3,8 +3,13 @@
 Platform rule, kept in this one place: `zlib` must be loaded before anything imports paddle. libpaddle.so (Paddle 2.6.2)
 exports its own zlib symbols; if it is loaded first, later zlib users (grpc, safetensors, zip files) fail with
 "inconsistent stream state" or segfault. `training` and `serving` import this package first, and so do the tests.
+The CPU math library's environment is set here too, for the same reason (it must precede paddle: see cpu_runtime).
 """
 import zlib  # noqa: F401  (see the docstring: must precede every `import paddle`)
+
+from pipeline import cpu_runtime as _cpu_runtime
+
+_cpu_runtime.prepare_process()
 
 from pathlib import Path
 

@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     compare.add_argument("--filter", default="", help="MLflow search filter, e.g. \"params.layout.tp = '2'\"")
     bench = sub.add_parser("bench", help="benchmark suite (reports/bench/bench.{json,md}, MLflow experiment bench)")
     bench.add_argument("--quick", action="store_true", help="tiny settings: checks the harness, not the machine")
+    bench.add_argument("--out", default="", help="output directory (default reports/bench)")
     runs = sub.add_parser("runs", help="RUNNING runs of an experiment: alive, dead or stale; --reap marks the "
                                        "dead and stale ones FAILED")
     runs.add_argument("--config", default=None, help="config naming the experiment (default tiny.yaml)")
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.stage == "bench":
             from pipeline import bench as bench_stage
 
-            bench_stage.run(quick=args.quick)
+            bench_stage.run(quick=args.quick, out=args.out or None)
             return 0
         if args.stage in ("mlflow-server", "mlflow-stop"):
             from pipeline import mlflow_server

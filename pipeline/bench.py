@@ -1,20 +1,22 @@
 """`make bench`: the benchmark suite. Every figure is measured in this run and every ratio uses this run's numbers.
 
-1. hardware ceiling: best fp32 matmul FLOP/s of Paddle on this machine;
-2. training efficiency: model FLOP/s of a matmul-heavy config against that ceiling, tokens/s;
-3. parallel scaling: tokens/s of every CPU layout (dp2, tp2, pp2, sharding1x2, tp2pp2, dp2tp2) against single on the same global batch, and the measured
-   pipeline idle fraction against (p-1)/(m+p-1);
-4. pipeline overhead: our training step (tracking, checkpoints, eval) against a bare PaddleNLP Trainer;
-5. export: wall time of its stages;
-6. serving: HTTP / gRPC latency against the in-process predictor, served vs in-process tokens/s, and throughput /
+1. CPU runtime (pipeline/bench_train.py): the default config's training tokens/s, MFU against the matmul peak
+   measured in the same process, and the project's step against a bare Paddle loop, for each runtime setting (as
+   before issue 12, + threads, + MKL's AMD switch, + compiled forward), fresh processes, interleaved rounds;
+2. parallel scaling: tokens/s of every CPU layout (dp2, tp2, pp2, sharding1x2, tp2pp2, dp2tp2) against single on the
+   same global batch, and the measured pipeline idle fraction against (p-1)/(m+p-1);
+3. pipeline overhead: our training step (tracking, checkpoints, eval) against a bare PaddleNLP Trainer;
+4. export: wall time of its stages;
+5. serving: HTTP / gRPC latency against the in-process predictor, served vs in-process tokens/s, and throughput /
    errors at 1, 4 and 8 concurrent clients.
-Writes reports/bench/bench.json and bench.md and logs them as a run of the MLflow experiment `bench`.
+Writes reports/bench/bench.json and bench.md (or --out) and logs them as a run of the MLflow experiment `bench`.
 """
 from __future__ import annotations
 
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import threading
@@ -28,23 +30,10 @@ from pipeline import REPO_ROOT, tracking
 # Model FLOPs per trained token: 6 N (forward + backward of every weight) + 12 L h s (attention scores and values,
 # forward + backward; L layers, h hidden size, s sequence length) -- the PaLM-appendix estimate.
 FLOPS_NOTE = "6N + 12Lhs per token, N = weights without the embedding table"
+# The layouts' comparison keeps the small global batch of the layout configs (8), whatever the default config says.
+SCALING_BATCH = ["training.global_batch_size=8", "parallel.micro_batch_size=8", "parallel.accumulation_steps=1"]
 BASE = ["data.max_documents=3000", "tokenizer.min_frequency=1", "training.eval_interval=1000",
         "training.save_interval=1000", "training.logging_interval=2", "training.warmup_steps=1"]
-
-
-def matmul_peak(sizes=(512, 1024, 2048), repeats: int = 6) -> float:
-    """Best fp32 matmul rate over a few square sizes (the machine is shared: the best run is the ceiling)."""
-    import paddle
-
-    best = 0.0
-    for size in sizes:
-        a, b = paddle.randn([size, size]), paddle.randn([size, size])
-        paddle.matmul(a, b).numpy()
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            paddle.matmul(a, b).numpy()
-            best = max(best, 2 * size**3 / (time.perf_counter() - t0))
-    return best
 
 
 def train_run(name: str, overrides: list[str], out: Path, uri: str) -> dict:
@@ -66,14 +55,47 @@ def train_run(name: str, overrides: list[str], out: Path, uri: str) -> dict:
             "train_runtime_s": history("train_runtime")[-1], "wall_s": wall, "run_dir": str(out / "runs" / name)}
 
 
-def count_weights(run_dir: Path) -> int:
-    from safetensors.numpy import load_file
+def runtime_trials(out: Path, repeats: int, steps: int, quick: bool) -> dict:
+    """CPU runtime settings (issue 12) on the default config: each setting of bench_train.SETTINGS in a fresh process,
+    the settings interleaved (rotated each round) `repeats` times; median and min-max of every figure."""
+    from pipeline.bench_train import SETTINGS
+    from pipeline.config import load_config
+    from training.data import prepare
 
-    checkpoint = sorted((run_dir / "checkpoints").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[-1]
-    total = 0
-    for f in checkpoint.glob("model-*.safetensors"):
-        total += sum(int(np.prod(v.shape)) for k, v in load_file(f).items() if "embed_tokens" not in k)
-    return total
+    run_dir = out / "runtime-run"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    config = load_config(REPO_ROOT / "configs" / "tiny.yaml", ["training.seq_length=32"] if quick else [])
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
+    prepare(config, run_dir / "data", run_dir / "tokenizer")
+    names = list(SETTINGS)
+    trials: dict[str, list[dict]] = {name: [] for name in names}
+    for round_ in range(repeats):
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            env = {k: v for k, v in os.environ.items() if k not in ("MKL_DEBUG_CPU_TYPE", "PIPELINE_MKL_VERSION")}
+            env.update(SETTINGS[name][0], PYTHONPATH=str(REPO_ROOT))
+            proc = subprocess.run([sys.executable, "-m", "pipeline.bench_train", "--run-dir", str(run_dir),
+                                   "--setting", name, "--steps", str(steps), "--scratch", str(out / "scratch")],
+                                  cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+            line = next((l for l in proc.stdout.splitlines() if l.startswith("TRIAL ")), None)
+            if line is None:
+                raise RuntimeError(f"bench trial {name} failed:\n{proc.stderr[-3000:]}")
+            trials[name].append(json.loads(line[6:]))
+            print(f"[bench] round {round_ + 1} {name}: {trials[name][-1]['tokens_per_s']:.0f} tok/s", flush=True)
+    figures = ("tokens_per_s", "bare_tokens_per_s", "matmul_peak_gflops", "mfu", "step_s", "bare_step_s")
+    summary = {name: {"runtime": t[-1]["runtime"], **{f: spread([x[f] for x in t]) for f in figures},
+                      "ours_vs_bare": spread([x["step_s"] / x["bare_step_s"] for x in t])}
+               for name, t in trials.items()}
+    base = summary["before"]["tokens_per_s"]["median"]
+    for name in names:
+        summary[name]["speedup_vs_before"] = summary[name]["tokens_per_s"]["median"] / base
+    return {"config": "configs/tiny.yaml", "batch_tokens": config.parallel.micro_batch_size * config.training.seq_length,
+            "repeats": repeats, "steps": steps, "settings": summary}
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": float(np.median(values)), "min": float(min(values)), "max": float(max(values)),
+            "n": len(values)}
 
 
 def bare_trainer_step_time(run_dir: Path, steps: int) -> float:
@@ -152,42 +174,41 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values) * 1000, q))
 
 
-def run(quick: bool = False) -> dict:
-    out = REPO_ROOT / "reports" / "bench"
+def run(quick: bool = False, out: Path | None = None) -> dict:
+    out = Path(out) if out else REPO_ROOT / "reports" / "bench"
     out.mkdir(parents=True, exist_ok=True)
     uri = f"sqlite:///{out / 'bench-mlflow.db'}"
     steps = 6 if quick else 40
     results: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "quick": quick,
                      "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}"}
-    import paddle
-
-    paddle.set_device("cpu")
-
-    # 1. hardware ceiling
-    peak = matmul_peak((256, 512) if quick else (512, 1024, 2048))
-    results["hardware"] = {"matmul_peak_gflops": peak / 1e9}
-    print(f"[bench] matmul peak {peak / 1e9:.1f} GFLOP/s", flush=True)
-
-    # 2. training efficiency on a matmul-heavy config
-    big = ["model.hidden_size=256", "model.intermediate_size=688", "model.num_layers=4", "training.seq_length=128",
-           "model.max_position_embeddings=256", "training.global_batch_size=8", "parallel.micro_batch_size=8",
-           f"training.max_steps={steps}"] if not quick else ["training.seq_length=32", f"training.max_steps={steps}"]
+    results["runtime"] = runtime_trials(out, repeats=1 if quick else 3, steps=6 if quick else 16, quick=quick)
+    for name, v in results["runtime"]["settings"].items():
+        print(f"[bench] {name}: {v['tokens_per_s']['median']:.0f} tok/s ({v['speedup_vs_before']:.2f}x before), "
+              f"MFU {v['mfu']['median']:.1%}, peak {v['matmul_peak_gflops']['median']:.0f} GFLOP/s", flush=True)
     stamp = time.strftime("%H%M%S")
-    eff = train_run(f"efficiency-{stamp}", big, out, uri)
-    from pipeline.config import load_config
+    scaling = _scaling(out, uri, steps, stamp, quick)
+    results.update(scaling)
+    single = scaling["runs"]["single"]
+    bare = bare_trainer_step_time(Path(single["run_dir"]), steps)
+    ours = single["train_runtime_s"] / steps
+    results["pipeline_overhead"] = {"ours_step_s": ours, "bare_trainer_step_s": bare, "ratio": ours / bare,
+                                    "ours_includes": "eval + checkpoint at the last step, MLflow logging"}
+    print(f"[bench] step: ours {ours * 1000:.1f} ms vs bare Trainer {bare * 1000:.1f} ms", flush=True)
+    t0 = time.perf_counter()
+    meta = _export(single["run_id"], uri)
+    results["export"] = {"wall_s": time.perf_counter() - t0, **meta["timings_s"],
+                         "parity_max_abs_error": meta["parity_max_abs_error"]}
+    results["serving"] = _bench_serving(Path(meta["export_dir"]), uri, out, quick)
+    results.pop("runs", None)
+    (out / "bench.json").write_text(json.dumps(results, indent=2))
+    (out / "bench.md").write_text(markdown(results))
+    _log_to_mlflow(results, out)
+    print(markdown(results))
+    return results
 
-    eff_config = load_config(Path(eff["run_dir"]) / "config.yaml")
-    weights = count_weights(Path(eff["run_dir"]))
-    m, s = eff_config.model, eff_config.training.seq_length
-    flops_token = 6 * weights + 12 * m.num_layers * m.hidden_size * s
-    achieved = eff["tokens_per_s"] * flops_token
-    results["training_efficiency"] = {
-        "weights": weights, "flops_per_token": flops_token, "tokens_per_s": eff["tokens_per_s"],
-        "model_gflops": achieved / 1e9, "fraction_of_peak": achieved / peak, "flops_estimate": FLOPS_NOTE}
-    print(f"[bench] training {eff['tokens_per_s']:.0f} tok/s = {achieved / 1e9:.2f} GFLOP/s = "
-          f"{achieved / peak:.1%} of peak", flush=True)
 
-    # 3. parallel scaling on the tiny model, same global batch (8)
+def _scaling(out: Path, uri: str, steps: int, stamp: str, quick: bool) -> dict:
+    """Tokens/s of every CPU layout against single on the same global batch (8), and pp2's measured idle fraction."""
     layouts = {"single": [], "dp2": ["parallel.data=2", "parallel.micro_batch_size=4"],
                "tp2": ["parallel.tensor=2"],
                "pp2": ["parallel.pipeline=2", "parallel.micro_batch_size=2", "parallel.accumulation_steps=4"],
@@ -198,43 +219,23 @@ def run(quick: bool = False) -> dict:
                "dp2tp2": ["parallel.data=2", "parallel.tensor=2", "parallel.micro_batch_size=4"]}
     if quick:
         layouts = {k: layouts[k] for k in ("single", "dp2")}
-    scaling = {}
+    runs = {}
     for name, overrides in layouts.items():
-        scaling[name] = train_run(f"{name}-{stamp}", [*overrides, f"training.max_steps={steps}",
-                                                      *(["training.seq_length=32"] if quick else [])], out, uri)
-        print(f"[bench] {name}: {scaling[name]['tokens_per_s']:.0f} tok/s", flush=True)
-    single = scaling["single"]
-    results["scaling"] = {name: {"tokens_per_s": r["tokens_per_s"], "step_time_s": r["step_time_s"],
-                                 "speedup_vs_single": r["tokens_per_s"] / single["tokens_per_s"]}
-                          for name, r in scaling.items()}
-    if "pp2" in scaling:
+        runs[name] = train_run(f"{name}-{stamp}", [*SCALING_BATCH, *overrides, f"training.max_steps={steps}",
+                                                   *(["training.seq_length=32"] if quick else [])], out, uri)
+        print(f"[bench] {name}: {runs[name]['tokens_per_s']:.0f} tok/s", flush=True)
+    single = runs["single"]
+    result = {"runs": runs, "scaling": {
+        name: {"tokens_per_s": r["tokens_per_s"], "step_time_s": r["step_time_s"],
+               "speedup_vs_single": r["tokens_per_s"] / single["tokens_per_s"]} for name, r in runs.items()}}
+    if "pp2" in runs:
         p, micro = 2, 4
         # Ideal p-stage step = single step / p; the rest of the pipeline step is idle (bubble + communication).
-        measured = 1 - single["step_time_s"] / (p * scaling["pp2"]["step_time_s"])
-        results["pipeline_idle"] = {"measured_idle_fraction": measured,
-                                    "theoretical_bubble": (p - 1) / (micro + p - 1),
-                                    "definition": "1 - T_single / (p * T_pp2), same global batch"}
-
-    # 4. our step against a bare PaddleNLP Trainer (same model, data, batch)
-    bare = bare_trainer_step_time(Path(single["run_dir"]), steps)
-    ours = single["train_runtime_s"] / steps
-    results["pipeline_overhead"] = {"ours_step_s": ours, "bare_trainer_step_s": bare, "ratio": ours / bare,
-                                    "ours_includes": "eval + checkpoint at the last step, MLflow logging"}
-    print(f"[bench] step: ours {ours * 1000:.1f} ms vs bare Trainer {bare * 1000:.1f} ms", flush=True)
-
-    # 5. export of the single run
-    t0 = time.perf_counter()
-    meta = _export(single["run_id"], uri)
-    results["export"] = {"wall_s": time.perf_counter() - t0, **meta["timings_s"],
-                         "parity_max_abs_error": meta["parity_max_abs_error"]}
-
-    # 6. serving
-    results["serving"] = _bench_serving(Path(meta["export_dir"]), uri, out, quick)
-    (out / "bench.json").write_text(json.dumps(results, indent=2))
-    (out / "bench.md").write_text(markdown(results))
-    _log_to_mlflow(results, out)
-    print(markdown(results))
-    return results
+        measured = 1 - single["step_time_s"] / (p * runs["pp2"]["step_time_s"])
+        result["pipeline_idle"] = {"measured_idle_fraction": measured,
+                                   "theoretical_bubble": (p - 1) / (micro + p - 1),
+                                   "definition": "1 - T_single / (p * T_pp2), same global batch"}
+    return result
 
 
 def _export(run_id: str, uri: str) -> dict:
@@ -294,13 +295,20 @@ def _bench_serving(export_dir: Path, uri: str, out: Path, quick: bool) -> dict:
 
 
 def markdown(r: dict) -> str:
-    t, s, sv = r["training_efficiency"], r["scaling"], r["serving"]
+    s, sv, rt = r["scaling"], r["serving"], r["runtime"]
     lines = [f"Bench {r['date']} on {r['machine']}{' (quick)' if r['quick'] else ''}", "",
-             "| figure | value |", "|---|---|",
-             f"| matmul peak (fp32) | {r['hardware']['matmul_peak_gflops']:.1f} GFLOP/s |",
-             f"| training tokens/s (matmul-heavy config) | {t['tokens_per_s']:.0f} |",
-             f"| model FLOP/s ({t['flops_estimate']}) | {t['model_gflops']:.2f} GFLOP/s = "
-             f"{t['fraction_of_peak']:.1%} of peak |"]
+             f"Training speed of {rt['config']} ({rt['batch_tokens']} tokens a step), each setting in a fresh "
+             f"process, {rt['repeats']} interleaved rounds: median [min-max]. MFU: {FLOPS_NOTE}, against the fp32 "
+             "matmul peak measured in the same process.", "",
+             "| setting | threads | MKL_DEBUG_CPU_TYPE | matmul peak GFLOP/s | tokens/s | vs before | MFU "
+             "| bare-loop tokens/s | ours / bare step |", "|---|---|---|---|---|---|---|---|---|"]
+    mm = lambda v, f="{:.0f}": f"{f.format(v['median'])} [{f.format(v['min'])}-{f.format(v['max'])}]"  # noqa: E731
+    for name, v in rt["settings"].items():
+        lines.append(f"| {name} | {v['runtime']['threads']} | {v['runtime']['mkl_debug_cpu_type']} | "
+                     f"{mm(v['matmul_peak_gflops'])} | {mm(v['tokens_per_s'])} | {v['speedup_vs_before']:.2f}x | "
+                     f"{mm({k: x * 100 for k, x in v['mfu'].items()}, '{:.1f}')}% | {mm(v['bare_tokens_per_s'])} | "
+                     f"{mm(v['ours_vs_bare'], '{:.2f}')} |")
+    lines += ["", "| figure | value |", "|---|---|"]
     lines += [f"| {name} tokens/s (vs single) | {v['tokens_per_s']:.0f} ({v['speedup_vs_single']:.2f}x) |"
               for name, v in s.items()]
     if "pipeline_idle" in r:

@@ -71,6 +71,9 @@ class TrainingConfig:
     save_interval: int = 100
     max_eval_batches: int = 8
     seed: int = 42
+    # Run the model's forward as one static program (paddle.jit.to_static, whole graph) instead of op by op.
+    # Single-device models only (parallel.tensor = parallel.pipeline = 1); see training/dy2static_fix.py.
+    compile: bool = False
     runs_dir: str = "runs"
     run_name: str = ""  # default: <config name>-<UTC timestamp>
     # SIGTERM / SIGINT (Slurm time limit, preemption, pod eviction, Ctrl-C): the ranks finish the current step, save
@@ -95,6 +98,8 @@ class ParallelConfig:
     amp_dtype: str = ""  # "" = fp32, or bfloat16 | float16 (GPU only: a no-op on CPU)
     amp_level: str = "O1"
     nnodes: int = 1
+    # Math threads per process on CPU; 0 = the cores this process may use divided by the processes per node.
+    cpu_threads: int = 0
     # Seconds a rank may wait on a collective before the job is declared hung (gloo / NCCL timeout).
     collective_timeout_s: int = 120
 

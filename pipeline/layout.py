@@ -6,9 +6,9 @@ coordinates printed by a dry run are the ones fleet will use.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
+from pipeline import cpu_runtime
 from pipeline.config import Config, ConfigError
 
 AXES = ("data", "pipe", "sharding", "model")
@@ -27,6 +27,7 @@ class ParallelLayout:
     nnodes: int
     num_layers: int
     amp_dtype: str
+    cpu_threads: int = 0  # as configured; 0 = an even share of the cores (threads_per_rank)
 
     @classmethod
     def from_config(cls, config: Config) -> "ParallelLayout":
@@ -35,6 +36,7 @@ class ParallelLayout:
             device=p.device, dp=p.data, tp=p.tensor, pp=p.pipeline, sharding_stage=p.sharding_stage,
             sharding_degree=p.sharding_degree, micro_batch_size=p.micro_batch_size,
             accumulation_steps=p.accumulation_steps, nnodes=p.nnodes, num_layers=m.num_layers, amp_dtype=p.amp_dtype,
+            cpu_threads=p.cpu_threads,
         )
         layout._validate(config)
         return layout
@@ -47,6 +49,10 @@ class ParallelLayout:
     @property
     def procs_per_node(self) -> int:
         return self.world_size // self.nnodes
+
+    def threads_per_rank(self) -> int:
+        """CPU math threads of each rank on this machine (depends on its cores, so not a frozen property)."""
+        return cpu_runtime.threads_per_process(self.cpu_threads, self.procs_per_node)
 
     @property
     def global_batch_size(self) -> int:
@@ -135,6 +141,8 @@ class ParallelLayout:
         for key in ("data", "tensor", "pipeline", "sharding_degree", "micro_batch_size", "accumulation_steps",
                     "nnodes", "collective_timeout_s"):
             require(getattr(p, key) >= 1, f"parallel.{key}: must be >= 1, got {getattr(p, key)}")
+        require(p.cpu_threads >= 0, f"parallel.cpu_threads: must be >= 0 (0 = an even share of the cores), got "
+                f"{p.cpu_threads}")
         require(self.sharding_stage in (0, 1, 2, 3), "parallel.sharding_stage: use 0 (off), 1, 2 or 3")
         require((self.sharding_stage == 0) == (self.sharding_degree == 1),
                 "parallel.sharding_degree: must be 1 when parallel.sharding_stage is 0, and >= 2 when sharding is on")
@@ -150,6 +158,9 @@ class ParallelLayout:
                            ("intermediate_size", m.intermediate_size)):
             require(value % tp == 0, f"model.{key} ({value}) must be divisible by parallel.tensor ({tp}); "
                     f"change one of them")
+        require(not config.training.compile or (self.tp == 1 and self.pp == 1),
+                f"training.compile: the compiled forward supports single-device models only, not tensor/pipeline "
+                f"parallel layout {self.name}; set training.compile=false")
         require(m.num_layers % self.pp == 0,
                 f"model.num_layers ({m.num_layers}) must be divisible by parallel.pipeline ({self.pp}) so every "
                 "stage gets the same number of decoder layers")
@@ -169,12 +180,19 @@ class ParallelLayout:
             what = "GPUs"
         else:
             # gloo ranks are plain processes; more than two per core only thrashes (and gloo starts timing out).
-            available = 2 * (os.cpu_count() or 1)
+            available = 2 * cpu_runtime.available_cores()
             what = "CPU processes (2 per core)"
         if self.procs_per_node > available:
             raise ConfigError(
                 f"layout {self.name} needs {self.procs_per_node} processes on this node but only {available} {what} "
                 f"are available; lower the parallel degrees or raise parallel.nnodes")
+        if self.device == "cpu" and self.cpu_threads:
+            cores = cpu_runtime.available_cores()
+            if self.procs_per_node * self.cpu_threads > cores:
+                raise ConfigError(
+                    f"parallel.cpu_threads: {self.procs_per_node} processes x {self.cpu_threads} threads = "
+                    f"{self.procs_per_node * self.cpu_threads} > the {cores} cores available here; lower it or use 0 "
+                    "(an even share)")
 
 
 def estimate_parameters(config: Config) -> int:

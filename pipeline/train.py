@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from pipeline import REPO_ROOT, runs, tracking
+from pipeline import REPO_ROOT, cpu_runtime, runs, tracking
 from pipeline.config import Config, ConfigError, load_config
 from pipeline.layout import ParallelLayout, estimate_parameters
 from pipeline.processes import child_dies_with_parent, descendants, signal_pids
@@ -354,6 +354,8 @@ def _open_run(mlflow_client, config: Config, layout: ParallelLayout, run_dir: Pa
     Returns the run id and the status it had before (None for a new run)."""
     info_file = run_dir / RUN_INFO
     liveness = {tracking.TAG_LAUNCHER: runs.launcher_id(), tracking.TAG_HEARTBEAT: str(int(time.time()))}
+    # the math runtime of this launch (a resume may run on another machine): see pipeline/cpu_runtime.py
+    liveness.update({f"runtime.{k}": v for k, v in cpu_runtime.describe(layout.threads_per_rank()).items()})
     if info_file.exists():
         run_id = json.loads(info_file.read_text())["run_id"]
         previous_status = mlflow_client.get_run(run_id).info.status

@@ -1,4 +1,4 @@
-"""The benchmark harness runs end to end on a tiny setting (no timing is asserted anywhere)."""
+"""The benchmark harness runs end to end on a tiny setting (no timing is asserted anywhere), into a temp directory."""
 import json
 
 import pytest
@@ -8,17 +8,29 @@ from helpers import cli
 pytestmark = pytest.mark.slow
 
 
-def test_bench_harness_quick(store_uri):
-    from pipeline import REPO_ROOT
+def test_bench_harness_quick(store_uri, tmp_path):
+    from pipeline import cpu_runtime
 
-    proc = cli(["bench", "--quick"], store_uri, timeout=900)
+    proc = cli(["bench", "--quick", "--out", str(tmp_path)], store_uri, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    result = json.loads((REPO_ROOT / "reports" / "bench" / "bench.json").read_text())
+    result = json.loads((tmp_path / "bench.json").read_text())
     assert result["quick"] is True
-    for section in ("hardware", "training_efficiency", "scaling", "pipeline_overhead", "export", "serving"):
+    for section in ("runtime", "scaling", "pipeline_overhead", "export", "serving"):
         assert section in result, section
-    assert result["training_efficiency"]["fraction_of_peak"] > 0
+    settings = result["runtime"]["settings"]
+    assert list(settings) == ["before", "threads", "threads+mkl", "threads+mkl+compile"]
+    # each trial process really ran with its setting
+    assert settings["before"]["runtime"]["threads"] == "1"
+    assert settings["before"]["runtime"]["mkl_debug_cpu_type"] == "unset"
+    assert settings["threads"]["runtime"]["threads"] == str(cpu_runtime.available_cores())
+    amd = cpu_runtime.cpu_vendor() == "AuthenticAMD"
+    assert settings["threads+mkl"]["runtime"]["mkl_debug_cpu_type"] == ("5" if amd else "unset")
+    for v in settings.values():
+        assert 0 < v["mfu"]["median"] < 1
+        assert v["mfu"]["min"] <= v["mfu"]["median"] <= v["mfu"]["max"]
+    assert settings["before"]["speedup_vs_before"] == 1.0
     assert result["scaling"]["dp2"]["speedup_vs_single"] > 0
     assert [c["clients"] for c in result["serving"]["concurrency"]] == [1, 4, 8]
     assert all(c["errors"] == 0 for c in result["serving"]["concurrency"])
-    assert "| matmul peak" in (REPO_ROOT / "reports" / "bench" / "bench.md").read_text()
+    report = (tmp_path / "bench.md").read_text()
+    assert "| threads+mkl+compile |" in report

@@ -141,7 +141,7 @@ def test_512_gpu_layout_validates_and_describes():
 
 def test_too_many_processes_for_this_machine(monkeypatch):
     """CPU: at most 2 processes per core (the machine's core count is pinned so the test means the same anywhere)."""
-    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    monkeypatch.setattr("pipeline.cpu_runtime.available_cores", lambda: 2)
     fits = load_config(None, ["parallel.data=4", "parallel.micro_batch_size=4"])
     ParallelLayout.from_config(fits).check_fits_machine()
     config = load_config(None, ["parallel.data=8", "parallel.micro_batch_size=2"])

@@ -54,7 +54,23 @@ def test_layout_matches_single_process(world, single, layout):
     assert tags["world_size"] == str(expected_world) and run.data.params["layout.world_size"] == str(expected_world)
     for key in ("layout.dp", "layout.tp", "layout.pp", "layout.bubble_fraction", "layout.schedule"):
         assert key in tags
+    assert_runtime_applied(world["root"] / "runs" / layout, expected_world, tags)
     world["losses"][layout] = losses
+
+
+def assert_runtime_applied(run_dir: Path, processes: int, tags: dict) -> None:
+    """Every rank (not only the launcher) runs with the CPU math settings: its share of the cores, MKL's AMD switch
+    exactly on AMD CPUs (pipeline/cpu_runtime.py)."""
+    from pipeline import cpu_runtime
+
+    threads = str(max(1, cpu_runtime.available_cores() // processes))
+    switch = "5" if cpu_runtime.cpu_vendor() == "AuthenticAMD" else "unset"
+    for rank in range(processes):
+        log = (run_dir / "logs" / f"workerlog.{rank}").read_text()
+        line = next(l for l in log.splitlines() if l.startswith("cpu runtime: "))
+        seen = dict(item.split("=", 1) for item in line[len("cpu runtime: "):].split())
+        assert (seen["threads"], seen["mkl_debug_cpu_type"]) == (threads, switch), (rank, line)
+    assert (tags["runtime.threads"], tags["runtime.mkl_debug_cpu_type"]) == (threads, switch)
 
 
 def test_tp2pp2_checkpoint_merges_into_a_single_model(world):

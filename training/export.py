@@ -16,7 +16,6 @@ and the renamed directory are undone in reverse order if a later step fails (e.g
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import shutil
@@ -31,6 +30,7 @@ from pipeline import REPO_ROOT, tracking  # (pipeline first: zlib before paddle)
 
 import paddle  # noqa: E402
 from pipeline.config import Config, ConfigError, load_config
+from training import dy2static_fix
 from training.checkpoints import COMPLETE_MARKER
 
 MODEL_PREFIX = "model"
@@ -124,34 +124,6 @@ def fetch_inputs(client, chosen: Selection, scratch: Path) -> tuple[Path, Path, 
 # ---------------------------------------------------------------------------------------------------------------------
 # Static-graph conversion.
 
-def _rms_norm_forward(self, hidden_states):
-    # Plain LlamaRMSNorm (no fused kernel, float32 weights) without the early returns dy2static mis-handles.
-    hidden_states = hidden_states.astype("float32")
-    variance = hidden_states.pow(2).mean(-1, keepdim=True)
-    return paddle.rsqrt(variance + self.variance_epsilon) * hidden_states * self.weight
-
-
-def _mlp_forward(self, x):
-    # Plain LlamaMLP (fuse_attention_ffn=False): down(silu(gate(x)) * up(x)).
-    return self.down_proj(paddle.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-@contextlib.contextmanager
-def jit_friendly_llama():
-    """Export-only fix for PaddleNLP 2.8.1 on Paddle 2.6.2: dy2static mis-transforms the early returns in
-    `LlamaRMSNorm.forward` and `LlamaMLP.forward` (NameError: __return_14). For the exported configuration (no fused
-    kernels, float32) they are replaced by the plain equivalents above while converting, then restored.
-    (They are module-level functions because dy2static re-executes their source with the module's globals.)"""
-    from paddlenlp.transformers.llama import modeling
-
-    saved = modeling.LlamaRMSNorm.forward, modeling.LlamaMLP.forward
-    modeling.LlamaRMSNorm.forward, modeling.LlamaMLP.forward = _rms_norm_forward, _mlp_forward
-    try:
-        yield
-    finally:
-        modeling.LlamaRMSNorm.forward, modeling.LlamaMLP.forward = saved
-
-
 def logits_only(model):
     import paddle
 
@@ -172,7 +144,7 @@ def save_static(model, prefix: Path) -> None:
     import paddle
 
     spec = [paddle.static.InputSpec(shape=[None, None], dtype="int64", name=FEED_NAME)]
-    with jit_friendly_llama():
+    with dy2static_fix.jit_friendly_llama():
         static = paddle.jit.to_static(logits_only(model), input_spec=spec, full_graph=True)
         paddle.jit.save(static, str(prefix))
 

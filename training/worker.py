@@ -38,6 +38,15 @@ def make_trainer(**kwargs):
     return LayoutIndependentTrainer(**kwargs)
 
 
+def prepare_model(config, model):
+    """The model as it trains: with training.compile, its forward runs as one static program (dy2static_fix)."""
+    if config.training.compile:
+        from training import dy2static_fix
+
+        dy2static_fix.compile_forward(model)
+    return model
+
+
 def training_arguments(config, layout: ParallelLayout, output_dir: Path):
     from paddlenlp.trainer import TrainingArguments
 
@@ -105,6 +114,12 @@ def main(argv: list[str] | None = None) -> None:
     import paddle
 
     paddle.set_device(layout.device)
+    if layout.device == "cpu":
+        from pipeline import cpu_runtime
+
+        threads = layout.threads_per_rank()
+        cpu_runtime.apply_threads(threads)
+        print("cpu runtime: " + " ".join(f"{k}={v}" for k, v in cpu_runtime.describe(threads).items()), flush=True)
     world = int(os.environ.get("PADDLE_TRAINERS_NUM", "1"))
     if world != layout.world_size:
         raise SystemExit(f"launched with {world} processes but the layout {layout.name} needs {layout.world_size}")
@@ -132,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = load_tokenizer(run_dir / "tokenizer")
     paddle.seed(config.training.seed)
     model = build_model(config, tokenizer, layout.tp, train_args.tensor_parallel_rank, pipeline=layout.pp > 1)
+    model = prepare_model(config, model)
 
     mlflow_logger = None
     run_id = os.environ.get("PIPELINE_MLFLOW_RUN_ID")

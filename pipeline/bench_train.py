@@ -1,0 +1,150 @@
+"""One training-speed trial of `make bench`, in its own process (the CPU runtime settings must be in place before
+paddle loads, so each setting needs a fresh process).
+
+    python -m pipeline.bench_train --run-dir <a prepared run> --setting <name> --steps N
+
+Measures, under one setting, on the run's model and data (the batch of its config):
+- matmul peak: best fp32 matmul rate at a few sizes (the ceiling for MFU);
+- the project's step: PaddleNLP Trainer as the worker builds it (training_arguments, make_trainer), eval and
+  checkpoints off, median time between step ends;
+- a bare Paddle loop: the same model, batches and AdamW, forward + backward + step, nothing else.
+Prints one JSON line `TRIAL {...}`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+# setting -> (environment before paddle loads, config overrides)
+SETTINGS = {
+    # as the project ran before issue 12: one math thread, MKL's own CPU detection, eager forward
+    "before": ({"PIPELINE_MKL_AMD_FIX": "off"}, ["parallel.cpu_threads=1", "training.compile=false"]),
+    "threads": ({"PIPELINE_MKL_AMD_FIX": "off"}, ["parallel.cpu_threads=0", "training.compile=false"]),
+    "threads+mkl": ({}, ["parallel.cpu_threads=0", "training.compile=false"]),
+    "threads+mkl+compile": ({}, ["parallel.cpu_threads=0", "training.compile=true"]),
+}
+
+
+def matmul_peak(sizes=(512, 1024, 2048), repeats: int = 5) -> float:
+    """Best fp32 matmul FLOP/s over a few square sizes (the machine is shared: the best run is the ceiling)."""
+    import paddle
+
+    best = 0.0
+    for size in sizes:
+        a, b = paddle.randn([size, size]), paddle.randn([size, size])
+        paddle.matmul(a, b).numpy()
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            paddle.matmul(a, b).numpy()
+            best = max(best, 2 * size**3 / (time.perf_counter() - t0))
+    return best
+
+
+def flops_per_token(model, config) -> float:
+    """6 N + 12 L h s (PaLM appendix): N = weights without the embedding table, forward + backward."""
+    weights = sum(int(p.size) for n, p in model.named_parameters() if "embed_tokens" not in n)
+    m = config.model
+    return 6 * weights + 12 * m.num_layers * m.hidden_size * config.training.seq_length
+
+
+def project_step_times(config, run_dir: Path, steps: int, scratch: Path) -> list[float]:
+    import paddle
+    from paddlenlp.data import default_data_collator
+    from paddlenlp.trainer import TrainerCallback
+
+    from pipeline.layout import ParallelLayout
+    from training.data import BlockDataset, load_tokenizer
+    from training.model import build_model
+    from training.worker import make_trainer, prepare_model, training_arguments
+
+    layout = ParallelLayout.from_config(config)
+    ends: list[float] = []
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            ends.append(time.perf_counter())
+
+    args = training_arguments(config, layout, scratch)
+    args.do_eval, args.evaluation_strategy, args.save_strategy = False, "no", "no"
+    paddle.seed(config.training.seed)
+    model = prepare_model(config, build_model(config, load_tokenizer(run_dir / "tokenizer"), 1, 0, pipeline=False))
+    trainer = make_trainer(model=model, args=args, train_dataset=BlockDataset(run_dir / "data" / "train.npy"),
+                           data_collator=default_data_collator, callbacks=[StepClock()])
+    trainer.train()
+    return [b - a for a, b in zip(ends, ends[1:])][1:]  # the first steps include warm-up
+
+
+def bare_step_times(config, run_dir: Path, steps: int) -> list[float]:
+    """The same model (compiled or not, as the setting says), batches and AdamW: forward + backward + step only."""
+    import numpy as np
+    import paddle
+
+    from training.data import load_tokenizer
+    from training.model import build_model
+    from training.worker import prepare_model
+
+    paddle.seed(config.training.seed)
+    model = prepare_model(config, build_model(config, load_tokenizer(run_dir / "tokenizer"), 1, 0, pipeline=False))
+    t = config.training
+    optimizer = paddle.optimizer.AdamW(t.learning_rate, parameters=model.parameters(), weight_decay=t.weight_decay)
+    blocks = np.load(run_dir / "data" / "train.npy")
+    batch = config.parallel.micro_batch_size
+    times = []
+    for step in range(steps):
+        block = paddle.to_tensor(blocks[(step * batch) % (len(blocks) - batch):][:batch].astype("int64"))
+        t0 = time.perf_counter()
+        loss = model(input_ids=block[:, :-1], labels=block[:, 1:], return_dict=False)[0]
+        loss.backward()
+        optimizer.step()
+        optimizer.clear_grad()
+        float(loss)
+        times.append(time.perf_counter() - t0)
+    return times[2:]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--setting", required=True, choices=sorted(SETTINGS))
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--scratch", required=True)
+    args = parser.parse_args(argv)
+    from pipeline import cpu_runtime
+    from pipeline.config import load_config
+    from pipeline.layout import ParallelLayout
+
+    run_dir = Path(args.run_dir)
+    micro = load_config(run_dir / "config.yaml").parallel.micro_batch_size
+    single = ["parallel.data=1", "parallel.tensor=1", "parallel.pipeline=1", "parallel.sharding_stage=0",
+              "parallel.sharding_degree=1", "parallel.accumulation_steps=1", f"training.global_batch_size={micro}"]
+    config = load_config(run_dir / "config.yaml", [*SETTINGS[args.setting][1], f"training.max_steps={args.steps}",
+                                                   *single])
+    import paddle
+
+    paddle.set_device("cpu")
+    threads = ParallelLayout.from_config(config).threads_per_rank()
+    cpu_runtime.apply_threads(threads)
+    peak = matmul_peak()
+    ours = project_step_times(config, run_dir, args.steps, Path(args.scratch))
+    bare = bare_step_times(config, run_dir, max(6, args.steps // 2))
+    from training.data import load_tokenizer
+    from training.model import build_model
+
+    fpt = flops_per_token(build_model(config, load_tokenizer(run_dir / "tokenizer"), 1, 0, pipeline=False), config)
+    tokens = config.parallel.micro_batch_size * config.training.seq_length
+    import numpy as np
+
+    ours_s, bare_s = float(np.median(ours)), float(np.median(bare))
+    print("TRIAL " + json.dumps({
+        "setting": args.setting, "runtime": cpu_runtime.describe(threads), "matmul_peak_gflops": peak / 1e9,
+        "tokens_per_s": tokens / ours_s, "step_s": ours_s, "bare_step_s": bare_s, "bare_tokens_per_s": tokens / bare_s,
+        "flops_per_token": fpt, "mfu": tokens / ours_s * fpt / peak}), flush=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""CPU math runtime decisions (pipeline/cpu_runtime.py): fast, no training."""
+import pytest
+
+from pipeline import cpu_runtime
+from pipeline.config import ConfigError, load_config
+from pipeline.layout import ParallelLayout
+
+
+@pytest.mark.parametrize("vendor, version, environ, expected", [
+    ("AuthenticAMD", "2019.0.5", {}, "5"),                      # Paddle 2.6.2's MKL on AMD: fast kernels
+    ("AuthenticAMD", "2020.0.4", {}, "5"),                      # last release that reads the switch
+    ("AuthenticAMD", "2020.1", {}, None),                        # 2020.1 removed it: setting it would do nothing
+    ("AuthenticAMD", "", {}, None),                              # no MKL (OpenBLAS / GPU build)
+    ("GenuineIntel", "2019.0.5", {}, None),                      # harmful on Intel (measured 174 -> 104 GFLOP/s)
+    ("AuthenticAMD", "2019.0.5", {"MKL_DEBUG_CPU_TYPE": "2"}, None),      # the user's own value wins
+    ("AuthenticAMD", "2019.0.5", {"PIPELINE_MKL_AMD_FIX": "off"}, None),  # switched off (benchmarks)
+])
+def test_mkl_switch_decision(vendor, version, environ, expected):
+    assert cpu_runtime.mkl_switch_value(vendor, version, environ) == expected
+
+
+def test_bundled_mkl_version_is_read():
+    """The version comes from the library Paddle ships (2.6.2: MKL 2019.0.5), without importing paddle."""
+    import os
+
+    os.environ.pop("PIPELINE_MKL_VERSION", None)
+    version = cpu_runtime.mkl_version()
+    assert version.startswith("2019.0.5"), version
+    assert cpu_runtime.honours_vendor_switch(version)
+
+
+@pytest.mark.parametrize("configured, processes, cores, expected", [
+    (0, 1, 2, 2), (0, 2, 2, 1), (0, 4, 2, 1), (0, 2, 16, 8), (0, 3, 16, 5), (3, 2, 16, 3)])
+def test_threads_per_process(configured, processes, cores, expected):
+    assert cpu_runtime.threads_per_process(configured, processes, cores) == expected
+
+
+def test_threads_override_must_fit_the_cores(monkeypatch):
+    monkeypatch.setattr("pipeline.cpu_runtime.available_cores", lambda: 4)
+    ok = ParallelLayout.from_config(load_config(None, ["parallel.data=2", "parallel.micro_batch_size=8",
+                                                       "parallel.cpu_threads=2"]))
+    ok.check_fits_machine()
+    assert ok.threads_per_rank() == 2
+    too_many = ParallelLayout.from_config(load_config(None, ["parallel.data=2", "parallel.micro_batch_size=8",
+                                                             "parallel.cpu_threads=3"]))
+    with pytest.raises(ConfigError, match=r"2 processes x 3 threads = 6 > the 4 cores"):
+        too_many.check_fits_machine()
+    with pytest.raises(ConfigError, match="parallel.cpu_threads: must be >= 0"):
+        load_config(None, ["parallel.cpu_threads=-1"])
+
+
+def test_compile_refused_for_model_parallel_layouts():
+    with pytest.raises(ConfigError, match="training.compile: the compiled forward supports single-device"):
+        load_config(None, ["training.compile=true", "parallel.tensor=2"])
+    load_config(None, ["training.compile=true", "parallel.data=2", "parallel.micro_batch_size=8"])

@@ -1,0 +1,60 @@
+"""Platform workaround: PaddleNLP 2.8.1's Llama under Paddle 2.6.2's dy2static (`paddle.jit.to_static`).
+
+The bug: dy2static mis-transforms the early returns in `LlamaRMSNorm.forward` and `LlamaMLP.forward`
+(`NameError: __return_14`), so `paddle.jit.save` of the model fails, and `to_static(full_graph=True)` of a training
+forward fails the same way (the default SOT mode instead captures nothing on CPU: "SubgraphNum: 0").
+The fix: for the configuration this project builds (no fused kernels, no fused FFN, float32 norm weights) the two
+forwards are replaced by their plain equivalents below. Used by export (while converting) and by compiled training
+(`training.compile`, for the whole run). They are module-level functions because dy2static re-executes their source
+with the module's globals.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pipeline  # noqa: F401  (zlib before paddle)
+import paddle  # noqa: E402
+
+
+def _rms_norm_forward(self, hidden_states):
+    # Plain LlamaRMSNorm (no fused kernel, float32 weights) without the early returns dy2static mis-handles.
+    hidden_states = hidden_states.astype("float32")
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return paddle.rsqrt(variance + self.variance_epsilon) * hidden_states * self.weight
+
+
+def _mlp_forward(self, x):
+    # Plain LlamaMLP (fuse_attention_ffn=False): down(silu(gate(x)) * up(x)).
+    return self.down_proj(paddle.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def apply() -> tuple:
+    """Replace the two forwards; returns what `restore` needs."""
+    from paddlenlp.transformers.llama import modeling
+
+    saved = modeling.LlamaRMSNorm.forward, modeling.LlamaMLP.forward
+    modeling.LlamaRMSNorm.forward, modeling.LlamaMLP.forward = _rms_norm_forward, _mlp_forward
+    return saved
+
+
+def restore(saved: tuple) -> None:
+    from paddlenlp.transformers.llama import modeling
+
+    modeling.LlamaRMSNorm.forward, modeling.LlamaMLP.forward = saved
+
+
+@contextlib.contextmanager
+def jit_friendly_llama():
+    """The fix for the duration of a conversion (export)."""
+    saved = apply()
+    try:
+        yield
+    finally:
+        restore(saved)
+
+
+def compile_forward(model) -> None:
+    """Training: run the model's forward as one static program (whole-graph dy2static), the fix applied for good.
+    Parameters, state_dict and checkpoints are those of the eager model; only the forward's execution changes."""
+    apply()
+    model.forward = paddle.jit.to_static(model.forward, full_graph=True)
