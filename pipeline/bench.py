@@ -25,7 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline import REPO_ROOT, tracking
+from pipeline import REPO_ROOT, exportdir, tracking
+from pipeline.config import DEFAULT_CONFIG
 
 # Model FLOPs per trained token: 6 N (forward + backward of every weight) + 12 L h s (attention scores and values,
 # forward + backward; L layers, h hidden size, s sequence length) -- the PaLM-appendix estimate.
@@ -38,7 +39,7 @@ BASE = ["data.max_documents=3000", "tokenizer.min_frequency=1", "training.eval_i
 
 def train_run(name: str, overrides: list[str], out: Path, uri: str) -> dict:
     """A real `pipeline train` in a subprocess; returns its MLflow metrics (tokens/s without the first interval)."""
-    cmd = [sys.executable, "-m", "pipeline", "train", "--config", str(REPO_ROOT / "configs" / "tiny.yaml"),
+    cmd = [sys.executable, "-m", "pipeline", "train", "--config", str(DEFAULT_CONFIG),
            f"training.runs_dir={out / 'runs'}", f"training.run_name={name}", "tracking.experiment=bench-train",
            f"export.exports_dir={out / 'exports'}", "export.registered_model_name=bench-model", *BASE, *overrides]
     env = dict(os.environ, MLFLOW_TRACKING_URI=uri, PYTHONPATH=str(REPO_ROOT))
@@ -64,7 +65,7 @@ def runtime_trials(out: Path, repeats: int, steps: int, quick: bool) -> dict:
 
     run_dir = out / "runtime-run"
     shutil.rmtree(run_dir, ignore_errors=True)
-    config = load_config(REPO_ROOT / "configs" / "tiny.yaml", ["training.seq_length=32"] if quick else [])
+    config = load_config(DEFAULT_CONFIG, ["training.seq_length=32"] if quick else [])
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
     prepare(config, run_dir / "data", run_dir / "tokenizer")
@@ -108,7 +109,8 @@ from pipeline.config import load_config
 from pipeline.layout import ParallelLayout
 from paddlenlp.data import default_data_collator
 from paddlenlp.trainer import Trainer, TrainingArguments
-from training.data import BlockDataset, load_tokenizer
+from pipeline.tokenizer import load_tokenizer
+from training.data import BlockDataset
 from training.model import build_model
 run_dir = Path({str(run_dir)!r})
 config = load_config(run_dir / "config.yaml")
@@ -245,20 +247,20 @@ def _export(run_id: str, uri: str) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"bench export failed:\n{proc.stderr[-3000:]}")
     export_dir = proc.stdout.strip().splitlines()[-1].split(": ", 1)[1]
-    meta = json.loads((Path(export_dir) / "export.json").read_text())
+    meta = exportdir.read_meta(Path(export_dir))
     return {**meta, "export_dir": export_dir}
 
 
 def _bench_serving(export_dir: Path, uri: str, out: Path, quick: bool) -> dict:
     from pipeline.config import load_config
     from pipeline.processes import free_port, port_in_use
+    from pipeline.exportdir import create_predictor, predict
     from serving import server
     from serving.client import GenerationClient
     from serving.generation import GenerationSettings
-    from serving.service import ExportedModel
-    from training.export import create_predictor, predict
+    from serving.model import ExportedModel
 
-    config = load_config(REPO_ROOT / "configs" / "tiny.yaml",
+    config = load_config(DEFAULT_CONFIG,
                          [f"serving.http_port={free_port()}", f"serving.rpc_port={free_port()}"])
     state_dir = out / "serving"
     prompt, new_tokens, count = "这本书", 8, (10 if quick else 40)

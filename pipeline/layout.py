@@ -8,8 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 from pipeline import cpu_runtime
-from pipeline.config import Config, ConfigError
+from pipeline.errors import ConfigError, require
+
+if TYPE_CHECKING:  # (the config module imports this one to validate the layout)
+    from pipeline.config import Config
 
 AXES = ("data", "pipe", "sharding", "model")
 
@@ -132,10 +137,6 @@ class ParallelLayout:
     # -- validation ---------------------------------------------------------------------------------------------------
     def _validate(self, config: Config) -> None:
         m, p = config.model, config.parallel
-
-        def require(ok: bool, message: str) -> None:
-            if not ok:
-                raise ConfigError(message)
 
         require(self.device in ("cpu", "gpu"), f"parallel.device: {self.device!r} is not allowed; use 'cpu' or 'gpu'")
         for key in ("data", "tensor", "pipeline", "sharding_degree", "micro_batch_size", "accumulation_steps",

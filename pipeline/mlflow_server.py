@@ -8,14 +8,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 from pipeline import REPO_ROOT
 from pipeline.config import ConfigError
-from pipeline.processes import group_alive, port_in_use
+from pipeline.processes import group_alive, log_tail, port_in_use, start_group, stop_group, wait_ready
 
 SETTINGS = REPO_ROOT / "mlflow" / "server.env"
 STATE_DIR = REPO_ROOT / "mlflow" / "server"
@@ -39,43 +37,27 @@ def start(host: str, port: int, backend_store: Path, artifacts: Path, state_dir:
         raise ConfigError(f"an MLflow server is already running ({state_file}); `make mlflow-stop` first")
     if port_in_use(port):
         raise ConfigError(f"port {port} is in use; change PORT in mlflow/server.env")
-    state_dir.mkdir(parents=True, exist_ok=True)
-    backend_store.parent.mkdir(parents=True, exist_ok=True)
-    artifacts.mkdir(parents=True, exist_ok=True)
+    for directory in (state_dir, backend_store.parent, artifacts):
+        directory.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")  # no extra job-runner processes
     cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{backend_store}",
            "--artifacts-destination", str(artifacts), "--host", host, "--port", str(port), "--workers", str(workers)]
-    with open(state_dir / "server.log", "ab") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, cwd=state_dir)
+    proc = start_group(cmd, state_dir / "server.log", state_dir, env)
     url = f"http://{host}:{port}"
     state = {"pid": proc.pid, "url": url}
     state_file.write_text(json.dumps(state))
-    deadline = time.time() + timeout_s
-    while True:
-        try:
-            if requests.get(url + "/health", timeout=2).ok:
-                return state
-        except requests.RequestException:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            stop(state_dir)
-            tail = (state_dir / "server.log").read_text(errors="replace").splitlines()[-20:]
-            raise ConfigError("the MLflow server did not become healthy; last log lines:\n" + "\n".join(tail))
-        time.sleep(0.5)
+    if wait_ready(proc, lambda: requests.get(url + "/health", timeout=2).ok, timeout_s) != "ready":
+        stop(state_dir)
+        raise ConfigError("the MLflow server did not become healthy; last log lines:\n"
+                          + log_tail(state_dir / "server.log", 20))
+    return state
 
 
 def stop(state_dir: Path) -> bool:
     state_file = state_dir / "server.json"
     if not state_file.exists():
         return False
-    pgid = json.loads(state_file.read_text())["pid"]
-    for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
-        if group_alive(pgid):
-            os.killpg(pgid, sig)
-            deadline = time.time() + wait_s
-            while group_alive(pgid) and time.time() < deadline:
-                time.sleep(0.2)
+    stop_group(json.loads(state_file.read_text())["pid"], ((signal.SIGTERM, 15.0), (signal.SIGKILL, 10.0)))
     state_file.unlink(missing_ok=True)
     return True
 

@@ -1,4 +1,4 @@
-"""Background-process helpers shared by the serving endpoint and the MLflow server."""
+"""Process helpers: /proc readers, ports, signals to process trees, background server groups."""
 from __future__ import annotations
 
 import socket
@@ -95,3 +95,58 @@ _prctl_pdeathsig = _resolve_prctl()
 def child_dies_with_parent(sig: int = 15):
     """A Popen `preexec_fn`: the child gets `sig` when this process exits (see die_with_parent)."""
     return lambda: _prctl_pdeathsig(sig)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Background servers (the serving endpoint, the MLflow server): one process group each, started, polled, stopped.
+
+def start_group(cmd: list[str], log_file: Path, cwd: Path, env: dict):
+    """Start `cmd` in its own session (so its whole process tree can be signalled), output appended to log_file."""
+    import subprocess
+
+    with open(log_file, "ab") as log:
+        return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def wait_ready(proc, ready, timeout_s: float, poll_s: float = 0.5) -> str:
+    """Poll `ready()` (exceptions count as not ready) until it is true: "ready", "exited" (the process died) or
+    "timeout"."""
+    import time
+
+    deadline = time.time() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            return "exited"
+        try:
+            if ready():
+                return "ready"
+        except Exception:  # noqa: BLE001  (connection errors while the server comes up)
+            pass
+        if time.time() > deadline:
+            return "timeout"
+        time.sleep(poll_s)
+
+
+def stop_group(pgid: int, steps=((2, 15.0), (9, 10.0))) -> None:
+    """Send each (signal, wait seconds) of `steps` to the group while anything in it lives."""
+    import os
+    import time
+
+    for sig, wait_s in steps:
+        if not group_alive(pgid):
+            return
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.time() + wait_s
+        while group_alive(pgid) and time.time() < deadline:
+            time.sleep(0.2)
+
+
+def log_tail(path: Path, lines: int) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""

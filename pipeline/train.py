@@ -229,8 +229,8 @@ def run(config_path: str | None, overrides: list[str], resume: str = "", dry_run
     uri = tracking.tracking_uri(config)
     layout = ParallelLayout.from_config(config)
     params = estimate_parameters(config)
-    print(f"model: {params / 1e9:.2f}B parameters (vocabulary <= {config.tokenizer.max_vocab_size}), about "
-          f"{params / (layout.tp * layout.pp) / 1e9:.2f}B per rank\n" + layout.describe(), flush=True)
+    print(f"model: {_count(params)} parameters (vocabulary <= {config.tokenizer.max_vocab_size}), about "
+          f"{_count(params / (layout.tp * layout.pp))} per rank\n" + layout.describe(), flush=True)
     if dry_run:
         return 0
     layout.check_fits_machine()
@@ -301,6 +301,10 @@ def run(config_path: str | None, overrides: list[str], resume: str = "", dry_run
               f"RESUME={run_dir}", flush=True)
     print(f"run directory: {run_dir}", flush=True)
     return returncode
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
 def _new_run_dir(config: Config) -> Path:

@@ -92,10 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     url, rpc = args.url, args.rpc
     if not url or (args.grpc and not rpc):
-        from pipeline.config import load_config
-        from serving.server import default_state_dir, read_state
+        from pipeline.config import DEFAULT_CONFIG, load_config
+        from serving.state import default_state_dir, read_state
 
-        state = read_state(default_state_dir(load_config(None)))
+        state = read_state(default_state_dir(load_config(DEFAULT_CONFIG)))
         if not state:
             print("error: no running server found; start one with `make serve` or pass --url/--rpc", file=sys.stderr)
             return 2

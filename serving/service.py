@@ -16,17 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import serving  # noqa: F401  (zlib first; paddle_serving_client stand-in)
-from serving.generation import GenerationSettings, generate
+from serving.generation import GenerationSettings
+from serving.model import ExportedModel, RequestError
 
 # Application error codes, returned as err_no (Paddle Serving's own codes are below 1000 or negative).
 BAD_REQUEST = 8001
 INTERNAL_ERROR = 8002
 FIELDS = ("prompt", "max_new_tokens", "temperature", "top_k", "seed")
 PREDICTOR_LOCK = threading.Lock()
-
-
-class RequestError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -91,42 +88,6 @@ def parse_request(fields: dict, limits: Limits) -> tuple[str, GenerationSettings
         seed=_number("seed", fields.get("seed", "0"), int, 0, 2**31 - 1),
     )
     return prompt, settings
-
-
-class ExportedModel:
-    """What serving needs from an export directory besides the graph: tokenizer, lineage, generation limits."""
-
-    def __init__(self, export_dir: Path | str):
-        from training.data import load_tokenizer
-
-        self.dir = Path(export_dir)
-        self.meta = json.loads((self.dir / "export.json").read_text())
-        self.tokenizer = load_tokenizer(self.dir / "tokenizer")
-        tok = self.tokenizer
-        self.eos_id = int(self.meta["eos_token_id"])
-        self.banned_ids = [tok.pad_token_id, tok.unk_token_id, tok.cls_token_id, tok.mask_token_id]
-        self.max_length = int(self.meta["max_position_embeddings"])
-
-    def encode(self, prompt: str) -> list[int]:
-        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        if not ids:
-            raise RequestError("prompt has no tokens after tokenization")
-        if len(ids) >= self.max_length:
-            raise RequestError(f"prompt is {len(ids)} tokens; the model's maximum length is {self.max_length}")
-        return ids
-
-    def decode(self, ids: list[int]) -> str:
-        from training.data import decode
-
-        return decode(self.tokenizer, [i for i in ids if i != self.eos_id])
-
-    def generate(self, forward, prompt_ids: list[int], settings: GenerationSettings) -> list[int]:
-        return generate(forward, prompt_ids, settings, self.eos_id, self.banned_ids, len(self.tokenizer),
-                        self.max_length)
-
-    def lineage(self) -> dict[str, str]:
-        return {"model_name": self.meta["registered_model_name"], "model_version": str(self.meta["version"]),
-                "source_run_id": self.meta["source_run_id"], "checkpoint_step": str(self.meta["checkpoint_step"])}
 
 
 def _make_op_classes(model_dir: Path, limits: Limits):

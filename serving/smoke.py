@@ -1,59 +1,19 @@
-"""`make smoke`: real HTTP and gRPC calls against the running service, checked against in-process generation.
+"""`make smoke`: real HTTP and gRPC calls against the running service, checked against the export directory.
 
-Checks: answers have err_no 0; greedy output for fixed prompts equals greedy generation in this process with the
-same exported graph (paddle.inference) and with the dynamic model from the source checkpoint; a bad request gets
-err_no != 0 and the next good request succeeds; the lineage fields match the MLflow model registry.
+Checks: answers have err_no 0; greedy output for the reference prompts equals greedy generation in this process
+with the same exported graph (paddle.inference) and the dynamic model's greedy tokens that export recorded
+(reference.json: the served path reproduces the checkpoint it came from, with no training code needed here); a bad
+request gets err_no != 0 and the next good request succeeds; the lineage fields match the MLflow model registry.
 """
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 import serving  # noqa: F401
+from pipeline import exportdir
 from serving.client import GenerationClient, ServingError
 from serving.generation import GenerationSettings
-from serving.service import ExportedModel
-
-PROMPTS = ("人工智能", "这本书", "快递很快，")
-MAX_NEW_TOKENS = 8
-
-
-def source_checkpoint(meta: dict, registry_client, scratch: Path, log=print) -> Path | None:
-    """The export's source checkpoint: on this machine, else downloaded from the run's artifacts when it was
-    uploaded (tracking.checkpoint_artifacts), else None."""
-    local = Path(meta["checkpoint"])
-    if local.is_dir():
-        return local
-    uri = meta.get("checkpoint_uri", "")
-    if not uri or registry_client is None:
-        return None
-    from mlflow.store.artifact.runs_artifact_repo import RunsArtifactRepository
-
-    run_id, path = RunsArtifactRepository.parse_runs_uri(uri)
-    log(f"     downloading the source checkpoint {uri}")
-    return Path(registry_client.download_artifacts(run_id, path, str(scratch)))
-
-
-def in_process_generators(model: ExportedModel, checkpoint: Path | None):
-    """forward() callables for the exported graph (paddle.inference) and, when its checkpoint is at hand, the
-    dynamic model it was exported from."""
-    import paddle
-
-    from training.export import create_predictor, predict
-    from training.model import load_merged
-
-    predictor = create_predictor(model.dir)
-    forwards = {"paddle.inference": lambda ids: predict(predictor, ids)}
-    if checkpoint is not None:
-        dynamic = load_merged(checkpoint)
-        dynamic.eval()
-
-        def dynamic_forward(ids):
-            with paddle.no_grad():
-                return dynamic(paddle.to_tensor(ids), use_cache=False, return_dict=False)[0].numpy()
-
-        forwards["dynamic"] = dynamic_forward
-    return forwards
+from serving.model import ExportedModel
 
 
 def run_smoke(state: dict, registry_client=None, log=print) -> list[str]:
@@ -67,22 +27,23 @@ def run_smoke(state: dict, registry_client=None, log=print) -> list[str]:
 
     client = GenerationClient(state["http_url"], state["rpc_address"], timeout=60)
     model = ExportedModel(Path(state["model_dir"]))
-    with tempfile.TemporaryDirectory() as scratch:
-        checkpoint = source_checkpoint(model.meta, registry_client, Path(scratch), log)
-        if checkpoint is None:
-            log(f"note: the source checkpoint {model.meta['checkpoint']} is neither on this machine nor in MLflow: "
-                f"served output is compared with the exported graph only")
-        references = in_process_generators(model, checkpoint)
-    settings = GenerationSettings(max_new_tokens=MAX_NEW_TOKENS)
-    for prompt in PROMPTS:
-        http = client.generate(prompt, max_new_tokens=MAX_NEW_TOKENS)
-        grpc = client.generate_grpc(prompt, max_new_tokens=MAX_NEW_TOKENS)
+    predictor = exportdir.create_predictor(model.dir)
+    recorded = exportdir.read_references(model.dir)
+    check(set(recorded) == set(exportdir.REFERENCE_PROMPTS),
+          f"the export recorded the dynamic model's greedy tokens for {len(recorded)} reference prompts")
+    n = exportdir.REFERENCE_NEW_TOKENS
+    settings = GenerationSettings(max_new_tokens=n)
+    for prompt in exportdir.REFERENCE_PROMPTS:
+        http = client.generate(prompt, max_new_tokens=n)
+        grpc = client.generate_grpc(prompt, max_new_tokens=n)
         log(f"     {prompt!r} -> {http.text!r} {http.token_ids}")
         check(http.token_ids == grpc.token_ids and http.text == grpc.text, f"{prompt!r}: HTTP == gRPC")
-        check(0 < len(http.token_ids) <= MAX_NEW_TOKENS, f"{prompt!r}: 1..{MAX_NEW_TOKENS} new tokens")
-        for name, forward in references.items():
-            expected = model.generate(forward, model.encode(prompt), settings)
-            check(http.token_ids == expected, f"{prompt!r}: served greedy == in-process {name} greedy")
+        check(0 < len(http.token_ids) <= n, f"{prompt!r}: 1..{n} new tokens")
+        in_process = model.generate(lambda ids: exportdir.predict(predictor, ids), model.encode(prompt), settings)
+        check(http.token_ids == in_process, f"{prompt!r}: served greedy == in-process paddle.inference greedy")
+        if prompt in recorded:
+            check(http.token_ids == recorded[prompt], f"{prompt!r}: served greedy == the dynamic model's greedy "
+                                                      f"(recorded at export)")
 
     try:
         client.generate("", max_new_tokens=4)

@@ -58,7 +58,7 @@ def make_init_weights(config_file: Path, runs_dir: Path, out: Path) -> Path:
 
     config = load_config(config_file, [f"training.runs_dir={runs_dir}"])
     prepare(config, out / "data", out / "tokenizer")
-    from training.data import load_tokenizer
+    from pipeline.tokenizer import load_tokenizer
 
     paddle.seed(1)
     model = build_model(config, load_tokenizer(out / "tokenizer"), 1, 0, pipeline=False)

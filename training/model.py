@@ -7,7 +7,7 @@ from pipeline.config import Config
 def llama_config(config: Config, tokenizer, tensor_parallel_degree: int = 1, tensor_parallel_rank: int = 0):
     from paddlenlp.transformers import LlamaConfig
 
-    from training.data import model_vocab_size
+    from pipeline.tokenizer import model_vocab_size
 
     m = config.model
     return LlamaConfig(

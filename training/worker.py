@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> None:
         from training import paddlenlp_resume
 
         paddlenlp_resume.apply()  # a checkpoint of any layout resumes on one process
-    from training.data import BlockDataset, load_tokenizer
+    from pipeline.tokenizer import load_tokenizer
+    from training.data import BlockDataset
     from training.model import build_model
 
     train_args = training_arguments(config, layout, run_dir / "checkpoints")

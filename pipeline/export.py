@@ -1,0 +1,302 @@
+"""`make export`: best run (MLflow) -> best checkpoint -> static graph -> parity gate -> export directory + run
+artifacts + registered model version.
+
+    select()          the best checkpoint (lowest export.metric) of the best FINISHED run, or of RUN_ID
+    fetch_inputs()    its checkpoint, config and tokenizer: from this machine's disk or the run's artifacts
+    build()           convert (training/convert.py), gate on logits and on greedy tokens, write the export
+                      directory's files (pipeline/exportdir.py) in a staging directory
+    publish()         log the directory to the source run (`exports/<name>/v<N>/`), register `runs:/...` (MLflow's
+                      convention, which a tracking server accepts; a local path it refuses), rename staging into place
+
+Publishing is all-or-nothing: the run artifacts, the registered version and the renamed directory are undone in
+reverse order if a later step fails (e.g. the tracking server goes away).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pipeline  # noqa: F401  (zlib before paddle)
+from pipeline import REPO_ROOT, exportdir, tracking
+from pipeline.config import DEFAULT_CONFIG, Config, ConfigError, load_config
+from training.checkpoints import COMPLETE_MARKER
+
+
+class ExportError(ConfigError):
+    """A reason the export cannot proceed; nothing has been published."""
+
+
+@dataclass
+class Selection:
+    run_id: str
+    run_name: str
+    info: dict  # the checkpoint's record: step, path (on the training machine), eval metrics, artifact if uploaded
+    metric: str
+
+    @property
+    def step(self) -> int:
+        return int(self.info["step"])
+
+    @property
+    def metric_value(self) -> float:
+        return float(self.info[self.metric])
+
+    @property
+    def local_checkpoint(self) -> Path | None:
+        path = Path(self.info["path"])
+        return path if (path / COMPLETE_MARKER).is_file() else None
+
+
+def run(experiment: str = "", metric: str = "", run_id: str = "", config_path: str | None = None,
+        overrides: list[str] | tuple[str, ...] = ()) -> dict:
+    """Select, fetch, build, publish. The export settings are the source run's config with `overrides` on top (e.g.
+    `export.exports_dir=...` on the machine that exports); `config_path` only names the experiment, metric and
+    tracking URI to select from."""
+    base = load_config(config_path or DEFAULT_CONFIG)
+    uri = tracking.tracking_uri(base)
+    tracking.check_reachable(uri)
+    client = tracking.client(uri)
+    chosen = select(client, experiment or base.tracking.experiment, metric or base.export.metric, run_id)
+    with tempfile.TemporaryDirectory(prefix="export-inputs-") as inputs:
+        checkpoint, config_file, tokenizer_dir = fetch_inputs(client, chosen, Path(inputs))
+        config = load_config(config_file, overrides)
+        root = REPO_ROOT / config.export.exports_dir / config.export.registered_model_name
+        root.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=root))
+        try:
+            meta = build(chosen, config, checkpoint, tokenizer_dir, staging)
+            return publish(client, chosen, meta, staging, root)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# select, fetch_inputs
+
+def select(client, experiment: str, metric: str, run_id: str = "") -> Selection:
+    """The best checkpoint (lowest `metric`) of the best FINISHED run, or of RUN_ID, that this machine can read:
+    on its disk, or uploaded to the run's artifacts (tracking.checkpoint_artifacts)."""
+    run = _source_run(client, experiment, metric, run_id)
+    refs = [a.path for a in client.list_artifacts(run.info.run_id, tracking.CHECKPOINT_ARTIFACTS)
+            if not a.is_dir and a.path.endswith(".json")]
+    candidates = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for ref in refs:
+            info = json.loads(Path(client.download_artifacts(run.info.run_id, ref, tmp)).read_text())
+            if metric in info and ((Path(info["path"]) / COMPLETE_MARKER).is_file() or info.get("artifact")):
+                candidates.append(info)
+    if not candidates:
+        raise ExportError(f"run {run.info.run_id} has no checkpoint with metric {metric!r} on this machine or in "
+                          f"its MLflow artifacts ({len(refs)} recorded; see tracking.checkpoint_artifacts)")
+    best = min(candidates, key=lambda info: (info[metric], -info["step"]))
+    return Selection(run_id=run.info.run_id, run_name=run.info.run_name, info=best, metric=metric)
+
+
+def _source_run(client, experiment: str, metric: str, run_id: str):
+    if run_id:
+        try:
+            return client.get_run(run_id)
+        except Exception:  # noqa: BLE001  (MlflowException for unknown ids, varies by store)
+            raise ExportError(f"RUN_ID={run_id}: no such MLflow run") from None
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        raise ExportError(f"EXPERIMENT={experiment}: no such MLflow experiment")
+    runs = [r for r in client.search_runs([exp.experiment_id], "attributes.status = 'FINISHED'",
+                                          order_by=[f"metrics.{metric} ASC"], max_results=200)
+            if metric in r.data.metrics]
+    if not runs:
+        raise ExportError(f"experiment {experiment!r} has no FINISHED run with metric {metric!r}; train first")
+    return runs[0]
+
+
+def fetch_inputs(client, chosen: Selection, scratch: Path) -> tuple[Path, Path, Path]:
+    """(checkpoint, config.yaml, tokenizer/) of the chosen run: from the training machine's run directory when it
+    is here, else downloaded from the run's MLflow artifacts into `scratch`."""
+    checkpoint = chosen.local_checkpoint
+    if checkpoint is not None:
+        run_dir = checkpoint.parent.parent
+        return checkpoint, run_dir / "config.yaml", run_dir / "tokenizer"
+    print(f"checkpoint-{chosen.step} is not on this machine: downloading {chosen.info['artifact']} from the run's "
+          f"MLflow artifacts", flush=True)
+    try:
+        checkpoint = Path(client.download_artifacts(chosen.run_id, chosen.info["artifact"], str(scratch)))
+        config = Path(client.download_artifacts(chosen.run_id, "config.yaml", str(scratch)))
+        tokenizer = Path(client.download_artifacts(chosen.run_id, "tokenizer", str(scratch)))
+    except Exception as exc:  # noqa: BLE001  (store / network errors)
+        raise ExportError(f"could not download checkpoint-{chosen.step} of run {chosen.run_id} "
+                          f"({exc.__class__.__name__}: {str(exc)[:200]})") from None
+    return checkpoint, config, tokenizer
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# build: convert, gate, write the export directory
+
+def build(chosen: Selection, config: Config, checkpoint: Path, tokenizer_dir: Path, staging: Path) -> dict:
+    """The complete export directory in `staging`; returns its export.json (version filled in by publish)."""
+    import paddle
+
+    from training import convert
+
+    print(f"run {chosen.run_id} ({chosen.run_name}); checkpoint step {chosen.step} ({chosen.metric} "
+          f"{chosen.metric_value:.5f}): {checkpoint}", flush=True)
+    timings = {}
+    t0 = time.time()
+    model = convert.load_checkpoint(checkpoint)
+    timings["load_s"] = time.time() - t0
+    t0 = time.time()
+    convert.save_static(model, staging)
+    timings["convert_s"] = time.time() - t0
+    t0 = time.time()
+    error = logits_gate(model, staging, config)
+    shutil.copytree(tokenizer_dir, exportdir.tokenizer_dir(staging))
+    predictor = exportdir.create_predictor(staging)
+    exportdir.write_serving_conf(staging, predictor.get_input_names()[0], predictor.get_output_names()[0],
+                                 model.config.vocab_size)
+    meta = {
+        "registered_model_name": config.export.registered_model_name, "version": None,
+        "source_run_id": chosen.run_id, "source_run_name": chosen.run_name,
+        "run_dir": str(Path(chosen.info["path"]).parent.parent), "checkpoint": chosen.info["path"],
+        "checkpoint_step": chosen.step,
+        "checkpoint_uri": f"runs:/{chosen.run_id}/{chosen.info['artifact']}" if chosen.info.get("artifact") else "",
+        "metric": chosen.metric, "metric_value": chosen.metric_value, "config_hash": config.digest(),
+        "paddle_version": paddle.__version__, "parity_max_abs_error": error,
+        "parity_tolerance": config.export.parity_tolerance, "parity_shapes": [list(s) for s in convert.PARITY_SHAPES],
+        "vocab_size": model.config.vocab_size, "seq_length": config.training.seq_length,
+        "max_position_embeddings": config.model.max_position_embeddings, "eos_token_id": model.config.eos_token_id,
+        "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "weights_sha256": exportdir.weights_sha256(staging), "timings_s": timings,
+    }
+    exportdir.write_meta(staging, meta)
+    references = tokens_gate(convert.dynamic_forward(model), predictor, staging)
+    exportdir.write_references(staging, references)
+    timings["parity_s"] = time.time() - t0
+    exportdir.write_meta(staging, meta)
+    return meta
+
+
+def logits_gate(model, staging: Path, config: Config) -> float:
+    """Both predictor configurations users run: plain (as served; bit-identical kernels) and IR-optimised (fused
+    passes change the arithmetic slightly). The gate takes the worse of the two."""
+    from training import convert
+
+    error = max(convert.parity_error(model, exportdir.create_predictor(staging, ir_optim), model.config.vocab_size,
+                                     config.training.seq_length) for ir_optim in (False, True))
+    tolerance = config.export.parity_tolerance
+    print(f"parity: max |dynamic - paddle.inference| = {error:.3e} over shapes {convert.PARITY_SHAPES} and "
+          f"ir_optim off/on (tolerance {tolerance:.0e})", flush=True)
+    if not error <= tolerance:
+        raise ExportError(f"parity check failed: max logit difference {error:.3e} > export.parity_tolerance "
+                          f"{tolerance:.0e}; nothing was published")
+    return error
+
+
+def tokens_gate(dynamic_forward, predictor, staging: Path) -> dict[str, list[int]]:
+    """Greedy continuations of the reference prompts: the served graph must produce the dynamic model's tokens
+    exactly. They are stored (reference.json) so that smoke can check a running server without the checkpoint."""
+    from serving.model import ExportedModel
+    from serving.generation import GenerationSettings
+
+    exported = ExportedModel(staging)
+    settings = GenerationSettings(max_new_tokens=exportdir.REFERENCE_NEW_TOKENS)
+    references = {}
+    for prompt in exportdir.REFERENCE_PROMPTS:
+        ids = exported.encode(prompt)
+        expected = exported.generate(dynamic_forward, ids, settings)
+        got = exported.generate(lambda x: exportdir.predict(predictor, x), ids, settings)
+        if got != expected:
+            raise ExportError(f"parity check failed: greedy tokens of the exported graph for {prompt!r} are {got}, "
+                              f"the dynamic model's {expected}; nothing was published")
+        references[prompt] = expected
+    print(f"greedy tokens: exported graph == dynamic model for {len(references)} prompts", flush=True)
+    return references
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# publish: run artifacts -> registered version -> export directory, all or nothing
+
+def publish(client, chosen: Selection, meta: dict, staging: Path, root: Path) -> dict:
+    name = meta["registered_model_name"]
+    try:
+        version = next_version(client, name)
+    except Exception as exc:  # noqa: BLE001  (tracking server unreachable)
+        raise ExportError(f"the model registry is unreachable ({exc.__class__.__name__}); nothing was published") \
+            from None
+    target = root / str(version)
+    if target.exists():
+        raise ExportError(f"{target} exists but the registry's next version of {name!r} is {version}; move it "
+                          f"away (it belongs to another tracking store) and export again")
+    artifact_path = f"{tracking.EXPORT_ARTIFACTS}/{name}/v{version}"
+    meta.update(version=version, artifact_uri=f"runs:/{chosen.run_id}/{artifact_path}")
+    exportdir.write_meta(staging, meta)
+    version_made = None
+    try:
+        client.log_artifacts(chosen.run_id, str(staging), artifact_path)
+        version_made = register(client, name, chosen.run_id, artifact_path, description=(
+            f"checkpoint-{chosen.step} of run {chosen.run_name}"), tags={
+            "parity_max_abs_error": f"{meta['parity_max_abs_error']:.3e}", "checkpoint_step": str(chosen.step),
+            "export_dir": str(target), "artifact_path": artifact_path, chosen.metric: f"{chosen.metric_value:.6f}"})
+        if int(version_made.version) != version:  # another export registered concurrently: follow the registry
+            version, target = int(version_made.version), root / version_made.version
+            meta["version"] = version
+            exportdir.write_meta(staging, meta)
+            client.log_artifact(chosen.run_id, str(staging / exportdir.META_FILE), artifact_path)
+            client.set_model_version_tag(name, version_made.version, "export_dir", str(target))
+        root.mkdir(parents=True, exist_ok=True)
+        staging.rename(target)  # atomic on one file system; fails if the directory appeared meanwhile
+    except BaseException as exc:
+        if version_made is not None:
+            _quietly(lambda: client.delete_model_version(name, version_made.version))
+        _delete_artifacts(client, chosen.run_id, artifact_path)
+        if isinstance(exc, Exception) and not isinstance(exc, ExportError):
+            first_line = str(exc).splitlines()[0][:200] if str(exc) else ""
+            raise ExportError(f"publishing failed ({exc.__class__.__name__}: {first_line}); nothing was published: "
+                              f"no export directory, no registered version") from None
+        raise
+    _quietly(lambda: client.set_tag(chosen.run_id, "exported_versions", ",".join(filter(None, [
+        client.get_run(chosen.run_id).data.tags.get("exported_versions"), str(version)]))))
+    print(f"logged to runs:/{chosen.run_id}/{artifact_path}\nregistered model {name!r} version {version}: {target}",
+          flush=True)
+    return meta
+
+
+def next_version(client, name: str) -> int:
+    versions = client.search_model_versions(f"name='{name}'")
+    return max((int(v.version) for v in versions), default=0) + 1
+
+
+def register(client, name: str, run_id: str, artifact_path: str, tags: dict, description: str):
+    """A model version whose source is the run's artifacts (`runs:/<run>/<path>`). If it fails, a registered model
+    created for it is removed again."""
+    from mlflow.exceptions import MlflowException
+
+    created = False
+    try:
+        client.get_registered_model(name)
+    except MlflowException:
+        client.create_registered_model(name, description="Chinese causal LM exported by the train-to-serve pipeline")
+        created = True
+    try:
+        return client.create_model_version(name, source=f"runs:/{run_id}/{artifact_path}", run_id=run_id,
+                                           tags=tags, description=description)
+    except BaseException:
+        if created:
+            _quietly(lambda: client.delete_registered_model(name))
+        raise
+
+
+def _quietly(action) -> None:
+    try:
+        action()
+    except Exception:  # noqa: BLE001  (clean-up after a failure: the first error is the one to report)
+        pass
+
+
+def _delete_artifacts(client, run_id: str, path: str) -> None:
+    """Remove what a failed export uploaded (stores that support deletion: local, mlflow-artifacts proxy)."""
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+    _quietly(lambda: get_artifact_repository(client.get_run(run_id).info.artifact_uri).delete_artifacts(path))

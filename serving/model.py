@@ -1,0 +1,44 @@
+"""An export directory as serving uses it: tokenizer, lineage and generation limits around the graph
+(pipeline/exportdir.py is the format; nothing here comes from training)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import serving  # noqa: F401  (zlib first)
+from pipeline import exportdir
+from pipeline.tokenizer import decode, load_tokenizer
+from serving.generation import GenerationSettings, generate
+
+
+class RequestError(ValueError):
+    """A problem with a request; the message goes back to the client."""
+
+
+class ExportedModel:
+    def __init__(self, export_dir: Path | str):
+        self.dir = Path(export_dir)
+        self.meta = exportdir.read_meta(self.dir)
+        self.tokenizer = load_tokenizer(exportdir.tokenizer_dir(self.dir))
+        tok = self.tokenizer
+        self.eos_id = int(self.meta["eos_token_id"])
+        self.banned_ids = [tok.pad_token_id, tok.unk_token_id, tok.cls_token_id, tok.mask_token_id]
+        self.max_length = int(self.meta["max_position_embeddings"])
+
+    def encode(self, prompt: str) -> list[int]:
+        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise RequestError("prompt has no tokens after tokenization")
+        if len(ids) >= self.max_length:
+            raise RequestError(f"prompt is {len(ids)} tokens; the model's maximum length is {self.max_length}")
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return decode(self.tokenizer, [i for i in ids if i != self.eos_id])
+
+    def generate(self, forward, prompt_ids: list[int], settings: GenerationSettings) -> list[int]:
+        return generate(forward, prompt_ids, settings, self.eos_id, self.banned_ids, len(self.tokenizer),
+                        self.max_length)
+
+    def lineage(self) -> dict[str, str]:
+        return {"model_name": self.meta["registered_model_name"], "model_version": str(self.meta["version"]),
+                "source_run_id": self.meta["source_run_id"], "checkpoint_step": str(self.meta["checkpoint_step"])}

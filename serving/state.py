@@ -1,0 +1,28 @@
+"""Where a running endpoint records itself: `<state dir>/server.json` (pid, ports, URLs, model). Read by the server
+verbs, the client's command line and smoke."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pipeline import REPO_ROOT
+
+STATE_FILE = "server.json"
+
+
+def default_state_dir(config) -> Path:
+    return (REPO_ROOT / config.training.runs_dir / "serving").resolve()
+
+
+def read_state(state_dir: Path) -> dict | None:
+    path = state_dir / STATE_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def write_state(state_dir: Path, state: dict) -> None:
+    (state_dir / STATE_FILE).write_text(json.dumps(state, indent=2))
+
+
+def clear_state(state_dir: Path) -> None:
+    for name in (STATE_FILE, "ProcessInfo.json"):
+        (state_dir / name).unlink(missing_ok=True)

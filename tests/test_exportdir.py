@@ -1,0 +1,60 @@
+"""The export-directory contract (pipeline/exportdir.py): what export writes is what serving reads. Fast, no paddle
+graph needed (a fake weights file stands in for model.pdiparams)."""
+import json
+
+import pytest
+
+from pipeline import exportdir
+from pipeline.errors import ConfigError
+
+META = {"registered_model_name": "m", "version": 3, "source_run_id": "r1", "checkpoint_step": 40,
+        "eos_token_id": 3, "max_position_embeddings": 256, "vocab_size": 4608, "weights_sha256": ""}
+
+
+def fake_export(root):
+    root.mkdir()
+    model, params = exportdir.graph_files(root)
+    model.write_bytes(b"graph")
+    params.write_bytes(b"weights")
+    exportdir.tokenizer_dir(root).mkdir()
+    exportdir.write_serving_conf(root, "input_ids", "linear_113.tmp_0", 4608)
+    exportdir.write_meta(root, {**META, "weights_sha256": exportdir.weights_sha256(root)})
+    return root
+
+
+def test_meta_round_trip_and_completeness(tmp_path):
+    root = fake_export(tmp_path / "e")
+    assert exportdir.read_meta(root)["version"] == 3
+    assert exportdir.is_complete(root)
+    exportdir.graph_files(root)[1].write_bytes(b"other weights")  # a half-copied / replaced directory
+    assert not exportdir.is_complete(root)
+
+
+def test_serving_conf_names_the_graph_vars(tmp_path):
+    root = fake_export(tmp_path / "e")
+    assert exportdir.fetch_name(root) == "linear_113.tmp_0"
+    text = (root / exportdir.SERVING_CONF).read_text()
+    assert 'feed_var {\n  name: "input_ids"' in text and "  shape: 4608\n" in text
+    assert f"feed_type: {exportdir.SERVING_TYPE_CODES['int64']}" in text
+    assert f"fetch_type: {exportdir.SERVING_TYPE_CODES['float32']}" in text
+
+
+def test_references_round_trip(tmp_path):
+    root = fake_export(tmp_path / "e")
+    assert exportdir.read_references(root) == {}  # an export made before references existed
+    refs = {prompt: [10 + i, 11 + i] for i, prompt in enumerate(exportdir.REFERENCE_PROMPTS)}
+    exportdir.write_references(root, refs)
+    assert exportdir.read_references(root) == refs
+
+
+def test_reading_what_is_not_an_export_says_so(tmp_path):
+    with pytest.raises(ConfigError, match="is not an export directory"):
+        exportdir.read_meta(tmp_path)
+    (tmp_path / exportdir.META_FILE).write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        exportdir.read_meta(tmp_path)
+    (tmp_path / exportdir.META_FILE).write_text(json.dumps({"version": 1}))
+    with pytest.raises(ConfigError, match="lacks registered_model_name"):
+        exportdir.read_meta(tmp_path)
+    with pytest.raises(ValueError, match="missing"):
+        exportdir.write_meta(tmp_path, {"version": 1})

@@ -1,0 +1,80 @@
+"""Export's training-side library: a unified checkpoint -> the dynamic model -> a static graph (`paddle.jit.save`)
+-> its parity with the dynamic model under paddle.inference. File names and the predictor come from the export
+directory contract (pipeline/exportdir.py); selecting, publishing and registering are the export verb's
+(pipeline/export.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from pipeline import exportdir
+from pipeline.errors import ConfigError
+
+# Parity batches: (batch, sequence length) pairs of different shapes; 0 = the training sequence length.
+PARITY_SHAPES = ((1, 5), (2, 17), (3, 0))
+
+
+def load_checkpoint(checkpoint: Path):
+    """The single-device dynamic model of a unified (full-tensor) checkpoint of any layout, in eval mode."""
+    import paddle
+
+    from training.model import load_merged
+
+    paddle.set_device("cpu")
+    try:
+        model = load_merged(checkpoint)
+    except Exception as exc:  # noqa: BLE001  (safetensors / json / paddle errors on a damaged checkpoint)
+        raise ConfigError(f"checkpoint {checkpoint} is unreadable ({exc.__class__.__name__}: "
+                          f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); pick another run or RUN_ID") from None
+    model.eval()
+    return model
+
+
+def logits_only(model):
+    import paddle
+
+    class LogitsOnly(paddle.nn.Layer):
+        """input_ids -> logits (the model itself returns a tuple / ModelOutput)."""
+
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids):
+            return self.inner(input_ids, use_cache=False, return_dict=False)[0]
+
+    return LogitsOnly(model)
+
+
+def dynamic_forward(model):
+    """forward(ids[B, T]) -> logits[B, T, V] of the dynamic model, as numpy (what generation drives)."""
+    import paddle
+
+    def forward(ids: np.ndarray) -> np.ndarray:
+        with paddle.no_grad():
+            return logits_only(model)(paddle.to_tensor(ids)).numpy()
+
+    return forward
+
+
+def save_static(model, export_dir: Path) -> None:
+    import paddle
+
+    from training import dy2static_fix
+
+    spec = [paddle.static.InputSpec(shape=[None, None], dtype="int64", name=exportdir.FEED_NAME)]
+    with dy2static_fix.jit_friendly_llama():
+        static = paddle.jit.to_static(logits_only(model), input_spec=spec, full_graph=True)
+        paddle.jit.save(static, str(export_dir / exportdir.MODEL_PREFIX))
+
+
+def parity_error(model, predictor, vocab: int, seq_length: int, seed: int = 0) -> float:
+    """Max |dynamic - paddle.inference| logit difference over batches of different shapes."""
+    rng = np.random.RandomState(seed)
+    forward = dynamic_forward(model)
+    worst = 0.0
+    for batch, length in PARITY_SHAPES:
+        ids = rng.randint(5, vocab, size=(batch, length or seq_length)).astype("int64")
+        worst = max(worst, float(np.abs(exportdir.predict(predictor, ids) - forward(ids)).max()))
+    return worst
