@@ -31,15 +31,15 @@ from pipeline.config import DEFAULT_CONFIG
 # Model FLOPs per trained token: 6 N (forward + backward of every weight) + 12 L h s (attention scores and values,
 # forward + backward; L layers, h hidden size, s sequence length) -- the PaLM-appendix estimate.
 FLOPS_NOTE = "6N + 12Lhs per token, N = weights without the embedding table"
-# The layouts' comparison keeps the small global batch of the layout configs (8), whatever the default config says.
-SCALING_BATCH = ["training.global_batch_size=8", "parallel.micro_batch_size=8", "parallel.accumulation_steps=1"]
+# The layouts are compared on the base of the layout configs (global batch 8), whatever the default config says.
+SMALL_CONFIG = REPO_ROOT / "configs" / "tiny-small.yaml"
 BASE = ["data.max_documents=3000", "tokenizer.min_frequency=1", "training.eval_interval=1000",
         "training.save_interval=1000", "training.logging_interval=2", "training.warmup_steps=1"]
 
 
 def train_run(name: str, overrides: list[str], out: Path, uri: str) -> dict:
     """A real `pipeline train` in a subprocess; returns its MLflow metrics (tokens/s without the first interval)."""
-    cmd = [sys.executable, "-m", "pipeline", "train", "--config", str(DEFAULT_CONFIG),
+    cmd = [sys.executable, "-m", "pipeline", "train", "--config", str(SMALL_CONFIG),
            f"training.runs_dir={out / 'runs'}", f"training.run_name={name}", "tracking.experiment=bench-train",
            f"export.exports_dir={out / 'exports'}", "export.registered_model_name=bench-model", *BASE, *overrides]
     env = dict(os.environ, MLFLOW_TRACKING_URI=uri, PYTHONPATH=str(REPO_ROOT))
@@ -50,7 +50,7 @@ def train_run(name: str, overrides: list[str], out: Path, uri: str) -> dict:
         raise RuntimeError(f"bench training {name} failed:\n{proc.stderr[-3000:]}")
     client = tracking.client(uri)
     run_id = json.loads((out / "runs" / name / "mlflow_run.json").read_text())["run_id"]
-    history = lambda key: [m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
+    history = lambda key: list(tracking.metric_history(client, run_id, key).values())  # noqa: E731
     speeds, steps = history("tokens_per_second")[1:], history("step_time_s")[1:]
     return {"run_id": run_id, "tokens_per_s": float(np.median(speeds)), "step_time_s": float(np.median(steps)),
             "train_runtime_s": history("train_runtime")[-1], "wall_s": wall, "run_dir": str(out / "runs" / name)}
@@ -223,7 +223,7 @@ def _scaling(out: Path, uri: str, steps: int, stamp: str, quick: bool) -> dict:
         layouts = {k: layouts[k] for k in ("single", "dp2")}
     runs = {}
     for name, overrides in layouts.items():
-        runs[name] = train_run(f"{name}-{stamp}", [*SCALING_BATCH, *overrides, f"training.max_steps={steps}",
+        runs[name] = train_run(f"{name}-{stamp}", [*overrides, f"training.max_steps={steps}",
                                                    *(["training.seq_length=32"] if quick else [])], out, uri)
         print(f"[bench] {name}: {runs[name]['tokens_per_s']:.0f} tok/s", flush=True)
     single = runs["single"]
@@ -231,11 +231,13 @@ def _scaling(out: Path, uri: str, steps: int, stamp: str, quick: bool) -> dict:
         name: {"tokens_per_s": r["tokens_per_s"], "step_time_s": r["step_time_s"],
                "speedup_vs_single": r["tokens_per_s"] / single["tokens_per_s"]} for name, r in runs.items()}}
     if "pp2" in runs:
-        p, micro = 2, 4
+        from pipeline.config import load_config
+        from pipeline.layout import ParallelLayout
+
+        pp2 = ParallelLayout.from_config(load_config(SMALL_CONFIG, layouts["pp2"]))
         # Ideal p-stage step = single step / p; the rest of the pipeline step is idle (bubble + communication).
-        measured = 1 - single["step_time_s"] / (p * runs["pp2"]["step_time_s"])
-        result["pipeline_idle"] = {"measured_idle_fraction": measured,
-                                   "theoretical_bubble": (p - 1) / (micro + p - 1),
+        measured = 1 - single["step_time_s"] / (pp2.pp * runs["pp2"]["step_time_s"])
+        result["pipeline_idle"] = {"measured_idle_fraction": measured, "theoretical_bubble": pp2.bubble_fraction,
                                    "definition": "1 - T_single / (p * T_pp2), same global batch"}
     return result
 

@@ -5,7 +5,6 @@ Reads MLflow only, through the client, so it works the same on the local store a
 from __future__ import annotations
 
 import csv
-import math
 from pathlib import Path
 
 from pipeline import REPO_ROOT, tracking
@@ -16,10 +15,7 @@ COLUMNS = ["run", "run_id", "status", "layout", "dp", "tp", "pp", "sharding", "h
 
 
 def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
-    latest: dict[int, float] = {}
-    for m in sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp)):
-        latest[m.step] = m.value  # a resumed run re-logs some steps: the last value wins
-    return sorted(latest.items())
+    return list(tracking.metric_history(client, run_id, key).items())
 
 
 def summarize(client, run, metric: str) -> dict:
@@ -38,7 +34,7 @@ def summarize(client, run, metric: str) -> dict:
         "batch": params.get("training.global_batch_size", "?"), "steps": params.get("training.max_steps", "?"),
         "final_loss": round(losses[-1][1], 4) if losses else None,
         "best_eval_loss": round(best, 4) if best is not None else None,
-        "best_perplexity": round(math.exp(min(best, 50)), 2) if best is not None and metric == "eval_loss" else None,
+        "best_perplexity": round(tracking.perplexity(best), 2) if best is not None and metric == "eval_loss" else None,
         "tokens_per_s": round(sum(speeds) / len(speeds), 1) if speeds else None,
         "wall_s": round((end - run.info.start_time) / 1000, 1) if end else None,
         "model_version": tags.get("exported_versions", ""),

@@ -147,3 +147,18 @@ def send_unsent(mlflow_client, run_id: str, run_dir: Path) -> int:
         else:
             path.unlink()
     return total
+
+
+def metric_history(client, run_id: str, key: str) -> dict[int, float]:
+    """step -> value of a run's metric, in step order; a resumed run re-logs some steps: the last value wins."""
+    latest: dict[int, float] = {}
+    for m in sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp)):
+        latest[m.step] = m.value
+    return dict(sorted(latest.items()))
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), capped so a diverged run logs a number instead of overflowing."""
+    import math
+
+    return math.exp(min(loss, 50.0))

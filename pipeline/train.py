@@ -68,6 +68,7 @@ def worker_env(config: Config, layout: ParallelLayout, uri: str, run_id: str | N
     env["MLFLOW_TRACKING_URI"] = uri
     env["PYTHONUNBUFFERED"] = "1"  # progress reaches the terminal and the rank logs as it happens
     env.setdefault("PPNLP_HOME", str(REPO_ROOT / "runs" / ".paddlenlp"))
+    env.setdefault("GLOG_minloglevel", "2")  # Paddle's C++ INFO/WARNING lines ("New Executor is Running", ...)
     if run_id:
         env["PIPELINE_MLFLOW_RUN_ID"] = run_id
     # A tracking-server outage must not stall training in MLflow's own retry loop (7 retries with backoff by

@@ -9,6 +9,7 @@ from pathlib import Path
 import pipeline
 from pipeline import REPO_ROOT
 from pipeline.processes import free_port  # noqa: F401  (re-exported for the tests)
+from pipeline.tracking import metric_history  # noqa: F401  (re-exported for the tests)
 
 TINY_CONFIG = """\
 name: t
@@ -74,10 +75,3 @@ def seeded_world(root: Path) -> dict:
     weights = make_init_weights(config, root / "runs", root / "init")
     return {"root": root, "config": config, "weights": weights, "runs": root / "runs",
             "uri": f"sqlite:///{root / 'mlflow.db'}"}
-
-
-def metric_history(client, run_id: str, key: str) -> dict[int, float]:
-    """step -> value; on duplicate steps (a resumed run re-logs them) the last value wins."""
-    history = sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
-    return {m.step: m.value for m in history}
-

@@ -41,12 +41,37 @@ def test_serving_files_stay_in_the_state_directory(server):
 def test_smoke_checks_pass(server):
     from serving.smoke import run_smoke
 
-    assert run_smoke(server["state"], tracking.client(server["uri"])) == []
+    lines = []
+    assert run_smoke(server["state"], tracking.client(server["uri"]), log=lines.append) == []
+    assert sum("served greedy == the dynamic model's greedy (recorded at export)" in l for l in lines) == 3, lines
+
+
+def test_smoke_fails_when_the_served_tokens_differ_from_the_recorded_ones(server, tmp_path):
+    """Smoke reads the dynamic model's greedy tokens from the export directory: if they disagree with what the
+    server answers, it fails (here: the same export with one recorded continuation altered)."""
+    import shutil
+
+    from pipeline import exportdir
+    from serving.smoke import run_smoke
+
+    altered = tmp_path / "export"
+    shutil.copytree(server["state"]["model_dir"], altered)
+    references = exportdir.read_references(altered)
+    prompt = exportdir.REFERENCE_PROMPTS[0]
+    references[prompt] = [t + 1 for t in references[prompt]]
+    exportdir.write_references(altered, references)
+    failures = run_smoke({**server["state"], "model_dir": str(altered)}, None, log=lambda line: None)
+    assert failures == [f"{prompt!r}: served greedy == the dynamic model's greedy (recorded at export)"]
 
 
 def test_smoke_cli(server):
     proc = cli(["smoke", *server["cli"]], server["uri"])
     assert proc.returncode == 0 and "SMOKE PASS" in proc.stdout, proc.stdout[-3000:]
+    # what `make all` ends with: the model's eval loss and greedy continuations of the reference prompts
+    meta = json.loads((server["export_dir"] / "export.json").read_text())
+    assert f"model test-model v1: checkpoint step 12 of run base, eval_loss {meta['metric_value']:.3f}" in proc.stdout
+    for prompt in ("人工智能", "这本书", "快递很快，"):
+        assert f"\n  {prompt} -> " in proc.stdout, prompt
 
 
 def test_curl_shaped_request_returns_text_and_lineage(server):

@@ -3,7 +3,6 @@ graceful stop on SIGTERM / SIGINT, and the switch to a new config once a resume 
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import sys
@@ -55,7 +54,7 @@ class CheckpointCompleteCallback(TrainerCallback):
             info = {"step": state.global_step, "path": str(checkpoint.resolve()), "saved_at": time.time(),
                     **{k: v for k, v in (evals[-1] if evals else {}).items() if k.startswith("eval_")}}
             if "eval_loss" in info:
-                info["eval_perplexity"] = _perplexity(info["eval_loss"])
+                info["eval_perplexity"] = tracking.perplexity(info["eval_loss"])
             earlier = [checkpoint_info(path) for step, path in complete_checkpoints(Path(args.output_dir).parent)
                        if step != state.global_step] if self.upload_mode == "best" else []
             mark_complete(checkpoint, info)
@@ -153,7 +152,7 @@ class MlflowLogger(TrainerCallback):
             metrics["step_time_s"] = 1.0 / logs["interval_steps_per_second"]
         if "eval_loss" in logs:
             metrics["eval_loss"] = logs["eval_loss"]
-            metrics["eval_perplexity"] = _perplexity(logs["eval_loss"])
+            metrics["eval_perplexity"] = tracking.perplexity(logs["eval_loss"])
         for key in ("train_runtime", "train_loss", "train_samples_per_second", "train_steps_per_second"):
             if key in logs:
                 metrics[key] = logs[key]
@@ -187,7 +186,3 @@ class MlflowLogger(TrainerCallback):
             print(f"[mlflow] WARNING: {len(self.pending)} records could not be sent; kept in "
                   f"{self.run_dir / tracking.UNSENT_RECORDS}", file=sys.stderr, flush=True)
             self.pending = []
-
-
-def _perplexity(loss: float) -> float:
-    return math.exp(min(loss, 50.0))
