@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     single = ["parallel.data=1", "parallel.tensor=1", "parallel.pipeline=1", "parallel.sharding_stage=0",
               "parallel.sharding_degree=1", "parallel.accumulation_steps=1", f"training.global_batch_size={micro}"]
     config = load_config(run_dir / "config.yaml", [*SETTINGS[args.setting][1], f"training.max_steps={args.steps}",
+                                                   "training.warmup_steps=1",
                                                    *single])
     import paddle
 
