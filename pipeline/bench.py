@@ -7,8 +7,8 @@
    same global batch, and the measured pipeline idle fraction against (p-1)/(m+p-1);
 3. pipeline overhead: our training step (tracking, checkpoints, eval) against a bare PaddleNLP Trainer;
 4. export: wall time of its stages;
-5. serving: HTTP / gRPC latency against the in-process predictor, served vs in-process tokens/s, and throughput /
-   errors at 1, 4 and 8 concurrent clients.
+5. serving (pipeline/bench_serving.py): per-token decode time after short and long prompts, served tokens/s at
+   1-8 concurrent clients, HTTP / gRPC overhead over in process, for the kv_cache and the full-sequence paths.
 Writes reports/bench/bench.json and bench.md (or --out) and logs them as a run of the MLflow experiment `bench`.
 """
 from __future__ import annotations
@@ -19,7 +19,6 @@ import platform
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -134,48 +133,6 @@ print("BARE", json.dumps(out.metrics))
     return json.loads(line[5:])["train_runtime"] / steps
 
 
-def latencies(call, count: int) -> list[float]:
-    out = []
-    for _ in range(count):
-        t0 = time.perf_counter()
-        call()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
-def load_test(call, clients: int, duration_s: float, max_requests: int) -> dict:
-    done, errors, lock, first_error = [0], [0], threading.Lock(), []
-    stop_at = time.perf_counter() + duration_s
-
-    def worker():
-        while time.perf_counter() < stop_at:
-            with lock:
-                if done[0] + errors[0] >= max_requests:
-                    return
-            try:
-                call()
-                with lock:
-                    done[0] += 1
-            except Exception as exc:  # noqa: BLE001  (counted, not raised: this is a load test)
-                with lock:
-                    errors[0] += 1
-                    first_error[:] = first_error or [f"{exc.__class__.__name__}: {str(exc)[:200]}"]
-
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - t0
-    return {"clients": clients, "requests": done[0], "errors": errors[0], "req_per_s": done[0] / elapsed,
-            "first_error": first_error[0] if first_error else ""}
-
-
-def pct(values: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values) * 1000, q))
-
-
 def run(quick: bool = False, out: Path | None = None) -> dict:
     out = Path(out) if out else REPO_ROOT / "reports" / "bench"
     out.mkdir(parents=True, exist_ok=True)
@@ -200,7 +157,9 @@ def run(quick: bool = False, out: Path | None = None) -> dict:
     meta = _export(single["run_id"], uri)
     results["export"] = {"wall_s": time.perf_counter() - t0, **meta["timings_s"],
                          "parity_max_abs_error": meta["parity_max_abs_error"]}
-    results["serving"] = _bench_serving(Path(meta["export_dir"]), uri, out, quick)
+    from pipeline import bench_serving
+
+    results["serving"] = bench_serving.run(Path(meta["export_dir"]), out, quick)
     results.pop("runs", None)
     (out / "bench.json").write_text(json.dumps(results, indent=2))
     (out / "bench.md").write_text(markdown(results))
@@ -253,51 +212,6 @@ def _export(run_id: str, uri: str) -> dict:
     return {**meta, "export_dir": export_dir}
 
 
-def _bench_serving(export_dir: Path, uri: str, out: Path, quick: bool) -> dict:
-    from pipeline.config import load_config
-    from pipeline.processes import free_port, port_in_use
-    from pipeline.exportdir import create_predictor, predict
-    from serving import server
-    from serving.client import GenerationClient
-    from serving.generation import GenerationSettings
-    from serving.model import ExportedModel
-
-    config = load_config(DEFAULT_CONFIG,
-                         [f"serving.http_port={free_port()}", f"serving.rpc_port={free_port()}"])
-    state_dir = out / "serving"
-    prompt, new_tokens, count = "这本书", 8, (10 if quick else 40)
-    model = ExportedModel(export_dir)
-    predictor = create_predictor(export_dir)
-    settings = GenerationSettings(max_new_tokens=new_tokens)
-    ids = model.encode(prompt)
-    in_process = lambda: model.generate(lambda x: predict(predictor, x), ids, settings)  # noqa: E731
-    local = latencies(in_process, count // 2)  # half before, half after the server: same machine conditions
-    state = server.start(config, export_dir, state_dir)
-    try:
-        client = GenerationClient(state["http_url"], state["rpc_address"], timeout=30)
-        generated = len(client.generate(prompt, max_new_tokens=new_tokens).token_ids)
-        http = latencies(lambda: client.generate(prompt, max_new_tokens=new_tokens), count)
-        grpc = latencies(lambda: client.generate_grpc(prompt, max_new_tokens=new_tokens), count)
-        load = [load_test(lambda: GenerationClient(state["http_url"], timeout=30).generate(
-            prompt, max_new_tokens=new_tokens), n, 3 if quick else 8, 40 if quick else 200) for n in (1, 4, 8)]
-    finally:
-        server.stop(state_dir)
-    assert not port_in_use(state["http_port"])
-    local += latencies(in_process, count - count // 2)
-    tokens_per_s = lambda lat: generated / float(np.median(lat))
-    return {
-        "prompt": prompt, "new_tokens": generated, "calls": count,
-        "in_process_p50_ms": pct(local, 50), "in_process_p99_ms": pct(local, 99),
-        "http_p50_ms": pct(http, 50), "http_p99_ms": pct(http, 99),
-        "grpc_p50_ms": pct(grpc, 50), "grpc_p99_ms": pct(grpc, 99),
-        "http_vs_in_process_p50": pct(http, 50) / pct(local, 50),
-        "grpc_vs_in_process_p50": pct(grpc, 50) / pct(local, 50),
-        "served_tokens_per_s": tokens_per_s(http), "in_process_tokens_per_s": tokens_per_s(local),
-        "served_vs_in_process_tokens": tokens_per_s(http) / tokens_per_s(local),
-        "concurrency": load,
-    }
-
-
 def markdown(r: dict) -> str:
     s, sv, rt = r["scaling"], r["serving"], r["runtime"]
     lines = [f"Bench {r['date']} on {r['machine']}{' (quick)' if r['quick'] else ''}", "",
@@ -325,16 +239,9 @@ def markdown(r: dict) -> str:
     e = r["export"]
     lines.append(f"| export wall (load / convert / parity) | {e['wall_s']:.1f} s ({e['load_s']:.1f} / "
                  f"{e['convert_s']:.1f} / {e['parity_s']:.1f} s), parity {e['parity_max_abs_error']:.1e} |")
-    lines += [f"| generate {sv['new_tokens']} tokens p50 / p99: in-process | {sv['in_process_p50_ms']:.1f} / "
-              f"{sv['in_process_p99_ms']:.1f} ms |",
-              f"| ... HTTP | {sv['http_p50_ms']:.1f} / {sv['http_p99_ms']:.1f} ms "
-              f"({sv['http_vs_in_process_p50']:.2f}x) |",
-              f"| ... gRPC | {sv['grpc_p50_ms']:.1f} / {sv['grpc_p99_ms']:.1f} ms "
-              f"({sv['grpc_vs_in_process_p50']:.2f}x) |",
-              f"| generated tokens/s served / in-process | {sv['served_tokens_per_s']:.0f} / "
-              f"{sv['in_process_tokens_per_s']:.0f} ({sv['served_vs_in_process_tokens']:.2f}x) |"]
-    lines += [f"| HTTP {c['clients']} concurrent clients | {c['req_per_s']:.1f} req/s, {c['requests']} ok, "
-              f"{c['errors']} errors |" for c in sv["concurrency"]]
+    from pipeline import bench_serving
+
+    lines += bench_serving.markdown(sv)
     return "\n".join(lines) + "\n"
 
 

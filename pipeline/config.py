@@ -133,7 +133,15 @@ class ServingConfig:
     service_name: str = "generate"
     http_port: int = 18180
     rpc_port: int = 18181
-    op_concurrency: int = 2
+    # kv_cache: prefill + decode programs, requests batched; full: re-run the full-sequence graph for every token
+    generation: str = "kv_cache"
+    # Op workers: processes (each with its own predictors: on CPU, Predictor.run() holds the GIL, so threads of one
+    # process never run inference at the same time) or threads; op_concurrency 0 = one per core.
+    op_mode: str = "process"
+    op_concurrency: int = 0
+    # Requests arriving within batch_timeout_ms of each other are generated together, up to batch_size at a time.
+    batch_size: int = 4
+    batch_timeout_ms: int = 2
     rpc_workers: int = 4
     max_prompt_chars: int = 128
     max_new_tokens_limit: int = 64
@@ -372,7 +380,11 @@ def _validate_serving(s: ServingConfig) -> None:
     for key in ("http_port", "rpc_port"):
         _require(1024 <= getattr(s, key) <= 65535, f"serving.{key}: must be a port in 1024..65535")
     _require(s.http_port != s.rpc_port, "serving.http_port and serving.rpc_port must differ")
-    for key in ("op_concurrency", "rpc_workers", "max_prompt_chars", "max_new_tokens_limit", "max_request_bytes",
+    _one_of("serving.generation", s.generation, ("kv_cache", "full"))
+    _one_of("serving.op_mode", s.op_mode, ("process", "thread"))
+    _require(s.op_concurrency >= 0, "serving.op_concurrency: must be >= 0 (0 = one worker per core)")
+    _require(s.batch_timeout_ms >= 0, "serving.batch_timeout_ms: must be >= 0")
+    for key in ("batch_size", "rpc_workers", "max_prompt_chars", "max_new_tokens_limit", "max_request_bytes",
                 "start_timeout_s"):
         _positive(f"serving.{key}", getattr(s, key))
     _require(1 <= s.default_max_new_tokens <= s.max_new_tokens_limit,

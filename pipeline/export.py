@@ -149,6 +149,7 @@ def build(chosen: Selection, config: Config, checkpoint: Path, tokenizer_dir: Pa
     timings["load_s"] = time.time() - t0
     t0 = time.time()
     convert.save_static(model, staging)
+    convert.save_cache_programs(model, staging)
     timings["convert_s"] = time.time() - t0
     t0 = time.time()
     error = logits_gate(model, staging, config)
@@ -171,7 +172,7 @@ def build(chosen: Selection, config: Config, checkpoint: Path, tokenizer_dir: Pa
         "weights_sha256": exportdir.weights_sha256(staging), "timings_s": timings,
     }
     exportdir.write_meta(staging, meta)
-    references = tokens_gate(convert.dynamic_forward(model), predictor, staging)
+    references = tokens_gate(convert.dynamic_forward(model), predictor, staging, config)
     exportdir.write_references(staging, references)
     timings["parity_s"] = time.time() - t0
     exportdir.write_meta(staging, meta)
@@ -179,40 +180,54 @@ def build(chosen: Selection, config: Config, checkpoint: Path, tokenizer_dir: Pa
 
 
 def logits_gate(model, staging: Path, config: Config) -> float:
-    """Both predictor configurations users run: plain (as served; bit-identical kernels) and IR-optimised (fused
-    passes change the arithmetic slightly). The gate takes the worse of the two."""
+    """Every exported program against the dynamic model: the full-sequence graph under both predictor
+    configurations users run (plain, as served: bit-identical kernels; IR-optimised: fused passes change the
+    arithmetic slightly) and the prefill/decode cache programs step by step. The gate takes the worst."""
     from training import convert
 
-    error = max(convert.parity_error(model, exportdir.create_predictor(staging, ir_optim), model.config.vocab_size,
-                                     config.training.seq_length) for ir_optim in (False, True))
-    tolerance = config.export.parity_tolerance
-    print(f"parity: max |dynamic - paddle.inference| = {error:.3e} over shapes {convert.PARITY_SHAPES} and "
-          f"ir_optim off/on (tolerance {tolerance:.0e})", flush=True)
+    vocab, seq = model.config.vocab_size, config.training.seq_length
+    full = max(convert.parity_error(model, exportdir.create_predictor(staging, ir_optim), vocab, seq)
+               for ir_optim in (False, True))
+    cached = convert.cache_parity_error(
+        model, exportdir.create_predictor(staging, prefix=exportdir.PREFILL_PREFIX),
+        exportdir.create_predictor(staging, prefix=exportdir.DECODE_PREFIX), vocab, seq)
+    error, tolerance = max(full, cached), config.export.parity_tolerance
+    print(f"parity: max |dynamic - paddle.inference| = {full:.3e} (full graph, shapes {convert.PARITY_SHAPES}, "
+          f"ir_optim off/on), {cached:.3e} (prefill + decode, padded batch) (tolerance {tolerance:.0e})", flush=True)
     if not error <= tolerance:
         raise ExportError(f"parity check failed: max logit difference {error:.3e} > export.parity_tolerance "
                           f"{tolerance:.0e}; nothing was published")
     return error
 
 
-def tokens_gate(dynamic_forward, predictor, staging: Path) -> dict[str, list[int]]:
-    """Greedy continuations of the reference prompts: the served graph must produce the dynamic model's tokens
-    exactly. They are stored (reference.json) so that smoke can check a running server without the checkpoint."""
-    from serving.model import ExportedModel
+def tokens_gate(dynamic_forward, predictor, staging: Path, config: Config) -> dict[str, list[int]]:
+    """Greedy continuations: the full graph and the cache programs (each prompt alone, and all of them in one batch
+    of mixed lengths) must produce the dynamic model's tokens exactly, for the reference prompts and longer ones up
+    to the serving prompt limit. The reference prompts' tokens are stored (reference.json) so that smoke can check a
+    running server without the checkpoint."""
     from serving.generation import GenerationSettings
+    from serving.model import ExportedModel
 
     exported = ExportedModel(staging)
+    session = exported.cached_session()
     settings = GenerationSettings(max_new_tokens=exportdir.REFERENCE_NEW_TOKENS)
-    references = {}
-    for prompt in exportdir.REFERENCE_PROMPTS:
-        ids = exported.encode(prompt)
-        expected = exported.generate(dynamic_forward, ids, settings)
-        got = exported.generate(lambda x: exportdir.predict(predictor, x), ids, settings)
-        if got != expected:
-            raise ExportError(f"parity check failed: greedy tokens of the exported graph for {prompt!r} are {got}, "
-                              f"the dynamic model's {expected}; nothing was published")
-        references[prompt] = expected
-    print(f"greedy tokens: exported graph == dynamic model for {len(references)} prompts", flush=True)
-    return references
+    text = "".join(exportdir.REFERENCE_PROMPTS) * 16
+    limit = min(config.serving.max_prompt_chars, exported.max_length - exportdir.REFERENCE_NEW_TOKENS - 1)
+    prompts = [*exportdir.REFERENCE_PROMPTS, text[:limit // 3], text[:limit]]
+    encoded = [exported.encode(p) for p in prompts]
+    expected = [exported.generate(dynamic_forward, ids, settings) for ids in encoded]
+    paths = {"exported graph": [exported.generate(lambda x: exportdir.predict(predictor, x), ids, settings)
+                                for ids in encoded],
+             "cache programs": [exported.generate_batch(session, [ids], [settings])[0] for ids in encoded],
+             "cache programs, batched": exported.generate_batch(session, encoded, [settings] * len(encoded))}
+    for path, got in paths.items():
+        for prompt, a, b in zip(prompts, got, expected):
+            if a != b:
+                raise ExportError(f"parity check failed: greedy tokens of the {path} for {prompt[:20]!r} "
+                                  f"({len(prompt)} chars) are {a}, the dynamic model's {b}; nothing was published")
+    print(f"greedy tokens: exported graph == cache programs (alone and batched) == dynamic model for {len(prompts)} "
+          f"prompts of {min(map(len, encoded))}-{max(map(len, encoded))} tokens", flush=True)
+    return dict(zip(exportdir.REFERENCE_PROMPTS, expected))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

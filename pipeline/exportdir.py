@@ -21,7 +21,9 @@ import numpy as np
 
 from pipeline.errors import ConfigError
 
-MODEL_PREFIX = "model"
+MODEL_PREFIX = "model"  # the full-sequence graph
+PREFILL_PREFIX = "prefill"  # key/value-cache generation: prompt -> last logits + caches (training/kv_cache.py)
+DECODE_PREFIX = "decode"  # one token per sequence + caches -> logits + grown caches
 FEED_NAME = "input_ids"
 META_FILE = "export.json"
 REFERENCE_FILE = "reference.json"
@@ -110,23 +112,36 @@ def fetch_name(export_dir: Path) -> str:
     return text.split("fetch_var {")[1].split('name: "')[1].split('"')[0]
 
 
-def create_predictor(export_dir: Path, ir_optim: bool = False):
-    """A paddle.inference predictor for the graph, configured as the served model is (CPU, ir_optim off)."""
+def create_predictor(export_dir: Path, ir_optim: bool = False, prefix: str = MODEL_PREFIX, threads: int = 1):
+    """A paddle.inference predictor for one of the graphs, configured as the served model is (CPU, ir_optim off,
+    `threads` math threads)."""
     from paddle import inference
 
-    model, params = graph_files(export_dir)
-    config = inference.Config(str(model), str(params))
+    config = inference.Config(str(export_dir / f"{prefix}.pdmodel"), str(export_dir / f"{prefix}.pdiparams"))
     config.disable_gpu()
     config.disable_glog_info()
+    config.set_cpu_math_library_num_threads(threads)
     # Generation feeds a new sequence length at every step; with IR optimisation on, the CPU predictor measured
     # 2x slower per generated token (191 vs 75 ms for 8 tokens). Same setting as the served model (ir_optim: false).
     config.switch_ir_optim(ir_optim)
     return inference.create_predictor(config)
 
 
-def predict(predictor, input_ids: np.ndarray) -> np.ndarray:
-    handle = predictor.get_input_handle(predictor.get_input_names()[0])
-    handle.reshape(list(input_ids.shape))
-    handle.copy_from_cpu(input_ids.astype("int64"))
+def run(predictor, *inputs: np.ndarray) -> list[np.ndarray]:
+    """Feed the inputs in the graph's input order; all outputs in its output order."""
+    for name, value in zip(predictor.get_input_names(), inputs):
+        handle = predictor.get_input_handle(name)
+        handle.reshape(list(value.shape))
+        handle.copy_from_cpu(np.ascontiguousarray(value))
     predictor.run()
-    return predictor.get_output_handle(predictor.get_output_names()[0]).copy_to_cpu()
+    return [predictor.get_output_handle(name).copy_to_cpu() for name in predictor.get_output_names()]
+
+
+def predict(predictor, input_ids: np.ndarray) -> np.ndarray:
+    """The full-sequence graph: logits [B, T, V]."""
+    return run(predictor, input_ids.astype("int64"))[0]
+
+
+def has_cache_programs(export_dir: Path) -> bool:
+    return all((export_dir / f"{prefix}.{ext}").is_file() for prefix in (PREFILL_PREFIX, DECODE_PREFIX)
+               for ext in ("pdmodel", "pdiparams"))

@@ -1,8 +1,13 @@
-"""Token-by-token generation over any `forward(input_ids[1, T]) -> logits[1, T, V]`.
+"""Token-by-token generation: the sampling rule, and two ways to drive a model with it.
 
-The same function drives the served model (Paddle Serving's local predictor), the in-process predictor and the
-dynamic model, so their greedy outputs can be compared exactly. No KV cache: the exported graph is the plain
-full-sequence forward; for the model sizes served on CPU here that costs less than the request overhead.
+- `generate(forward, ...)`: the full-sequence path. `forward(input_ids[1, T]) -> logits[1, T, V]` re-runs the whole
+  sequence for every new token (the exported `model.pdmodel`, the dynamic model): O(T) per token; kept as the
+  reference and for `serving.generation: full`.
+- `generate_batch(prefill, decode, ...)`: the key/value-cache path (`prefill.pdmodel` / `decode.pdmodel`, see
+  training/kv_cache.py) for several requests at once: prompts left-padded to a common length, one decode call per
+  step for the whole batch, finished rows dropped from the batch. Each row's logits do not depend on the other rows
+  (masked attention, its own positions) and each request samples with its own seeded generator, so a request's
+  output does not depend on what it was batched with.
 """
 from __future__ import annotations
 
@@ -20,28 +25,77 @@ class GenerationSettings:
     seed: int = 0
 
 
+def choose(logits_row: np.ndarray, settings: GenerationSettings, rng, banned_ids: list[int],
+           usable_vocab: int) -> int:
+    """The next token from one position's logits: greedy at temperature 0, else (top-k) sampling with `rng`."""
+    logits = np.array(logits_row, dtype="float64")
+    logits[usable_vocab:] = -np.inf  # embedding rows padded past the tokenizer's vocabulary
+    logits[banned_ids] = -np.inf
+    if settings.temperature <= 0:
+        return int(np.argmax(logits))
+    logits = logits / settings.temperature
+    if settings.top_k > 0:
+        cutoff = np.sort(logits)[-min(settings.top_k, usable_vocab)]
+        logits[logits < cutoff] = -np.inf
+    probs = np.exp(logits - logits.max())
+    return int(rng.choice(len(probs), p=probs / probs.sum()))
+
+
+def budget(prompt_length: int, settings: GenerationSettings, max_length: int) -> int:
+    """New tokens a request may get: max_new_tokens, but never past the model's maximum length."""
+    return max(0, min(settings.max_new_tokens, max_length - prompt_length))
+
+
 def generate(forward: Callable[[np.ndarray], np.ndarray], prompt_ids: list[int], settings: GenerationSettings,
              eos_id: int, banned_ids: list[int], usable_vocab: int, max_length: int) -> list[int]:
     """New token ids (stopping after the end token, at max_new_tokens, or at the model's max length)."""
     ids = list(prompt_ids)
     rng = np.random.default_rng(settings.seed)
     new: list[int] = []
-    budget = min(settings.max_new_tokens, max_length - len(ids))
-    for _ in range(max(budget, 0)):
-        logits = np.asarray(forward(np.asarray([ids], dtype="int64")))[0, -1].astype("float64")
-        logits[usable_vocab:] = -np.inf  # embedding rows padded past the tokenizer's vocabulary
-        logits[banned_ids] = -np.inf
-        if settings.temperature <= 0:
-            token = int(np.argmax(logits))
-        else:
-            logits = logits / settings.temperature
-            if settings.top_k > 0:
-                cutoff = np.sort(logits)[-min(settings.top_k, usable_vocab)]
-                logits[logits < cutoff] = -np.inf
-            probs = np.exp(logits - logits.max())
-            token = int(rng.choice(len(probs), p=probs / probs.sum()))
+    for _ in range(budget(len(ids), settings, max_length)):
+        token = choose(np.asarray(forward(np.asarray([ids], dtype="int64")))[0, -1], settings, rng, banned_ids,
+                       usable_vocab)
         new.append(token)
         ids.append(token)
         if token == eos_id:
             break
     return new
+
+
+def generate_batch(prefill, decode, prompts: list[list[int]], settings: list[GenerationSettings], eos_id: int,
+                   banned_ids: list[int], usable_vocab: int, max_length: int, pad_id: int = 0) -> list[list[int]]:
+    """New token ids for each prompt. `prefill(ids, positions, key_mask) -> (logits[B,V], keys, values)` and
+    `decode(ids[B,1], positions[B,1], key_mask[B,P+1], keys, values) -> (logits, keys, values)`, caches
+    [layers, B, heads, P, head_dim]."""
+    budgets = [budget(len(p), s, max_length) for p, s in zip(prompts, settings)]
+    rngs = [np.random.default_rng(s.seed) for s in settings]
+    new: list[list[int]] = [[] for _ in prompts]
+    rows = [i for i, b in enumerate(budgets) if b > 0]  # the requests still generating, in batch order
+    if not rows:
+        return new
+    width = max(len(prompts[i]) for i in rows)
+    ids = np.full((len(rows), width), pad_id, dtype="int64")
+    mask = np.zeros((len(rows), width), dtype="float32")
+    positions = np.zeros((len(rows), width), dtype="int64")
+    for r, i in enumerate(rows):
+        n = len(prompts[i])
+        ids[r, width - n:], mask[r, width - n:], positions[r, width - n:] = prompts[i], 1.0, np.arange(n)
+    lengths = np.array([len(prompts[i]) for i in rows], dtype="int64")
+    logits, keys, values = prefill(ids, positions, mask)
+    while True:
+        keep, tokens = [], []
+        for r, i in enumerate(rows):
+            token = choose(logits[r], settings[i], rngs[i], banned_ids, usable_vocab)
+            new[i].append(token)
+            if token != eos_id and len(new[i]) < budgets[i]:
+                keep.append(r)
+                tokens.append(token)
+        if not keep:
+            return new
+        if len(keep) < len(rows):  # finished requests leave the batch, with their caches
+            rows = [rows[r] for r in keep]
+            keys, values, mask, lengths = keys[:, keep], values[:, keep], mask[keep], lengths[keep]
+        mask = np.concatenate([mask, np.ones((len(rows), 1), dtype="float32")], axis=1)
+        logits, keys, values = decode(np.asarray(tokens, dtype="int64")[:, None], lengths[:, None].copy(), mask,
+                                      keys, values)
+        lengths = lengths + 1

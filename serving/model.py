@@ -7,7 +7,7 @@ from pathlib import Path
 import serving  # noqa: F401  (zlib first)
 from pipeline import exportdir
 from pipeline.tokenizer import decode, load_tokenizer
-from serving.generation import GenerationSettings, generate
+from serving.generation import GenerationSettings, generate, generate_batch
 
 
 class RequestError(ValueError):
@@ -42,3 +42,15 @@ class ExportedModel:
     def lineage(self) -> dict[str, str]:
         return {"model_name": self.meta["registered_model_name"], "model_version": str(self.meta["version"]),
                 "source_run_id": self.meta["source_run_id"], "checkpoint_step": str(self.meta["checkpoint_step"])}
+
+    def cached_session(self, threads: int = 1):
+        """(prefill, decode) over this process's own predictors of the cache programs (one session per thread or
+        process: paddle.inference predictors are not thread-safe)."""
+        prefill = exportdir.create_predictor(self.dir, prefix=exportdir.PREFILL_PREFIX, threads=threads)
+        decode = exportdir.create_predictor(self.dir, prefix=exportdir.DECODE_PREFIX, threads=threads)
+        return (lambda *feeds: exportdir.run(prefill, *feeds)), (lambda *feeds: exportdir.run(decode, *feeds))
+
+    def generate_batch(self, session, prompts: list[list[int]], settings: list[GenerationSettings]) -> list[list[int]]:
+        prefill, decode = session
+        return generate_batch(prefill, decode, prompts, settings, self.eos_id, self.banned_ids, len(self.tokenizer),
+                              self.max_length, pad_id=self.tokenizer.pad_token_id)

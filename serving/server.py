@@ -20,7 +20,7 @@ from pipeline.config import Config, ConfigError
 from pipeline.processes import group_alive, log_tail, port_in_use, start_group, stop_group, wait_ready
 from serving import COMPAT_DIR
 from serving.client import GenerationClient
-from serving.service import render_config
+from serving.service import op_processes, render_config
 from serving.state import clear_state, read_state, write_state
 
 
@@ -35,8 +35,7 @@ def start(config: Config, model_dir: Path, state_dir: Path) -> dict:
         if port_in_use(port):
             raise ConfigError(f"port {port} is already in use; set serving.http_port / serving.rpc_port")
     state_dir.mkdir(parents=True, exist_ok=True)
-    (state_dir / "config.yml").write_text(yaml.safe_dump(render_config(config, model_dir,
-                                                                       exportdir.fetch_name(model_dir))))
+    (state_dir / "config.yml").write_text(yaml.safe_dump(render_config(config)))
     (state_dir / "service.yaml").write_text(config.to_yaml())
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), str(COMPAT_DIR)]), SERVING_HOME=str(state_dir),
                SERVING_LOG_PATH=str(state_dir), GLOG_minloglevel="2", PYTHONUNBUFFERED="1")
@@ -45,7 +44,8 @@ def start(config: Config, model_dir: Path, state_dir: Path) -> dict:
                        state_dir / "server.log", state_dir, env)
     state = {"pid": proc.pid, "http_port": s.http_port, "rpc_port": s.rpc_port, "service": s.service_name,
              "model_dir": str(model_dir), "http_url": f"http://127.0.0.1:{s.http_port}/{s.service_name}/prediction",
-             "rpc_address": f"127.0.0.1:{s.rpc_port}", "started_at": time.time()}
+             "rpc_address": f"127.0.0.1:{s.rpc_port}", "started_at": time.time(),
+             "generation": s.generation, "op_processes": op_processes(s)}
     write_state(state_dir, state)
     client = GenerationClient(state["http_url"], state["rpc_address"], timeout=10)
     # ready = a real prediction succeeds

@@ -90,7 +90,7 @@ def parse_request(fields: dict, limits: Limits) -> tuple[str, GenerationSettings
     return prompt, settings
 
 
-def _make_op_classes(model_dir: Path, limits: Limits):
+def _make_op_classes(model_dir: Path, limits: Limits, generation: str, threads: int):
     import numpy as np
     from paddle_serving_server.pipeline import RequestOp
     from paddle_serving_server.web_service import Op, WebService
@@ -107,44 +107,77 @@ def _make_op_classes(model_dir: Path, limits: Limits):
             return super().unpack_request_package(request)
 
     class GenerateOp(Op):
+        """preprocess (per request): validate, tokenize, pad to a fixed width so that Paddle Serving's auto-batching
+        can stack requests; process (per batch): generate for every request of the batch at once; postprocess (per
+        request): decode and add the lineage.
+
+        The Op loads the export's programs itself, one session per worker thread or process (paddle.inference
+        predictors are not thread-safe, and on CPU builds `Predictor.run()` holds the GIL, so only processes run
+        inference in parallel). Paddle Serving calls `process()` only for Ops it built a client for from
+        `local_service_conf.model_config`, which would load one more predictor per worker from "the first *.pdmodel"
+        of the directory: the two overrides below declare the Op as serving without that client."""
+
+        def init_from_dict(self, conf):
+            super().init_from_dict(conf)
+            self.with_serving = True
+
+        def init_client(self, client_config, server_endpoints):
+            return None
+
         def init_op(self):
             self.model = ExportedModel(model_dir)
+            self.sessions = threading.local()
+
+        def _session(self):
+            session = getattr(self.sessions, "session", None)
+            if session is None:
+                if generation == "kv_cache":
+                    session = self.model.cached_session(threads)
+                else:
+                    from pipeline import exportdir
+
+                    predictor = exportdir.create_predictor(self.model.dir, threads=threads)
+                    session = lambda ids: exportdir.predict(predictor, ids)  # noqa: E731
+                self.sessions.session = session
+            return session
 
         def preprocess(self, input_dicts, data_id, log_id):
             ((_, fields),) = input_dicts.items()
             try:
                 prompt, settings = parse_request(dict(fields), limits)
                 ids = self.model.encode(prompt)
+                if len(ids) > limits.max_prompt_chars:
+                    raise RequestError(f"prompt is {len(ids)} tokens; the limit is {limits.max_prompt_chars}")
             except RequestError as exc:
                 return None, False, BAD_REQUEST, str(exc)
-            feed = {"input_ids": np.asarray([ids], dtype="int64"),
-                    "settings": np.asarray([settings.max_new_tokens, settings.top_k, settings.seed], dtype="int64"),
+            padded = np.full((1, limits.max_prompt_chars), -1, dtype="int64")
+            padded[0, :len(ids)] = ids
+            feed = {"prompt_ids": padded,  # (first key: Paddle Serving counts a request's rows by it)
+                    "settings": np.asarray([[settings.max_new_tokens, settings.top_k, settings.seed]], "int64"),
                     "temperature": np.asarray([settings.temperature], dtype="float64")}
             return feed, False, None, ""
 
         def process(self, feed_batch, typical_logid=0):
-            """Paddle Serving runs one forward per request; generation needs one per new token, each through the
-            Op's own local predictor (`self.client`)."""
-            feed = feed_batch[0]
-            max_new, top_k, seed = (int(v) for v in feed["settings"])
-            settings = GenerationSettings(max_new, float(feed["temperature"][0]), top_k, seed)
-            fetch = self._fetch_names
-
-            def forward(input_ids):
-                # Paddle Serving's op threads share one LocalPredictor, whose input handles are not thread-safe:
-                # concurrent requests interleaved reshape/run and failed ("Broadcast dimension mismatch").
-                with PREDICTOR_LOCK:
-                    return self.client.predict(feed={"input_ids": input_ids}, fetch=fetch, batch=True)[fetch[0]]
-
+            feed = feed_batch[0]  # the requests of the batch, stacked along axis 0
+            prompts = [[int(i) for i in row if i >= 0] for row in feed["prompt_ids"]]
+            settings = [GenerationSettings(int(m), float(t), int(k), int(s))
+                        for (m, k, s), t in zip(feed["settings"], feed["temperature"])]
             try:
-                new_ids = self.model.generate(forward, [int(i) for i in feed["input_ids"][0]], settings)
+                session = self._session()
+                if generation == "kv_cache":
+                    outputs = self.model.generate_batch(session, prompts, settings)
+                else:
+                    outputs = [self.model.generate(session, p, s) for p, s in zip(prompts, settings)]
             except Exception as exc:  # noqa: BLE001  (reported to the client; the server keeps serving)
                 return None, INTERNAL_ERROR, f"generation failed: {exc.__class__.__name__}: {exc}"
             # One row per request: the Pipeline slices every output by the request's rows.
-            return {"token_ids": np.asarray([new_ids], dtype="int64")}, 0, ""
+            ids = np.full((len(outputs), max(1, max(map(len, outputs)))), -1, dtype="int64")
+            for row, out in enumerate(outputs):
+                ids[row, :len(out)] = out
+            return {"token_ids": ids}, 0, ""
 
         def postprocess(self, input_dicts, fetch_dict, data_id, log_id):
-            ids = [int(i) for i in fetch_dict["token_ids"][0]]
+            ids = [int(i) for i in fetch_dict["token_ids"][0] if i >= 0]
             return {"text": self.model.decode(ids), "token_ids": json.dumps(ids), **self.model.lineage()}, None, ""
 
     class GenerateService(WebService):
@@ -155,33 +188,32 @@ def _make_op_classes(model_dir: Path, limits: Limits):
     return GenerateService
 
 
-def render_config(config, model_dir: Path, fetch_name: str) -> dict:
-    """Paddle Serving's config.yml, from the typed config (ports, workers, concurrency) and the export."""
+def op_processes(serving_config) -> int:
+    """Op workers: serving.op_concurrency, or (0) one per core this server may use."""
+    from pipeline import cpu_runtime
+
+    return serving_config.op_concurrency or cpu_runtime.available_cores()
+
+
+def render_config(config) -> dict:
+    """Paddle Serving's config.yml, from the typed config (ports, workers, concurrency, batching)."""
     s = config.serving
     return {
         "worker_num": s.rpc_workers,
-        "build_dag_each_worker": False,
+        "build_dag_each_worker": False,  # (True would switch auto-batching off)
         "rpc_port": s.rpc_port,
         "http_port": s.http_port,
-        "dag": {"is_thread_op": True, "retry": 1, "use_profile": False, "tracer": {"interval_s": -1}},
+        "dag": {"is_thread_op": s.op_mode == "thread", "retry": 1, "use_profile": False,
+                "tracer": {"interval_s": -1}},
         "op": {
             s.service_name: {
-                "concurrency": s.op_concurrency,
+                "concurrency": op_processes(s),
                 "timeout": -1,
                 "retry": 1,
-                "batch_size": 1,
-                "auto_batching_timeout": -1,
-                "local_service_conf": {
-                    "client_type": "local_predictor",
-                    "model_config": str(model_dir),
-                    "device_type": 0,
-                    "devices": "",
-                    "fetch_list": [fetch_name],
-                    "thread_num": 1,
-                    "mem_optim": True,
-                    "ir_optim": False,
-                    "precision": "fp32",
-                },
+                # requests that arrive within batch_timeout_ms of each other are generated together
+                "batch_size": s.batch_size,
+                "auto_batching_timeout": s.batch_timeout_ms if s.batch_size > 1 else -1,
+                "local_service_conf": {},  # no model or client type: the Op loads its programs (see GenerateOp)
             }
         },
     }
@@ -195,8 +227,17 @@ def main() -> None:
     args = parser.parse_args()
     from pipeline.config import load_config
 
+    from pipeline import cpu_runtime, exportdir
+
     config = load_config(args.service_config)
-    service_cls = _make_op_classes(Path(args.model), Limits.from_config(config.serving))
+    model_dir = Path(args.model)
+    generation = config.serving.generation
+    if generation == "kv_cache" and not exportdir.has_cache_programs(model_dir):
+        print(f"{model_dir} has no cache programs (exported before they existed): serving the full-sequence graph",
+              flush=True)
+        generation = "full"
+    threads = cpu_runtime.threads_per_process(0, op_processes(config.serving))
+    service_cls = _make_op_classes(model_dir, Limits.from_config(config.serving), generation, threads)
     service = service_cls(name=config.serving.service_name)
     service.prepare_pipeline_config(args.config)
     service.run_service()

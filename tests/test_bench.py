@@ -30,7 +30,13 @@ def test_bench_harness_quick(store_uri, tmp_path):
         assert v["mfu"]["min"] <= v["mfu"]["median"] <= v["mfu"]["max"]
     assert settings["before"]["speedup_vs_before"] == 1.0
     assert result["scaling"]["dp2"]["speedup_vs_single"] > 0
-    assert [c["clients"] for c in result["serving"]["concurrency"]] == [1, 4, 8]
-    assert all(c["errors"] == 0 for c in result["serving"]["concurrency"])
+    serving = result["serving"]
+    for path in ("kv_cache", "full"):
+        assert [c["clients"] for c in serving[path]["concurrency"]] == [1, 2, 4, 8]
+        assert all(c["errors"] == 0 and c["requests"] > 0 for c in serving[path]["concurrency"]), serving[path]
+        assert serving[path]["op_processes"] == cpu_runtime.available_cores()
+    decode = serving["decode_ms_per_token"]
+    assert set(decode) == {f"{p}_{n}" for p in ("kv_cache", "full") for n in (8, 120)} | {
+        "kv_cache_long_vs_short", "full_long_vs_short"}
     report = (tmp_path / "bench.md").read_text()
-    assert "| threads+mkl+compile |" in report
+    assert "| threads+mkl+compile |" in report and "| 8 HTTP clients: generated tokens/s" in report

@@ -31,11 +31,15 @@ def test_export_of_the_best_run(exported):
     assert version.source == f"runs:/{meta['source_run_id']}/exports/test-model/v1" == meta["artifact_uri"]
     logged = {a.path for a in client.list_artifacts(meta["source_run_id"], "exports/test-model/v1")}
     assert {f"exports/test-model/v1/{name}" for name in ("model.pdmodel", "model.pdiparams", "model.pdiparams.info",
+                                                          "prefill.pdmodel", "prefill.pdiparams",
+                                                          "prefill.pdiparams.info", "decode.pdmodel",
+                                                          "decode.pdiparams", "decode.pdiparams.info",
                                                           "export.json", "reference.json",
                                                           "serving_server_conf.prototxt", "tokenizer")} == logged
     assert not list(export_dir.parent.glob(".staging-*"))
     # greedy tokens of the graph equal the dynamic model's, recorded for smoke (serving needs no checkpoint)
-    assert "greedy tokens: exported graph == dynamic model for 3 prompts" in out
+    assert "greedy tokens: exported graph == cache programs (alone and batched) == dynamic model for 5 prompts" in out
+    assert "(prefill + decode, padded batch)" in out
     references = exportdir.read_references(export_dir)
     assert set(references) == set(exportdir.REFERENCE_PROMPTS)
     assert all(1 <= len(ids) <= exportdir.REFERENCE_NEW_TOKENS for ids in references.values())

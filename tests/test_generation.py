@@ -3,7 +3,7 @@ itself, so `generate`'s own behaviour is pinned here against a hand-made model."
 import numpy as np
 import pytest
 
-from serving.generation import GenerationSettings, generate
+from serving.generation import GenerationSettings, generate, generate_batch
 from serving.service import Limits, RequestError, parse_request
 
 VOCAB = 12  # ids 0..9 usable, 10..11 padding rows of the embedding
@@ -87,3 +87,84 @@ def test_request_defaults_and_values():
 def test_bad_requests(fields, message):
     with pytest.raises(RequestError, match=message):
         parse_request(fields, LIMITS)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The key/value-cache path over a scripted cached model: it must produce what the full-sequence path produces, for
+# every request, alone or in a batch of mixed prompt lengths and settings.
+
+def history_logits(history):
+    """Logits that depend on the whole (real) history: any pad leaking into it, or a lost token, changes them."""
+    logits = np.zeros(VOCAB, dtype="float32")
+    logits[10:] = 100.0
+    logits[PAD] = 50.0
+    logits[(sum(history) + len(history)) % 7 + 3] = 10.0  # ids 3 (EOS) .. 9
+    logits[4] = 9.5  # runner-up, so that sampling has a choice
+    return logits
+
+
+def full_forward(ids):
+    out = np.zeros((1, ids.shape[1], VOCAB), dtype="float32")
+    out[0, -1] = history_logits([int(i) for i in ids[0]])
+    return out
+
+
+class ScriptedCache:
+    """prefill/decode over caches that hold the token ids; checks the positions and masks it is given."""
+
+    def __init__(self):
+        self.decode_batches = []
+
+    def prefill(self, ids, positions, mask):
+        for b in range(len(ids)):
+            real = mask[b] == 1
+            assert positions[b][real].tolist() == list(range(int(real.sum())))
+            assert (ids[b][~real] == PAD).all() and not real[: int((~real).sum())].any()  # left padding
+        keys = np.where(mask == 1, ids, -1).astype("float32")[None, :, None, :, None]
+        return np.stack([history_logits([int(i) for i in ids[b][mask[b] == 1]]) for b in range(len(ids))]), keys, keys
+
+    def decode(self, ids, positions, mask, keys, values):
+        self.decode_batches.append(len(ids))
+        keys = np.concatenate([keys, ids.astype("float32")[None, :, None, :, None]], axis=3)
+        assert mask.shape == keys.shape[1:4:2] and keys.shape == values.shape[:3] + (keys.shape[3], 1)
+        logits = []
+        for b in range(len(ids)):
+            history = [int(k) for k, m in zip(keys[0, b, 0, :, 0], mask[b]) if m == 1]
+            assert positions[b, 0] == len(history) - 1
+            logits.append(history_logits(history))
+        return np.stack(logits), keys, keys
+
+
+def batch(prompts, settings, max_length=64, cache=None):
+    cache = cache or ScriptedCache()
+    return generate_batch(cache.prefill, cache.decode, prompts, settings, EOS, [PAD], usable_vocab=10,
+                          max_length=max_length)
+
+
+REQUESTS = [([4], GenerationSettings(max_new_tokens=6)),
+            ([5, 6, 7, 8, 9], GenerationSettings(max_new_tokens=3)),
+            ([9, 9], GenerationSettings(max_new_tokens=12)),
+            ([7, 4, 5], GenerationSettings(max_new_tokens=8, temperature=1.0, seed=11)),
+            ([6] * 9, GenerationSettings(max_new_tokens=8, temperature=0.7, top_k=2, seed=3))]
+
+
+def test_cached_path_equals_the_full_sequence_path_alone_and_batched():
+    alone = [batch([p], [s])[0] for p, s in REQUESTS]
+    assert alone == [generate(full_forward, p, s, EOS, [PAD], usable_vocab=10, max_length=64) for p, s in REQUESTS]
+    assert any(EOS in out for out in alone) and any(len(out) > 3 for out in alone)  # the cases mean something
+    assert batch([p for p, _ in REQUESTS], [s for _, s in REQUESTS]) == alone
+    reordered = list(reversed(REQUESTS))
+    assert batch([p for p, _ in reordered], [s for _, s in reordered]) == alone[::-1]
+
+
+def test_finished_requests_leave_the_batch_and_limits_hold():
+    cache = ScriptedCache()
+    prompts = [[4], [5, 6], [9, 9, 9]]
+    settings = [GenerationSettings(max_new_tokens=n) for n in (1, 4, 7)]
+    out = batch(prompts, settings, cache=cache)
+    assert [len(o) <= n for o, n in zip(out, (1, 4, 7))] == [True] * 3 and len(out[0]) == 1
+    assert cache.decode_batches == sorted(cache.decode_batches, reverse=True) and cache.decode_batches[0] <= 2
+    # the model's maximum length bounds prompt + new tokens; a full prompt gets nothing and is not run at all
+    assert batch([[5] * 6, [5] * 8], [GenerationSettings(max_new_tokens=10)] * 2, max_length=8) == \
+        [generate(full_forward, [5] * 6, GenerationSettings(max_new_tokens=10), EOS, [PAD], 10, 8), []]
+    assert batch([[5] * 8], [GenerationSettings()], max_length=8) == [[]]

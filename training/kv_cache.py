@@ -1,0 +1,119 @@
+"""Generation with a key/value cache as two static programs over the weights of a PaddleNLP `LlamaForCausalLM`.
+
+    prefill  (input_ids [B,T], position_ids [B,T], key_mask [B,T])
+             -> logits of the last position [B,V], keys [L,B,Hkv,T,D], values [L,B,Hkv,T,D]
+    decode   (input_ids [B,1], position_ids [B,1], key_mask [B,P+1], past_keys [L,B,Hkv,P,D], past_values)
+             -> logits [B,V], keys [L,B,Hkv,P+1,D], values [L,B,Hkv,P+1,D]
+
+A decode step costs O(P) attention instead of re-running the whole sequence (the full-sequence graph is
+O(P) matmul work per layer *and* O(P^2) attention per token). Sequences of different lengths share a batch by
+left padding: `key_mask` is 0 on pads, `position_ids` count real tokens only, so each row computes exactly what it
+would alone.
+
+Why this is written out here instead of converting PaddleNLP's own cache path: `LlamaModel.forward` with
+`past_key_values` builds its masks and caches with Python control flow that dy2static in Paddle 2.6.2 does not
+convert in full-graph mode, and PaddleNLP's inference models (`paddlenlp.experimental.transformers`, the
+`GenerationMixin.to_static` path) need GPU-only fused ops. The layer below reuses the model's own sublayers
+(embedding, projections, norms' weights, LM head) and is checked against the dynamic model by the export's parity
+gate (logits and greedy tokens).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pipeline  # noqa: F401  (zlib before paddle)
+import paddle  # noqa: E402
+
+from pipeline import exportdir  # noqa: E402
+
+MASKED = -1e9
+
+
+def _rms_norm(x, weight, eps: float):
+    variance = x.astype("float32").pow(2).mean(-1, keepdim=True)
+    return paddle.rsqrt(variance + eps) * x * weight
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return paddle.concat([-x[..., half:], x[..., :half]], axis=-1)
+
+
+class CachedLlamaStep(paddle.nn.Layer):
+    def __init__(self, model, with_past: bool):
+        super().__init__()
+        self.model = model
+        cfg = model.config
+        self.with_past = with_past
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.eps = cfg.rms_norm_eps
+        # the same rotary table as LlamaRotaryEmbedding (base 10000, [max_pos, head_dim], halves concatenated)
+        inv_freq = 1.0 / (10000 ** (paddle.arange(0, self.head_dim, 2).astype("float32") / self.head_dim))
+        freqs = paddle.einsum("i,j->ij", paddle.arange(cfg.max_position_embeddings, dtype="float32"), inv_freq)
+        emb = paddle.concat([freqs, freqs], axis=-1)
+        self.register_buffer("cos_table", emb.cos())
+        self.register_buffer("sin_table", emb.sin())
+
+    def forward(self, input_ids, position_ids, key_mask, past_keys=None, past_values=None):
+        llama = self.model.llama
+        # (shapes as tensors and reshape's 0 = "same as the input": batch and lengths are dynamic in the programs)
+        length = paddle.shape(input_ids)[1]
+        past = paddle.shape(past_keys)[3] if self.with_past else paddle.zeros([], "int32")
+        hidden = llama.embed_tokens(input_ids)
+        cos = paddle.nn.functional.embedding(position_ids, self.cos_table).unsqueeze(2)  # [B, T, 1, D]
+        sin = paddle.nn.functional.embedding(position_ids, self.sin_table).unsqueeze(2)
+        # additive attention bias [B, 1, T, P+T]: causal over the whole (past + new) sequence, pads masked
+        query_at = paddle.arange(length, dtype="int64").unsqueeze(1) + past.astype("int64")
+        key_at = paddle.arange(past.astype("int64") + length.astype("int64"), dtype="int64").unsqueeze(0)
+        causal = (key_at <= query_at).astype("float32").unsqueeze(0)  # [1, T, P+T]
+        allowed = causal * key_mask.astype("float32").unsqueeze(1)  # [B, T, P+T]
+        bias = ((1.0 - allowed) * MASKED).unsqueeze(1)
+        keys_out, values_out = [], []
+        for index, layer in enumerate(llama.layers):
+            attn = layer.self_attn
+            x = _rms_norm(hidden, layer.input_layernorm.weight, self.eps)
+            q = attn.q_proj(x).reshape([0, 0, self.heads, self.head_dim])
+            k = attn.k_proj(x).reshape([0, 0, self.kv_heads, self.head_dim])
+            v = attn.v_proj(x).reshape([0, 0, self.kv_heads, self.head_dim])
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            k, v = k.transpose([0, 2, 1, 3]), v.transpose([0, 2, 1, 3])  # [B, Hkv, T, D]
+            if self.with_past:
+                k = paddle.concat([past_keys[index], k], axis=2)
+                v = paddle.concat([past_values[index], v], axis=2)
+            keys_out.append(k)
+            values_out.append(v)
+            if self.kv_heads != self.heads:  # grouped-query attention: each key/value head serves n query heads
+                repeat = self.heads // self.kv_heads
+                k = k.unsqueeze(2).tile([1, 1, repeat, 1, 1]).reshape([0, self.heads, -1, self.head_dim])
+                v = v.unsqueeze(2).tile([1, 1, repeat, 1, 1]).reshape([0, self.heads, -1, self.head_dim])
+            scores = paddle.matmul(q.transpose([0, 2, 1, 3]), k, transpose_y=True) / math.sqrt(self.head_dim)
+            probs = paddle.nn.functional.softmax(scores + bias, axis=-1)
+            context = paddle.matmul(probs, v).transpose([0, 2, 1, 3]).reshape([0, 0, self.heads * self.head_dim])
+            hidden = hidden + attn.o_proj(context)
+            mlp = layer.mlp
+            x = _rms_norm(hidden, layer.post_attention_layernorm.weight, self.eps)
+            hidden = hidden + mlp.down_proj(paddle.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+        last = _rms_norm(hidden[:, -1:, :], llama.norm.weight, self.eps)
+        logits = self.model.lm_head(last)[:, 0, :]
+        return logits, paddle.stack(keys_out), paddle.stack(values_out)
+
+
+def save_programs(model, export_dir: Path) -> None:
+    """prefill.pdmodel / decode.pdmodel (+ .pdiparams) next to the full-sequence graph."""
+    cfg = model.config
+    layers, kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    ids = paddle.static.InputSpec([None, None], "int64", exportdir.FEED_NAME)
+    positions = paddle.static.InputSpec([None, None], "int64", "position_ids")
+    mask = paddle.static.InputSpec([None, None], "float32", "key_mask")
+    cache = [paddle.static.InputSpec([layers, None, kv_heads, None, head_dim], "float32", name)
+             for name in ("past_keys", "past_values")]
+    for prefix, with_past, spec in ((exportdir.PREFILL_PREFIX, False, [ids, positions, mask]),
+                                    (exportdir.DECODE_PREFIX, True, [ids, positions, mask, *cache])):
+        step = CachedLlamaStep(model, with_past)
+        step.eval()
+        static = paddle.jit.to_static(step, input_spec=spec, full_graph=True)
+        paddle.jit.save(static, str(export_dir / prefix))
