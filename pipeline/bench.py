@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -263,8 +264,13 @@ def _log_to_mlflow(results: dict, out: Path) -> None:
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             yield prefix, float(value)
 
-    for key, value in flat("", results):
-        client.log_metric(run.info.run_id, key.replace(" ", "_"), value)
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    # MLflow metric names: alphanumerics and _ - . / : and space ("threads+mkl" -> "threads_mkl")
+    metrics = [Metric(re.sub(r"[^\w\-./:]", "_", key), value, now, 0) for key, value in flat("", results)]
+    for i in range(0, len(metrics), 500):
+        client.log_batch(run.info.run_id, metrics=metrics[i:i + 500])
     client.log_artifact(run.info.run_id, str(out / "bench.json"))
     client.log_artifact(run.info.run_id, str(out / "bench.md"))
     client.set_terminated(run.info.run_id, "FINISHED")

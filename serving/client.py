@@ -29,12 +29,13 @@ class Generation:
     model_version: str
     source_run_id: str
     checkpoint_step: int
+    batch_size: int = 1  # requests the server generated together with this one
 
     @classmethod
     def from_fields(cls, fields: dict[str, str]) -> "Generation":
         return cls(text=fields["text"], token_ids=json.loads(fields["token_ids"]), model_name=fields["model_name"],
                    model_version=fields["model_version"], source_run_id=fields["source_run_id"],
-                   checkpoint_step=int(fields["checkpoint_step"]))
+                   checkpoint_step=int(fields["checkpoint_step"]), batch_size=int(fields.get("batch_size", 1)))
 
 
 def _fields(**params) -> dict[str, str]:

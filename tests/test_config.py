@@ -154,3 +154,32 @@ def test_too_many_processes_for_this_machine(monkeypatch):
     config = load_config(None, ["parallel.data=8", "parallel.micro_batch_size=2"])
     with pytest.raises(ConfigError, match="needs 8 processes on this node but only 4 CPU processes"):
         ParallelLayout.from_config(config).check_fits_machine()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["serving.generation=beam"], "serving.generation: 'beam' is not allowed"),
+    (["serving.op_mode=thread"], "serving.op_mode=thread needs serving.batch_size=1"),
+    (["serving.batch_timeout_ms=0"], "serving.batch_timeout_ms: must be >= 1"),
+    (["serving.batch_size=0"], "serving.batch_size: must be > 0"),
+    (["serving.op_concurrency=-1"], "serving.op_concurrency: must be >= 0"),
+])
+def test_invalid_serving_settings(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(DEFAULT_CONFIG, overrides)
+    load_config(DEFAULT_CONFIG, ["serving.op_mode=thread", "serving.batch_size=1"])  # the allowed thread setting
+
+
+def test_serving_workers_and_threads_follow_the_cores(monkeypatch):
+    from serving.service import op_processes, predictor_threads, render_config
+
+    monkeypatch.setattr("pipeline.cpu_runtime.available_cores", lambda: 8)
+    config = load_config(DEFAULT_CONFIG)
+    assert (op_processes(config.serving), predictor_threads(config.serving)) == (8, 1)
+    config = load_config(DEFAULT_CONFIG, ["serving.op_concurrency=2"])
+    assert (op_processes(config.serving), predictor_threads(config.serving)) == (2, 4)
+    rendered = render_config(config)
+    op = rendered["op"]["generate"]
+    assert rendered["dag"]["is_thread_op"] is False and op["concurrency"] == 2
+    assert (op["batch_size"], op["auto_batching_timeout"]) == (4, 2)
+    single = render_config(load_config(DEFAULT_CONFIG, ["serving.batch_size=1"]))["op"]["generate"]
+    assert single["auto_batching_timeout"] == -1

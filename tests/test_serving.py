@@ -118,18 +118,29 @@ def test_bad_requests_get_an_error_and_the_server_stays_up(server, fields, messa
     assert client.generate("你好", max_new_tokens=2).token_ids
 
 
-def test_concurrent_requests_all_succeed_and_agree(server):
+def test_concurrent_requests_are_batched_and_answer_as_alone(server):
+    """Requests of mixed prompt lengths and settings, sent together, are generated in shared batches, and each gets
+    exactly what it gets alone (greedy and seeded sampling)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from serving.client import GenerationClient
 
-    def call(prompt):
-        return GenerationClient(server["state"]["http_url"], timeout=60).generate(prompt, max_new_tokens=6).token_ids
+    assert server["state"]["generation"] == "kv_cache" and server["state"]["op_processes"] >= 1
+    requests_ = [("人工智能", {}), ("这本书很好看，我很喜欢", {"max_new_tokens": 3}), ("快", {"max_new_tokens": 12}),
+                 ("价格便宜质量也好", {"temperature": 1.0, "top_k": 20, "seed": 5}),
+                 ("快递很快", {"temperature": 0.8, "seed": 9})] * 4
 
-    prompts = ["人工智能", "这本书", "快递很快", "价格便宜"] * 4
-    with ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(call, prompts))
-    assert results == [call(p) for p in prompts]
+    def call(item):
+        prompt, kwargs = item
+        return GenerationClient(server["state"]["http_url"], timeout=60).generate(prompt, **{
+            "max_new_tokens": 6, **kwargs})
+
+    alone = [call(item) for item in requests_[:5]]
+    assert all(a.batch_size == 1 for a in alone)
+    with ThreadPoolExecutor(10) as pool:
+        together = list(pool.map(call, requests_))
+    assert [r.token_ids for r in together] == [a.token_ids for a in alone] * 4
+    assert max(r.batch_size for r in together) > 1, [r.batch_size for r in together]
 
 
 def test_a_key_sent_twice_is_refused(server):
@@ -170,3 +181,26 @@ def test_second_start_is_refused_while_running(server):
     proc = cli(["serve", *server["cli"][:2], "--model", str(server["export_dir"]), *server["cli"][2:]],
                server["uri"])
     assert proc.returncode == 2 and "already running" in proc.stderr
+
+
+def test_full_sequence_path_and_thread_mode_serve_the_same_tokens(exported, tmp_path):
+    """serving.generation=full (the graph re-run for every token) with thread workers answers the reference prompts
+    with the dynamic model's greedy tokens, like the default kv_cache path with batching process workers."""
+    from pipeline import exportdir
+    from pipeline.config import load_config
+    from serving import server
+    from serving.client import GenerationClient
+
+    config = load_config(exported["config"], [f"serving.http_port={free_port()}", f"serving.rpc_port={free_port()}",
+                                              "serving.generation=full", "serving.op_mode=thread",
+                                              "serving.batch_size=1",
+                                              "serving.op_concurrency=2"])
+    state = server.start(config, exported["export_dir"], tmp_path / "state")
+    try:
+        assert (state["generation"], state["op_processes"]) == ("full", 2)
+        client = GenerationClient(state["http_url"], state["rpc_address"])
+        references = exportdir.read_references(exported["export_dir"])
+        for prompt, expected in references.items():
+            assert client.generate(prompt, max_new_tokens=exportdir.REFERENCE_NEW_TOKENS).token_ids == expected
+    finally:
+        assert server.stop(tmp_path / "state")
