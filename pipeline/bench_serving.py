@@ -24,7 +24,7 @@ def run(export_dir: Path, out: Path, quick: bool) -> dict:
     from serving.model import ExportedModel
 
     model = ExportedModel(export_dir)
-    result = {"decode_ms_per_token": decode_per_token(model, rounds=3 if quick else 7)}
+    result = {"decode_ms_per_token": decode_per_token(model, rounds=2 if quick else 7)}
     for generation in ("kv_cache", "full"):
         result[generation] = served(export_dir, out, generation, model, quick)
     return result
@@ -62,7 +62,7 @@ def served(export_dir: Path, out: Path, generation: str, model, quick: bool) -> 
 
     config = load_config(DEFAULT_CONFIG, [f"serving.http_port={free_port()}", f"serving.rpc_port={free_port()}",
                                           f"serving.generation={generation}"])
-    prompt, new_tokens, count = "这本书", 8, (10 if quick else 40)
+    prompt, new_tokens, count = "这本书", 8, (6 if quick else 40)
     settings = GenerationSettings(max_new_tokens=new_tokens)
     ids = model.encode(prompt)
     if generation == "kv_cache":
@@ -79,7 +79,7 @@ def served(export_dir: Path, out: Path, generation: str, model, quick: bool) -> 
         http = _timed(lambda: client.generate(prompt, max_new_tokens=new_tokens), count)
         grpc = _timed(lambda: client.generate_grpc(prompt, max_new_tokens=new_tokens), count)
         load = [load_test(lambda: len(GenerationClient(state["http_url"], timeout=60).generate(
-            prompt, max_new_tokens=16).token_ids), n, 3 if quick else 8) for n in CLIENTS]
+            prompt, max_new_tokens=16).token_ids), n, 1.5 if quick else 8) for n in CLIENTS]
     finally:
         server.stop(state_dir)
     local += _timed(in_process, count - count // 2)

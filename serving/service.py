@@ -23,7 +23,6 @@ from serving.model import ExportedModel, RequestError
 BAD_REQUEST = 8001
 INTERNAL_ERROR = 8002
 FIELDS = ("prompt", "max_new_tokens", "temperature", "top_k", "seed")
-PREDICTOR_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
