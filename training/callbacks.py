@@ -12,7 +12,7 @@ from pathlib import Path
 from paddlenlp.trainer import TrainerCallback  # (this import resets SIGTERM: handlers are installed after it)
 
 from pipeline import tracking
-from training.checkpoints import STOPPED_MARKER, checkpoint_info, complete_checkpoints, mark_complete
+from training.checkpoints import checkpoint_info, complete_checkpoints, mark_complete
 
 
 class FinalStepCallback(TrainerCallback):
