@@ -12,16 +12,14 @@ A registered version is served from `<exports_dir>/<name>/<version>/` when that 
 """
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import tempfile
 from pathlib import Path
 
-from pipeline import REPO_ROOT, tracking
+from pipeline import REPO_ROOT, exportdir, tracking
 from pipeline.config import Config, ConfigError
 
-EXPORT_META = "export.json"
 _MODELS_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<version>\d+|latest)|@(?P<alias>[\w-]+))$")
 
 
@@ -38,9 +36,7 @@ def resolve(config: Config, model: str = "") -> Path:
     """The local export directory to serve (downloaded from the registry when needed)."""
     if model and not model.startswith("models:"):
         path = Path(model).resolve()
-        if not (path / EXPORT_META).is_file():
-            raise ConfigError(f"MODEL={model} is not an export directory (no {EXPORT_META}); run `make export` or "
-                              f"pass models:/<name>/<version>")
+        exportdir.read_meta(path)  # a clear error when it is not an export directory
         return path
     uri = tracking.tracking_uri(config)
     tracking.check_reachable(uri)
@@ -73,16 +69,10 @@ def _model_version(client, name: str, version: str | None, alias: str | None):
 
 def _holds(path: Path, version_info) -> bool:
     """Is `path` an export directory of exactly this registered version (same run, same weights)?"""
-    meta_file = path / EXPORT_META
-    if not str(path) or not meta_file.is_file():
+    if not str(path) or not exportdir.is_complete(path):
         return False
-    meta = json.loads(meta_file.read_text())
-    if str(meta.get("version")) != str(version_info.version) or meta.get("source_run_id") != version_info.run_id:
-        return False
-    import hashlib
-
-    weights = path / "model.pdiparams"
-    return weights.is_file() and hashlib.sha256(weights.read_bytes()).hexdigest() == meta.get("weights_sha256")
+    meta = exportdir.read_meta(path)
+    return str(meta["version"]) == str(version_info.version) and meta["source_run_id"] == version_info.run_id
 
 
 def _download(client, version_info, target: Path) -> Path:
