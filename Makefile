@@ -18,7 +18,7 @@ MODEL ?=
 FILTER ?=
 REAP ?=
 
-.PHONY: setup train export serve stop smoke all compare bench test test-fast runs mlflow-ui mlflow-server mlflow-stop clean
+.PHONY: setup train export serve stop smoke all compare bench plan test test-fast runs mlflow-ui mlflow-server mlflow-stop clean
 setup: $(STAMP)
 
 # One environment from exact pins (requirements/lock.txt, verified to install and import together) plus the Paddle
@@ -57,6 +57,10 @@ compare: $(STAMP)
 # RUNNING runs of the experiment, alive / dead / stale; REAP=1 marks the dead and stale ones FAILED.
 runs: $(STAMP)
 	$(PY) -m pipeline runs --config $(CONFIG) $(if $(EXPERIMENT),--experiment $(EXPERIMENT)) $(if $(REAP),--reap)
+
+# Memory and step-time estimates of every layout of CONFIG on a cluster: make plan CONFIG=... ARGS="cluster.gpus=512"
+plan: $(STAMP)
+	$(PY) -m pipeline plan --config $(CONFIG) $(ARGS)
 
 bench: $(STAMP)
 	$(PY) -m pipeline bench $(ARGS)

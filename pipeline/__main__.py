@@ -1,7 +1,8 @@
 """`python -m pipeline <verb> [options] [section.key=value ...]` -- the one CLI the Makefile calls.
 
 Each verb is one function in one module of pipeline/: train (train.py), export (export.py), serve / stop / smoke
-(serve.py), compare (compare.py), runs (runs.py), bench (bench.py), mlflow-server / mlflow-stop (mlflow_server.py).
+(serve.py), compare (compare.py), runs (runs.py), bench (bench.py), plan (plan.py), mlflow-server / mlflow-stop
+(mlflow_server.py).
 """
 from __future__ import annotations
 
@@ -67,6 +68,12 @@ def parser() -> argparse.ArgumentParser:
     runs.add_argument("--config", default=None, help=config_help + "; names the experiment")
     runs.add_argument("--experiment", default="")
     runs.add_argument("--reap", action="store_true")
+    plan = sub.add_parser("plan", help="memory and step-time estimates of every layout of a model on a cluster")
+    plan.add_argument("--config", default=None, help=config_help)
+    plan.add_argument("--top", type=int, default=10, help="how many fitting layouts to print")
+    plan.add_argument("--csv", default="", help="write every valid layout, ranked, to this CSV file")
+    plan.add_argument("--write", default="", help="write the top layout as a config file (check it with DRY_RUN=1)")
+    plan.add_argument("overrides", nargs="*", help="e.g. cluster.gpus=512 cluster.gpu_memory_gb=80")
     sub.add_parser("mlflow-server", help="start a tracking server on 127.0.0.1 (settings: mlflow/server.env)")
     sub.add_parser("mlflow-stop", help="stop the tracking server")
     return p
@@ -122,6 +129,12 @@ def _bench(args) -> int:
     return 0
 
 
+def _plan(args) -> int:
+    from pipeline import plan
+
+    return plan.run(args.config or str(DEFAULT_CONFIG), args.overrides, args.top, args.csv, args.write)
+
+
 def _mlflow_server(args) -> int:
     from pipeline import mlflow_server
 
@@ -129,7 +142,7 @@ def _mlflow_server(args) -> int:
 
 
 VERBS = {"train": _train, "export": _export, "serve": _serve_verb("serve"), "stop": _serve_verb("stop"),
-         "smoke": _serve_verb("smoke"), "compare": _compare, "runs": _runs, "bench": _bench,
+         "smoke": _serve_verb("smoke"), "compare": _compare, "runs": _runs, "bench": _bench, "plan": _plan,
          "mlflow-server": _mlflow_server, "mlflow-stop": _mlflow_server}
 
 if __name__ == "__main__":

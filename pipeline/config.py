@@ -156,6 +156,20 @@ class ServingConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """The machines `make plan` plans a layout for (defaults: nodes of 8 A100 80 GB). Not used by training."""
+
+    gpus: int = 8
+    gpus_per_node: int = 8
+    gpu_memory_gb: float = 80.0
+    headroom: float = 0.1  # fraction of device memory kept free (allocator, fragmentation, NCCL buffers)
+    peak_tflops: float = 312.0  # dense bf16/fp16 per GPU (A100; H100 SXM ~989)
+    utilisation: float = 0.4  # assumed fraction of the peak that the compute reaches
+    intra_node_gbps: float = 300.0  # GB/s per GPU inside a node (NVLink; A100 600 GB/s both directions)
+    inter_node_gbps: float = 25.0  # GB/s per GPU between nodes (200 Gb/s InfiniBand)
+
+
+@dataclass
 class Config:
     name: str = "tiny"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -166,6 +180,7 @@ class Config:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     serving: ServingConfig = field(default_factory=ServingConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -315,6 +330,7 @@ def validate(config: Config) -> None:
     _validate_training(config.training, config.model)
     _validate_tracking_and_export(config.tracking, config.export)
     _validate_serving(config.serving)
+    _validate_cluster(config.cluster)
     ParallelLayout.from_config(config)  # the layout rules live with the layout
 
 
@@ -399,3 +415,12 @@ def _validate_serving(s: ServingConfig) -> None:
         _positive(f"serving.{key}", getattr(s, key))
     _require(1 <= s.default_max_new_tokens <= s.max_new_tokens_limit,
              "serving.default_max_new_tokens: must be in 1..serving.max_new_tokens_limit")
+
+
+def _validate_cluster(c: ClusterConfig) -> None:
+    for key in ("gpus", "gpus_per_node", "gpu_memory_gb", "peak_tflops", "intra_node_gbps", "inter_node_gbps"):
+        _positive(f"cluster.{key}", getattr(c, key))
+    _require(c.gpus % c.gpus_per_node == 0 or c.gpus < c.gpus_per_node,
+             f"cluster.gpus ({c.gpus}) must be a multiple of cluster.gpus_per_node ({c.gpus_per_node})")
+    _require(0 <= c.headroom < 1, "cluster.headroom: must be in [0, 1)")
+    _require(0 < c.utilisation <= 1, "cluster.utilisation: must be in (0, 1]")

@@ -1,0 +1,71 @@
+"""`make plan`'s memory and step-time model against hand-computed cases, and the 100B example (fast, no GPU)."""
+import pytest
+
+from pipeline import plan
+from pipeline.config import load_config
+
+# hidden 1024, 4 layers, 8 heads (= KV heads), intermediate 4096, vocabulary 1000, 128-token sequences.
+# N = 4 x (attention 2*1024^2 + 2*1024*1024 + MLP 3*1024*4096 + norms 2*1024) + embedding and head 2*1000*1024
+#     + final norm 1024 = 4 x 16,779,264 + 2,048,000 + 1,024 = 69,166,080
+SMALL = ["model.hidden_size=1024", "model.intermediate_size=4096", "model.num_layers=4",
+         "model.num_attention_heads=8", "model.num_key_value_heads=8", "model.max_position_embeddings=128",
+         "tokenizer.max_vocab_size=1000", "training.seq_length=128", "training.global_batch_size=16",
+         "parallel.device=gpu", "parallel.amp_dtype=bfloat16", "parallel.amp_level=O2"]
+TP2_PP2 = plan.Candidate(dp=2, tp=2, pp=2, sharding_stage=0, sharding_degree=1, micro_batch_size=2,
+                         accumulation_steps=4, recompute=False)
+
+
+def test_memory_by_hand():
+    config = load_config(None, SMALL)
+    mem = plan.memory(config, TP2_PP2)
+    n = 69_166_080 / 4  # per tensor x pipeline rank: 17,291,520
+    assert mem["parameters"] == mem["gradients"] == n * 2  # bf16: 34,583,040 bytes
+    assert mem["optimizer"] == n * 12  # two fp32 moments + fp32 master weights (O2): 207,498,240
+    # s*b*h*(10 + 24/tp + 5*a*s/(h*tp)) = 128*2*1024*(10 + 12 + 2.5) = 6,422,528 per layer, 2 layers, 2 in flight
+    assert mem["activations"] == 6_422_528 * 2 * 2
+    assert mem["logits"] == 128 * 2 * 1000 * 4 / 2
+    assert mem["total"] == pytest.approx(302_866_432)
+
+
+def test_recompute_and_sharding_by_hand():
+    config = load_config(None, SMALL)
+    recompute = plan.memory(config, plan.Candidate(2, 2, 2, 0, 1, 2, 4, True))
+    assert recompute["activations"] == 2 * 128 * 2 * 1024 * 2 * 2 + 6_422_528  # layer inputs + one layer's full set
+    n = 69_166_080 / 4
+    for stage, (params, grads, optimizer) in {1: (n * 2, n * 2, n * 12 / 2), 2: (n * 2, n, n * 12 / 2),
+                                              3: (n, n, n * 12 / 2)}.items():
+        mem = plan.memory(config, plan.Candidate(1, 2, 2, stage, 2, 2, 4, False))
+        assert (mem["parameters"], mem["gradients"], mem["optimizer"]) == (params, grads, optimizer), stage
+
+
+def test_step_time_by_hand():
+    """8 GPUs in one node, data parallel only, fp32: compute 6 N T / (8 x peak x utilisation) and one ring all-reduce
+    of the fp32 gradients over NVLink."""
+    config = load_config(None, [o for o in SMALL if "amp" not in o] + [
+        "cluster.gpus=8", "cluster.peak_tflops=100", "cluster.utilisation=0.5", "cluster.intra_node_gbps=100"])
+    t = plan.step_time(config, plan.Candidate(8, 1, 1, 0, 1, 2, 1, False))
+    tokens = 16 * 128
+    assert t["compute_s"] == pytest.approx(6 * 69_166_080 * tokens / (8 * 100e12 * 0.5))
+    assert t["data_s"] == pytest.approx(2 * 7 / 8 * 69_166_080 * 4 / 100e9)
+    assert t["tensor_s"] == t["pipeline_s"] == t["bubble"] == 0
+
+
+def test_the_100b_example(tmp_path):
+    from pipeline import REPO_ROOT
+    from pipeline.layout import ParallelLayout
+
+    config = load_config(REPO_ROOT / "configs" / "llama-100b-512gpu.yaml", ["cluster.gpus=512"])
+    dp_only = plan.memory(config, plan.Candidate(512, 1, 1, 0, 1, 1, 2, False))
+    assert dp_only["parameters"] / 1e9 == pytest.approx(199.3, abs=0.1)  # 99.6B x 2 bytes: no single GPU holds it
+    rows = plan.rank(config, plan.enumerate_layouts(config))
+    assert all(r["candidate"].tp <= 8 for r in rows)  # tensor groups stay inside a node
+    fitting = [r["candidate"] for r in rows if r["fits"]]
+    assert plan.of_config(config) in fitting  # tp8 x pp16 x dp4 fits (20.6 GB of 72)
+    assert not any(r["fits"] for r in rows if r["candidate"].tp * r["candidate"].pp == 1 and
+                   r["candidate"].sharding_stage == 0)
+    assert [r["step_s"] for r in rows if r["fits"]] == sorted(r["step_s"] for r in rows if r["fits"])
+    assert plan.run(str(REPO_ROOT / "configs" / "llama-100b-512gpu.yaml"), ["cluster.gpus=512"], top=3,
+                    csv_path=str(tmp_path / "plan.csv"), write=str(tmp_path / "chosen.yaml")) == 0
+    written = load_config(tmp_path / "chosen.yaml")
+    assert ParallelLayout.from_config(written).world_size == 512 and written.parallel.nnodes == 64
+    assert len((tmp_path / "plan.csv").read_text().splitlines()) == len(rows) + 1
