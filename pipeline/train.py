@@ -235,10 +235,12 @@ def run(config_path: str | None, overrides: list[str], resume: str = "", dry_run
     if dry_run:
         return 0
     layout.check_fits_machine()
-    tracking.check_reachable(uri)
+    # Node 0 owns the MLflow run; the other nodes' launchers never touch the tracking store.
     is_node0 = os.environ.get("NODE_RANK", "0") == "0"
-    mlflow_client = tracking.client(uri)
+    mlflow_client = None
     if is_node0:
+        tracking.check_reachable(uri)
+        mlflow_client = tracking.client(uri)
         for line in runs.reap(mlflow_client, config.tracking.experiment, config.tracking.stale_after_s):
             print(f"marked stale run FAILED: {line}", flush=True)
 
