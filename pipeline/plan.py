@@ -71,12 +71,17 @@ def of_config(config: Config) -> Candidate:
                      p.accumulation_steps, p.recompute)
 
 
+def _param_bytes(config: Config) -> int:
+    """2 under AMP (bf16/fp16; only on GPU: on CPU auto_cast is a no-op), else 4."""
+    return 2 if config.parallel.amp_dtype and config.parallel.device == "gpu" else 4
+
+
 def memory(config: Config, c: Candidate) -> dict[str, float]:
     """Bytes per device (the most loaded one: first stage for activations, last stage for the logits)."""
     m, s, b = config.model, config.training.seq_length, c.micro_batch_size
-    amp = bool(config.parallel.amp_dtype) and config.parallel.device == "gpu"
+    width = _param_bytes(config)
+    amp = width == 2
     n = estimate_parameters(config) / (c.tp * c.pp)
-    width = 2 if amp else 4
     shard = c.sharding_degree if c.sharding_stage else 1
     params = n * width / (shard if c.sharding_stage >= 3 else 1)
     grads = n * width / (shard if c.sharding_stage >= 2 else 1)
@@ -109,7 +114,7 @@ def step_time(config: Config, c: Candidate) -> dict[str, float]:
     pipe_bw = (cl.inter_node_gbps if crosses_nodes else cl.intra_node_gbps) * GB
     pipe = 2 * micro * message / pipe_bw * (c.pp - 1) / c.pp if c.pp > 1 else 0.0
     replicas = c.dp * c.sharding_degree
-    grad_bytes = n / (c.tp * c.pp) * (2 if config.parallel.amp_dtype else 4)
+    grad_bytes = n / (c.tp * c.pp) * _param_bytes(config)
     data_bw = (cl.inter_node_gbps if gpus > cl.gpus_per_node and c.tp * c.pp < gpus else cl.intra_node_gbps) * GB
     data = 2 * (replicas - 1) / replicas * grad_bytes / data_bw if replicas > 1 else 0.0
     if c.sharding_stage >= 3:  # parameters gathered for the forward and again for the backward of every micro-batch
