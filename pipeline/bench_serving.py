@@ -79,7 +79,7 @@ def served(export_dir: Path, out: Path, generation: str, model, quick: bool) -> 
         http = _timed(lambda: client.generate(prompt, max_new_tokens=new_tokens), count)
         grpc = _timed(lambda: client.generate_grpc(prompt, max_new_tokens=new_tokens), count)
         load = [load_test(lambda: len(GenerationClient(state["http_url"], timeout=60).generate(
-            prompt, max_new_tokens=16).token_ids), n, 1.5 if quick else 8) for n in CLIENTS]
+            prompt, max_new_tokens=16).token_ids), n, 1.0 if quick else 8) for n in CLIENTS]
     finally:
         server.stop(state_dir)
     local += _timed(in_process, count - count // 2)

@@ -104,7 +104,7 @@ def test_a_killed_rank_fails_the_job(world):
     runs = world["root"] / "runs"
     cmd = [sys.executable, "-m", "pipeline", "train", "--config", str(world["config"]), f"training.runs_dir={runs}",
            "training.run_name=victim", *LAYOUTS["dp2"], "training.max_steps=5000", "training.eval_interval=5000",
-           "training.save_interval=5000", "parallel.collective_timeout_s=15"]
+           "training.save_interval=5000", "parallel.collective_timeout_s=10"]
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env_for(world["uri"]), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -126,7 +126,7 @@ def test_a_killed_rank_fails_the_job(world):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0
     assert "training failed: rank 1" in stderr, stderr[-2000:]
-    assert elapsed < 45, elapsed  # bounded by parallel.collective_timeout_s=15, not by the test's timeout
+    assert elapsed < 40, elapsed  # bounded by parallel.collective_timeout_s=10, not by the test's timeout
     run_id = json.loads((runs / "victim" / "mlflow_run.json").read_text())["run_id"]
     client = tracking.client(world["uri"])
     run = client.get_run(run_id)
@@ -182,7 +182,7 @@ def test_two_nodes_match_the_single_process_run(world, single):
 
 def test_node_1_killed_fails_node_0_within_the_collective_timeout(world):
     procs = start_nodes(world, "node-lost", ["training.max_steps=5000", "training.eval_interval=5000",
-                                             "training.save_interval=5000", "parallel.collective_timeout_s=15"])
+                                             "training.save_interval=5000", "parallel.collective_timeout_s=10"])
     log0 = world["root"] / "node0" / "node-lost" / "logs" / "workerlog.0"
     deadline = time.time() + 240
     try:
@@ -202,6 +202,6 @@ def test_node_1_killed_fails_node_0_within_the_collective_timeout(world):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
     assert rc0 != 0, err0[-2000:]
-    assert elapsed < 60, elapsed  # parallel.collective_timeout_s=15 bounds it, not the test's timeout
+    assert elapsed < 40, elapsed  # parallel.collective_timeout_s=10 bounds it, not the test's timeout
     run_id = json.loads((world["root"] / "node0" / "node-lost" / "mlflow_run.json").read_text())["run_id"]
     assert tracking.client(world["uri"]).get_run(run_id).info.status == "FAILED"
