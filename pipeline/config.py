@@ -105,6 +105,16 @@ class ParallelConfig:
     cpu_threads: int = 0
     # Seconds a rank may wait on a collective before the job is declared hung (gloo / NCCL timeout).
     collective_timeout_s: int = 120
+    # Pipeline schedule (pipeline/schedules.py): 1F1B | interleaved-1F1B (with virtual_stages >= 2 model chunks per
+    # device: smaller bubble) | FThenB (GPipe order; GPU only).
+    schedule: str = "1F1B"
+    virtual_stages: int = 1
+    # Decoder layers per pipeline stage: "uniform", "parameters" (balance the parameter count, embedding and LM head
+    # included) or an explicit list such as [3, 1]; a pipeline run ends by suggesting a split from measured times.
+    stage_layers: Any = "uniform"
+    # manual: fleet hybrid parallel (PaddleNLP Trainer); semi_auto: Paddle's auto-parallel API places the weights on a
+    # ProcessMesh built from the degrees (data x tensor), see training/semi_auto.py.
+    mode: str = "manual"
 
 
 @dataclass
@@ -212,6 +222,8 @@ def _type_name(tp) -> str:
 
 
 def _coerce(key: str, value: Any, tp) -> Any:
+    if tp is Any:  # checked where it is used (e.g. parallel.stage_layers: a word or a list)
+        return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is float and isinstance(value, str):

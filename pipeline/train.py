@@ -232,6 +232,8 @@ def run(config_path: str | None, overrides: list[str], resume: str = "", dry_run
     params = estimate_parameters(config)
     print(f"model: {_count(params)} parameters (vocabulary <= {config.tokenizer.max_vocab_size}), about "
           f"{_count(params / (layout.tp * layout.pp))} per rank\n" + layout.describe(), flush=True)
+    if layout.pp > 1:
+        print(pipeline_schedule_text(layout), flush=True)
     if dry_run:
         return 0
     layout.check_fits_machine()
@@ -290,6 +292,8 @@ def run(config_path: str | None, overrides: list[str], resume: str = "", dry_run
                   f"({previous_status}) are unchanged", file=sys.stderr, flush=True)
         if status == "FAILED":
             _report_failure(mlflow_client if started else None, run_id, run_dir)
+        elif layout.pp > 1 and is_node0 and started:
+            _report_stages(mlflow_client, run_id, run_dir, layout)
         if run_id:
             if not started:
                 status = previous_status
@@ -304,6 +308,30 @@ def run(config_path: str | None, overrides: list[str], resume: str = "", dry_run
               f"RESUME={run_dir}", flush=True)
     print(f"run directory: {run_dir}", flush=True)
     return returncode
+
+
+def pipeline_schedule_text(layout: ParallelLayout) -> str:
+    """The dry run's schedule section: every schedule's bubble for this layout, and the chosen one's timeline."""
+    from pipeline import schedules
+
+    p, m, v = layout.pp, layout.accumulation_steps, layout.virtual_stages
+    events = schedules.timeline(layout.pipeline_schedule, p, m, v)
+    return (f"pipeline schedules for {p} stages x {m} micro-batches (forward 1, backward 2 time units; an interleaved "
+            f"stage step is 1/v of that):\n{schedules.compare_text(p, m, v)}\n"
+            f"timeline of {layout.pipeline_schedule}" + (f" over {v} virtual stages" if v > 1 else "")
+            + f" (F/B: micro-batch forward/backward, f/b: later chunks, '.': idle; bubble "
+            f"{schedules.idle_fraction(events):.3f}):\n{schedules.render_text(events)}")
+
+
+def _report_stages(mlflow_client, run_id: str | None, run_dir: Path, layout: ParallelLayout) -> None:
+    from pipeline import stage_report
+
+    try:
+        message = stage_report.report(mlflow_client, run_id, run_dir, layout)
+    except Exception as exc:  # noqa: BLE001  (the advice must never cost the run its status)
+        message = f"pipeline stage report failed: {exc.__class__.__name__}: {exc}"
+    if message:
+        print(message, flush=True)
 
 
 def _count(n: float) -> str:

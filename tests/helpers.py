@@ -28,7 +28,11 @@ LAYOUTS = {
     "single": [],
     "dp2": ["parallel.data=2", "parallel.micro_batch_size=4"],
     "tp2": ["parallel.tensor=2"],
-    "pp2": ["parallel.pipeline=2", "parallel.micro_batch_size=4", "parallel.accumulation_steps=2"],
+    # (uneven stages: Paddle's stage-boundary list; the even split is exercised by tp2pp2 and pp2v2)
+    "pp2": ["parallel.pipeline=2", "parallel.micro_batch_size=4", "parallel.accumulation_steps=2",
+            "parallel.stage_layers=[3,1]"],
+    "pp2v2": ["parallel.pipeline=2", "parallel.micro_batch_size=2", "parallel.accumulation_steps=4",
+              "parallel.schedule=interleaved-1F1B", "parallel.virtual_stages=2"],
     "sharding1x2": ["parallel.sharding_stage=1", "parallel.sharding_degree=2", "parallel.micro_batch_size=4"],
     "tp2pp2": ["parallel.tensor=2", "parallel.pipeline=2", "parallel.micro_batch_size=4",
                "parallel.accumulation_steps=2"],

@@ -3,7 +3,7 @@
     top      pipeline/ verbs and orchestration (__main__, train, export, serve, compare, runs, models, bench, ...)
     stages   training/            serving/            (neither imports the other)
     bottom   pipeline/ shared vocabulary: config, layout, errors, tracking, processes, cpu_runtime, tokenizer,
-             exportdir (imports nothing above it)
+             exportdir, schedules (imports nothing above it)
 """
 import ast
 from pathlib import Path
@@ -14,7 +14,7 @@ from pipeline import REPO_ROOT
 
 PACKAGES = ("pipeline", "training", "serving")
 BOTTOM = {"pipeline", "pipeline.config", "pipeline.layout", "pipeline.errors", "pipeline.tracking",
-          "pipeline.processes", "pipeline.cpu_runtime", "pipeline.tokenizer", "pipeline.exportdir"}
+          "pipeline.processes", "pipeline.cpu_runtime", "pipeline.tokenizer", "pipeline.exportdir", "pipeline.schedules"}
 
 
 def module_name(path: Path) -> str:

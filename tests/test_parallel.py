@@ -40,7 +40,7 @@ def single(world):
     return train(world, "single")
 
 
-@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2", "sharding1x2", "tp2pp2", "dp2tp2"])
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2", "pp2v2", "sharding1x2", "tp2pp2", "dp2tp2"])
 def test_layout_matches_single_process(world, single, layout):
     run, losses, evals = train(world, layout)
     _, ref_losses, ref_evals = single
@@ -50,12 +50,33 @@ def test_layout_matches_single_process(world, single, layout):
     for step, ref in ref_evals.items():
         assert evals[step] == pytest.approx(ref, rel=RTOL), (step, evals[step], ref)
     tags = run.data.tags
-    expected_world = {"dp2": 2, "tp2": 2, "pp2": 2, "sharding1x2": 2, "tp2pp2": 4, "dp2tp2": 4}[layout]
+    expected_world = {"dp2": 2, "tp2": 2, "pp2": 2, "pp2v2": 2, "sharding1x2": 2, "tp2pp2": 4, "dp2tp2": 4}[layout]
     assert tags["world_size"] == str(expected_world) and run.data.params["layout.world_size"] == str(expected_world)
     for key in ("layout.dp", "layout.tp", "layout.pp", "layout.bubble_fraction", "layout.schedule"):
         assert key in tags
     assert_runtime_applied(world["root"] / "runs" / layout, expected_world, tags)
+    if "pp" in layout:
+        assert_stage_report(world, run, layout)
     world["losses"][layout] = losses
+
+
+def assert_stage_report(world, run, layout: str) -> None:
+    """A pipeline run records Paddle's own order per stage (equal to pipeline/schedules.py's), per-stage times in
+    MLflow, the timeline PNG, and a split suggestion that covers every decoder layer."""
+    stages = json.loads((world["root"] / "runs" / layout / "pipeline" / "stages.json").read_text())
+    assert stages["order_matches_paddle"] is True
+    assert [s["stage"] for s in stages["stages"]] == [0, 1]
+    assert all(s["steps"] == 5 and s["forward_ms"] > 0 and s["backward_ms"] > 0 for s in stages["stages"])
+    assert sum(stages["suggested_stage_layers"]) == 4
+    # (p-1)/(m+p-1) with m = 2 micro-batches; interleaved (p-1)/(v*m+p-1) with m = 4, v = 2
+    expected = {"pp2": ("1F1B", 1 / 3), "pp2v2": ("interleaved-1F1B", 1 / 9), "tp2pp2": ("1F1B", 1 / 3)}[layout]
+    assert (stages["schedule"], stages["analytic_bubble"]) == (expected[0], pytest.approx(expected[1]))
+    metrics = run.data.metrics
+    for key in ("stage0_forward_ms", "stage1_backward_ms", "pipeline_measured_idle_fraction"):
+        assert metrics[key] > 0
+    client = tracking.client(world["uri"])
+    assert {"pipeline/timeline.png", "pipeline/stages.json"} <= {
+        f.path for f in client.list_artifacts(run.info.run_id, "pipeline")}
 
 
 def assert_runtime_applied(run_dir: Path, processes: int, tags: dict) -> None:

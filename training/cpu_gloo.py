@@ -10,10 +10,11 @@ the list of blockers (see README "Hybrid parallel on CPU"):
      built with `tensor_parallel_output=False` on CPU instead, see training/model.py);
   4. `ParallelEnv._device_id` is only set for gpu/xpu, and `PipelineLayer` reads it;
   5. pipeline send/recv: gloo sends block until the peer receives, so the batched "on calc stream" p2p must run as
-     blocking calls in Paddle's sync-send order (recv_prev, send_next, recv_next, send_prev);
+     blocking calls in an order that cannot wait in a cycle (pair by pair: the interleaved schedule's ring);
   6. every gloo sub-group runs its connect handshake under the same keys of the one global TCPStore, so with 4+
      processes groups read each other's stale addresses (TIMEOUT / connection refused): each gloo sub-group gets its
-     own TCPStore, hosted by the group's rank 0 and advertised through the global store.
+     own TCPStore, hosted by the group's rank 0 and advertised through the global store;
+  7. the interleaved pipeline engine asserts more than two stages (see `_interleave_sanity`).
 
 `apply()` is called once per process, only when training on CPU with more than one process; it refuses to run on
 any other Paddle version, because each patch depends on private internals of 2.6.2.
@@ -125,14 +126,48 @@ def _make_c_concat():
 
 # 5 ---------------------------------------------------------------------------------------------------------------------
 def _batch_send_recv_blocking(p2p_ops):
+    """The batch as blocking calls, ordered so that no set of ranks can wait on each other in a cycle.
+
+    A gloo send returns only when its peer receives. In the interleaved schedule every stage exchanges with both
+    neighbours at once, the last stage with the first (a ring), so Paddle's sync-send order (every rank receives
+    from its previous stage first) would wait forever. Instead each rank works through its peers pair by pair, in
+    the one global order of the pairs (lower rank, higher rank); within a pair the lower rank sends first and the
+    higher rank receives first. The globally first pending pair is then at the head of both its ranks' queues, so
+    the exchange always advances. Sends keep the list's order (send_next before send_prev) and so do receives
+    (recv_prev before recv_next): with two stages, where the previous and next stage are the same rank, the
+    activation and the gradient still arrive in the buffers meant for them."""
     from paddle.distributed.fleet.meta_parallel.pp_utils import p2p_communication as p2p
 
-    for op in p2p_ops:
+    if not p2p_ops:
+        return
+    me = p2p_ops[0].group.rank
+
+    def key(item):
+        index, op = item
+        peer = op.group.get_group_rank(op.peer)
+        sending = op.op is p2p._send_on_calc_stream
+        first = sending if me < peer else not sending
+        return (min(me, peer), max(me, peer), not first, index)
+
+    for _, op in sorted(enumerate(p2p_ops), key=key):
         peer = op.group.get_group_rank(op.peer)
         if op.op is p2p._send_on_calc_stream:
             op.group.process_group.send(op.tensor, peer, True).wait()
         else:
             op.group.process_group.recv(op.tensor, peer, True).wait()
+
+
+# 7 ---------------------------------------------------------------------------------------------------------------------
+def _interleave_sanity(self):
+    """`PipelineParallelWithInterleave._check_sanity` minus `num_stages > 2`: with two stages the ring's previous and
+    next stage are the same rank, which the pair-ordered p2p (5) exchanges in order; the tests check pp2 x 2
+    virtual stages against the single-process losses. The GPU path keeps Paddle's rule (pipeline/layout.py)."""
+    import paddle
+
+    assert paddle.in_dynamic_mode(), "virtual pipeline stage with interleave only support eager dygraph mode"
+    assert self.num_stages >= 2, "virtual pipeline needs pp degree >= 2"
+    assert self.accumulate_steps % self.num_stages == 0, \
+        "accumulate_steps should be evenly divisible by num_stages for pipeline with interleave"
 
 
 # 6 ---------------------------------------------------------------------------------------------------------------------
@@ -196,8 +231,13 @@ def apply(timeout_s: int = 120) -> list[str]:
 
     p2p.batch_send_recv_on_calc_stream = _batch_send_recv_blocking  # 5
     p2p._sync_send = True  # what PADDLE_P2P_SYNC_SEND=1 sets at import time
-    APPLIED.append("5 blocking pipeline p2p in sync-send order")
+    APPLIED.append("5 blocking pipeline p2p, pair by pair")
+
 
     collective._new_process_group_impl = _own_store_per_gloo_group(collective._new_process_group_impl, timeout_s)  # 6
     APPLIED.append("6 one TCPStore per gloo sub-group")
+
+    from paddle.distributed.fleet.meta_parallel import pipeline_parallel  # 7
+    pipeline_parallel.PipelineParallelWithInterleave._check_sanity = _interleave_sanity
+    APPLIED.append("7 interleaved pipeline on 2 stages")
     return APPLIED

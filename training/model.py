@@ -38,13 +38,34 @@ def llama_config(config: Config, tokenizer, tensor_parallel_degree: int = 1, ten
     )
 
 
+def pipeline_model_class():
+    """PaddleNLP's `LlamaForCausalLMPipe`, split where `parallel.stage_layers` says.
+
+    LlamaForCausalLMPipe hard-codes `seg_method="layer:LlamaDecoderLayer"` (equal decoder layers per stage) in its
+    __init__; Paddle's PipelineLayer also accepts a list of stage boundaries, so `_segment_network` is handed the
+    boundaries from the layout when the split is uneven (interleaved schedules need the even split: Paddle asserts)."""
+    from paddlenlp.transformers import LlamaForCausalLMPipe
+
+    class BalancedLlamaPipe(LlamaForCausalLMPipe):
+        def _segment_network(self, seg_method):
+            return super()._segment_network(getattr(self.config, "stage_boundaries", None) or seg_method)
+
+    return BalancedLlamaPipe
+
+
 def build_model(config: Config, tokenizer, tensor_parallel_degree: int, tensor_parallel_rank: int,
                 pipeline: bool):
     """Random init (seeded by the caller), or the weights in `model.init_from`, split for this rank."""
-    from paddlenlp.transformers import LlamaForCausalLM, LlamaForCausalLMPipe
+    from paddlenlp.transformers import LlamaForCausalLM
 
-    cls = LlamaForCausalLMPipe if pipeline else LlamaForCausalLM
+    from pipeline.layout import ParallelLayout
+
+    cls = pipeline_model_class() if pipeline else LlamaForCausalLM
     model_config = llama_config(config, tokenizer, tensor_parallel_degree, tensor_parallel_rank)
+    if pipeline:
+        layout = ParallelLayout.from_config(config)
+        model_config.virtual_pp_degree = layout.virtual_stages
+        model_config.stage_boundaries = None if layout.uniform_split else layout.stage_boundaries()
     if config.model.init_from:
         return cls.from_pretrained(config.model.init_from, config=model_config)
     return cls(model_config)

@@ -18,7 +18,7 @@ from pipeline.config import load_config  # noqa: E402
 from pipeline.layout import ParallelLayout  # noqa: E402
 
 
-def make_trainer(**kwargs):
+def make_trainer(device: str = "cpu", **kwargs):
     """PaddleNLP's Trainer, with one change: the same sample order for every layout.
 
     Trainer 2.8.1 shuffles with `BatchSampler` (paddle's global RNG) in a single process but with
@@ -34,6 +34,19 @@ def make_trainer(**kwargs):
                 self.train_dataset, batch_size=self.args.per_device_train_batch_size, shuffle=True,
                 num_replicas=max(self.args.dataset_world_size, 1), rank=max(self.args.dataset_rank, 0),
                 drop_last=self.args.dataloader_drop_last)
+
+        stage_timer = None
+
+        def _wrap_model(self, model, training=True):
+            """Also: time the pipeline stages (training/stage_timing.py) of the engine fleet wraps the model in."""
+            from paddle.distributed.fleet.meta_parallel import PipelineParallel
+
+            wrapped = super()._wrap_model(model, training)
+            if isinstance(wrapped, PipelineParallel) and self.stage_timer is None:
+                from training.stage_timing import StageTimer
+
+                self.stage_timer = StageTimer(wrapped, device)
+            return wrapped
 
     return LayoutIndependentTrainer(**kwargs)
 
@@ -162,6 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     if mlflow_logger:
         callbacks.append(mlflow_logger)
     trainer = make_trainer(
+        device=layout.device,
         model=model,
         args=train_args,
         train_dataset=BlockDataset(run_dir / "data" / "train.npy"),
@@ -170,6 +184,8 @@ def main(argv: list[str] | None = None) -> None:
         callbacks=callbacks,
     )
     trainer.train(resume_from_checkpoint=args.resume_from or None)
+    if trainer.stage_timer is not None:
+        trainer.stage_timer.write(run_dir)
 
 
 if __name__ == "__main__":

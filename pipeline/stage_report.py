@@ -1,0 +1,119 @@
+"""The end of a pipeline run: per-stage times, the measured timeline next to the schedule's bubble, balancing advice.
+
+Reads the ranks' `pipeline/rank<r>.json` (training/stage_timing.py), draws the timeline from the order Paddle's
+engine reported for each stage, placed with the measured per-micro-batch forward/backward times of that stage
+(pipeline/schedules.py), logs it as `pipeline/timeline.png` + `pipeline/stages.json` and the per-stage metrics to
+MLflow, and says which stage is the bottleneck and which `parallel.stage_layers` would even the stages out.
+
+The advice: a stage's forward splits into its decoder layers (timed by hooks) and the rest (embedding on the first
+stage; norm, LM head and loss on the last); the backward is split in the same proportion. With the mean decoder-layer
+cost and those fixed costs, `layout.balanced_split` finds the split with the smallest slowest stage.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pipeline import schedules
+from pipeline.layout import ParallelLayout, balanced_split
+
+
+def stage_summary(records: list[dict]) -> list[dict]:
+    """One entry per stage (the mean over its tensor/data-parallel replicas)."""
+    stages: dict[int, list[dict]] = {}
+    for r in records:
+        stages.setdefault(r["stage"], []).append(r)
+    out = []
+    for stage, rs in sorted(stages.items()):
+        mean = {k: sum(r[k] for r in rs) / len(rs) for k in ("forward_ms", "backward_ms", "decoder_forward_share",
+                                                              "pipeline_ms_per_step", "busy_ms_per_step")}
+        mean["idle_fraction"] = 1 - mean["busy_ms_per_step"] / max(mean["pipeline_ms_per_step"], 1e-9)
+        out.append({"stage": stage, "decoder_layers": rs[0]["decoder_layers"], "paddle_order": rs[0]["paddle_order"],
+                    "steps": rs[0]["steps"], **mean})
+    return out
+
+
+def advice(summary: list[dict], layout: ParallelLayout) -> tuple[int, tuple, str]:
+    """(bottleneck stage, suggested decoder layers per stage, message)."""
+    total = [s["forward_ms"] + s["backward_ms"] for s in summary]
+    slowest = max(range(len(total)), key=total.__getitem__)
+    mean = sum(total) / len(total)
+    layers = sum(s["decoder_layers"] for s in summary)  # every decoder layer lives on exactly one stage
+    decoder = [t * s["decoder_forward_share"] for t, s in zip(total, summary)]
+    per_layer = sum(decoder) / max(layers, 1)
+    fixed = [t - d for t, d in zip(total, decoder)]
+    lines = [f"pipeline stages ({layout.schedule}, {layout.accumulation_steps} micro-batches per step; ms per "
+             "micro-batch):"]
+    for s, t in zip(summary, total):
+        lines.append(f"  stage {s['stage']}: {s['decoder_layers']} decoder layers, "
+                     f"forward {s['forward_ms']:.2f} + backward {s['backward_ms']:.2f} = {t:.2f} ms, idle "
+                     f"{s['idle_fraction']:.0%} of the step")
+    if layout.virtual_stages > 1:
+        suggestion = tuple(layout.stage_split)
+        lines.append(f"bottleneck: stage {slowest} ({total[slowest] / mean - 1:+.0%} over the mean); interleaved "
+                     "schedules need an even split, so no other split is suggested")
+        return slowest, suggestion, "\n".join(lines)
+    first, last = fixed[0], fixed[-1]  # embedding; norm + LM head + loss (middle stages: p2p only, left out)
+    suggestion = balanced_split([per_layer] * layers, len(summary), first=first, last=last)
+    predicted = _stage_costs(suggestion, per_layer, first, last)
+    if suggestion == tuple(layout.stage_split) or max(predicted) >= total[slowest] * 0.97:
+        lines.append(f"bottleneck: stage {slowest} ({total[slowest] / mean - 1:+.0%} over the mean); the split "
+                     f"{list(layout.stage_split)} is already the most even one for these times")
+        suggestion = tuple(layout.stage_split)
+    else:
+        lines.append(f"bottleneck: stage {slowest} ({total[slowest] / mean - 1:+.0%} over the mean); "
+                     f"parallel.stage_layers={list(suggestion)} would even them out (slowest stage "
+                     f"{total[slowest]:.2f} -> ~{max(predicted):.2f} ms per micro-batch)")
+    return slowest, suggestion, "\n".join(lines)
+
+
+def _stage_costs(split: tuple, per_layer: float, first: float, last: float) -> list[float]:
+    costs = [n * per_layer for n in split]
+    costs[0] += first
+    costs[-1] += last
+    return costs
+
+
+def report(mlflow_client, run_id: str | None, run_dir: Path, layout: ParallelLayout) -> str | None:
+    from training.stage_timing import read
+
+    records = read(run_dir)
+    if layout.pp < 2 or len({r["stage"] for r in records}) < layout.pp:
+        return None
+    summary = stage_summary(records)
+    if any(s["steps"] < 1 for s in summary):
+        return None
+    v = layout.virtual_stages
+    orders = []
+    for s in summary:
+        paddle = schedules.parse_paddle_order(s["paddle_order"]) if s["paddle_order"] else []
+        orders.append(paddle or schedules.stage_order(layout.pipeline_schedule, layout.pp,
+                                                      layout.accumulation_steps, v, s["stage"]))
+    ours = [schedules.stage_order(layout.pipeline_schedule, layout.pp, layout.accumulation_steps, v, s)
+            for s in range(layout.pp)]
+    events = schedules.simulate(orders, v, [s["forward_ms"] for s in summary], [s["backward_ms"] for s in summary])
+    slowest, suggestion, message = advice(summary, layout)
+    measured = max(s["idle_fraction"] for s in summary)
+    message += (f"\nidle fraction: measured {measured:.2f} (slowest-waiting stage), timeline of the measured times "
+                f"{schedules.idle_fraction(events):.2f}, analytic bubble {layout.bubble_fraction:.2f}")
+    out = run_dir / "pipeline"
+    png = out / "timeline.png"
+    schedules.render_png(events, png, f"{layout.name}: {layout.schedule}, {layout.accumulation_steps} micro-batches "
+                         f"(measured stage times, ms)")
+    stages = {"schedule": layout.schedule, "virtual_stages": v, "stages": summary,
+              "order_matches_paddle": orders == ours, "bottleneck_stage": slowest,
+              "suggested_stage_layers": list(suggestion), "timeline_idle_fraction": schedules.idle_fraction(events),
+              "analytic_bubble": layout.bubble_fraction}
+    (out / "stages.json").write_text(json.dumps(stages, indent=1))
+    if mlflow_client and run_id:
+        metrics = {"pipeline_measured_idle_fraction": measured}
+        for s in summary:
+            for key in ("forward_ms", "backward_ms", "idle_fraction"):
+                metrics[f"stage{s['stage']}_{key}"] = s[key]
+        for key, value in metrics.items():
+            mlflow_client.log_metric(run_id, key, value)
+        mlflow_client.set_tag(run_id, "pipeline.bottleneck_stage", str(slowest))
+        mlflow_client.set_tag(run_id, "pipeline.suggested_stage_layers", ",".join(map(str, suggestion)))
+        mlflow_client.log_artifact(run_id, str(png), "pipeline")
+        mlflow_client.log_artifact(run_id, str(out / "stages.json"), "pipeline")
+    return message
