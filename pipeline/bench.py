@@ -172,15 +172,17 @@ def run(quick: bool = False, out: Path | None = None) -> dict:
 
 
 def _scaling(out: Path, uri: str, steps: int, stamp: str, quick: bool) -> dict:
-    """Tokens/s of every CPU layout against single on the same global batch (8), and pp2's measured idle fraction."""
+    """Tokens/s of every CPU layout against single on the same global batch (8); per pipeline schedule the measured
+    idle fraction next to the analytic bubble; semi-automatic next to manual parallel (tokens/s, peak memory)."""
     layouts = {"single": [], "dp2": ["parallel.data=2", "parallel.micro_batch_size=4"],
                "tp2": ["parallel.tensor=2"],
-               "pp2": ["parallel.pipeline=2", "parallel.micro_batch_size=2", "parallel.accumulation_steps=4"],
+               "pp2": PP2,
+               "pp2v2": [*PP2, "parallel.schedule=interleaved-1F1B", "parallel.virtual_stages=2"],
                "sharding1x2": ["parallel.sharding_stage=1", "parallel.sharding_degree=2",
                                "parallel.micro_batch_size=4"],
-               "tp2pp2": ["parallel.tensor=2", "parallel.pipeline=2", "parallel.micro_batch_size=2",
-                          "parallel.accumulation_steps=4"],
+               "tp2pp2": ["parallel.tensor=2", *PP2],
                "dp2tp2": ["parallel.data=2", "parallel.tensor=2", "parallel.micro_batch_size=4"]}
+    layouts |= {f"{name}-semi": ["parallel.mode=semi_auto", *layouts[name]] for name in SEMI_AUTO_PAIRS}
     if quick:
         layouts = {k: layouts[k] for k in ("single", "dp2")}
     runs = {}
@@ -193,15 +195,43 @@ def _scaling(out: Path, uri: str, steps: int, stamp: str, quick: bool) -> dict:
         name: {"tokens_per_s": r["tokens_per_s"], "step_time_s": r["step_time_s"],
                "speedup_vs_single": r["tokens_per_s"] / single["tokens_per_s"]} for name, r in runs.items()}}
     if "pp2" in runs:
-        from pipeline.config import load_config
-        from pipeline.layout import ParallelLayout
-
-        pp2 = ParallelLayout.from_config(load_config(SMALL_CONFIG, layouts["pp2"]))
-        # Ideal p-stage step = single step / p; the rest of the pipeline step is idle (bubble + communication).
-        measured = 1 - single["step_time_s"] / (pp2.pp * runs["pp2"]["step_time_s"])
-        result["pipeline_idle"] = {"measured_idle_fraction": measured, "theoretical_bubble": pp2.bubble_fraction,
-                                   "definition": "1 - T_single / (p * T_pp2), same global batch"}
+        result["pipeline_schedules"] = pipeline_schedules({k: runs[k] for k in ("pp2", "pp2v2", "tp2pp2")})
+        result["semi_auto"] = semi_auto_vs_manual(runs)
     return result
+
+
+# pp2 with 4 micro-batches of 2: 1F1B and interleaved (which needs m >= 2p) see the same batches
+PP2 = ["parallel.pipeline=2", "parallel.micro_batch_size=2", "parallel.accumulation_steps=4"]
+SEMI_AUTO_PAIRS = ("dp2", "tp2", "dp2tp2")
+
+
+def pipeline_schedules(runs: dict) -> dict:
+    """Per pipeline run: its schedule's analytic bubble, the idle fraction its ranks measured (pipeline step time
+    minus their own forward/backward time; the stage that waits most), and the idle fraction of the timeline laid
+    out from the measured stage times (pipeline/stage_report.py)."""
+    out = {}
+    for name, r in runs.items():
+        stages = json.loads((Path(r["run_dir"]) / "pipeline" / "stages.json").read_text())
+        out[name] = {"schedule": stages["schedule"], "virtual_stages": stages["virtual_stages"],
+                     "analytic_bubble": stages["analytic_bubble"],
+                     "measured_idle_fraction": max(s["idle_fraction"] for s in stages["stages"]),
+                     "timeline_idle_fraction": stages["timeline_idle_fraction"], "tokens_per_s": r["tokens_per_s"]}
+    return out
+
+
+def peak_memory_mib(run_dir: str) -> float:
+    """The largest per-rank peak of tensor memory (training/callbacks.py PeakMemory)."""
+    files = (Path(run_dir) / "memory").glob("rank*.json")
+    return max(json.loads(f.read_text())["peak_allocated_bytes"] for f in files) / 2**20
+
+
+def semi_auto_vs_manual(runs: dict) -> dict:
+    return {name: {"manual_tokens_per_s": runs[name]["tokens_per_s"],
+                   "semi_auto_tokens_per_s": runs[f"{name}-semi"]["tokens_per_s"],
+                   "semi_vs_manual": runs[f"{name}-semi"]["tokens_per_s"] / runs[name]["tokens_per_s"],
+                   "manual_peak_mib": peak_memory_mib(runs[name]["run_dir"]),
+                   "semi_auto_peak_mib": peak_memory_mib(runs[f"{name}-semi"]["run_dir"])}
+            for name in SEMI_AUTO_PAIRS}
 
 
 def _export(run_id: str, uri: str) -> dict:
@@ -232,10 +262,19 @@ def markdown(r: dict) -> str:
     lines += ["", "| figure | value |", "|---|---|"]
     lines += [f"| {name} tokens/s (vs single) | {v['tokens_per_s']:.0f} ({v['speedup_vs_single']:.2f}x) |"
               for name, v in s.items()]
-    if "pipeline_idle" in r:
-        p = r["pipeline_idle"]
-        lines.append(f"| pp2 idle fraction measured / (p-1)/(m+p-1) | {p['measured_idle_fraction']:.2f} / "
-                     f"{p['theoretical_bubble']:.2f} |")
+    if "pipeline_schedules" in r:
+        lines += ["", "| pipeline run | schedule | analytic bubble | measured idle | idle of the measured timeline "
+                  "| tokens/s |", "|---|---|---|---|---|---|"]
+        for name, p in r["pipeline_schedules"].items():
+            lines.append(f"| {name} | {p['schedule']}{' v' + str(p['virtual_stages']) if p['virtual_stages'] > 1 else ''}"
+                         f" | {p['analytic_bubble']:.2f} | {p['measured_idle_fraction']:.2f} | "
+                         f"{p['timeline_idle_fraction']:.2f} | {p['tokens_per_s']:.0f} |")
+        lines += ["", "| layout | manual tokens/s | semi-auto tokens/s | semi / manual | manual peak MiB/rank "
+                  "| semi-auto peak MiB/rank |", "|---|---|---|---|---|---|"]
+        for name, v in r["semi_auto"].items():
+            lines.append(f"| {name} | {v['manual_tokens_per_s']:.0f} | {v['semi_auto_tokens_per_s']:.0f} | "
+                         f"{v['semi_vs_manual']:.2f}x | {v['manual_peak_mib']:.1f} | {v['semi_auto_peak_mib']:.1f} |")
+        lines += ["", "| figure | value |", "|---|---|"]
     if "pipeline_overhead" in r:
         o = r["pipeline_overhead"]
         lines.append(f"| step time ours / bare PaddleNLP Trainer | {o['ours_step_s'] * 1000:.1f} ms / "

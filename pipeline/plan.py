@@ -10,9 +10,9 @@ The model, all in bytes per device and documented so it can be checked by hand (
   sharding stage 1 divides the optimizer by the sharding degree, stage 2 also the gradients, stage 3 also the
   parameters;
 - activations of one micro-batch (b sequences of s tokens, hidden h, a heads) per decoder layer, after Korthikanti
-  et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"), 2-byte activations, no sequence
-  parallelism: s*b*h*(10 + 24/tp + 5*a*s/(h*tp)); with full recompute only each layer's input is kept (2*s*b*h) plus
-  one layer's full activations while it is recomputed; 1F1B keeps min(pp, micro-batches) micro-batches in flight on
+  et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"), no sequence parallelism:
+  s*b*h*(10 + 24/tp + 5*a*s/(h*tp)) with 2-byte activations, twice that in fp32 (CPU); with full recompute only
+  each layer's input is kept (2*s*b*h, 2-byte) plus one layer's full activations while it is recomputed; 1F1B keeps min(pp, micro-batches) micro-batches in flight on
   the first stage; the logits of one micro-batch add s*b*V*4/tp on the last stage;
 - fits when the total is below gpu_memory x (1 - headroom).
 Step time (seconds, no overlap assumed, which makes it pessimistic): compute 6 N tokens (8 N with recompute) /
@@ -87,10 +87,11 @@ def memory(config: Config, c: Candidate) -> dict[str, float]:
     grads = n * width / (shard if c.sharding_stage >= 2 else 1)
     optimizer = n * (12 if amp and config.parallel.amp_level == "O2" else 8) / shard
     h, a, layers = m.hidden_size, m.num_attention_heads, m.num_layers // c.pp
-    full_layer = s * b * h * (10 + 24 / c.tp + 5 * a * s / (h * c.tp))
+    # (bytes for 2-byte activations; fp32 activations, as on CPU, take twice as many)
+    full_layer = s * b * h * (10 + 24 / c.tp + 5 * a * s / (h * c.tp)) * width / 2
     in_flight = min(c.pp, c.accumulation_steps)
     if c.recompute:
-        activations = 2 * s * b * h * layers * in_flight + full_layer
+        activations = width * s * b * h * layers * in_flight + full_layer
     else:
         activations = full_layer * layers * in_flight
     logits = s * b * config.tokenizer.max_vocab_size * 4 / c.tp

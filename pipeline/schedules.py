@@ -137,11 +137,13 @@ def timeline(schedule: str, p: int, m: int, v: int = 1) -> list[Event]:
     return simulate([stage_order(schedule, p, m, v, s) for s in range(p)], v if schedule != "1F1B" else 1)
 
 
-def render_text(events: list[Event], width: int = 100) -> str:
-    """One row per stage: F/B (chunk 0) f/b (other chunks) per time slot, '.' idle; then each stage's order."""
+def render_text(events: list[Event], width: int = 100, max_order: int = 48) -> str:
+    """One row per stage, one character per time slot of the shortest op: F/B (chunk 0) f/b (other chunks), '.'
+    idle; a timeline wider than `width` shows its start and end (the fill and the drain, where the bubble is) around
+    ' ~ '. Then each stage's order, when it has at most `max_order` ops."""
     span = max(e.end for e in events)
     stages = sorted({e.stage for e in events})
-    step = max(min(e.end - e.start for e in events), span / width)
+    step = min(e.end - e.start for e in events)
     rows = []
     for s in stages:
         cells = ["."] * int(round(span / step))
@@ -151,8 +153,12 @@ def render_text(events: list[Event], width: int = 100) -> str:
             for i in range(int(round(e.start / step)), int(round(e.end / step))):
                 cells[min(i, len(cells) - 1)] = char
             order.append(f"{e.op.kind.upper()}{e.op.micro}" + (f".{e.op.chunk}" if e.op.chunk else ""))
-        rows.append(f"stage {s:2d} |{''.join(cells)}|")
-        rows.append(f"         order: {' '.join(order)}")
+        text = "".join(cells)
+        if len(text) > width:
+            text = text[:width // 2] + " ~ " + text[-(width // 2):]
+        rows.append(f"stage {s:2d} |{text}|")
+        if len(order) <= max_order:
+            rows.append(f"         order: {' '.join(order)}")
     return "\n".join(rows)
 
 

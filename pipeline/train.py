@@ -224,6 +224,10 @@ def run(config_path: str | None, overrides: list[str], resume: str = "", dry_run
         from training.checkpoints import latest_complete
 
         resume_from = latest_complete(run_dir)
+        if resume_from and "semi_auto" in (previous.parallel.mode, config.parallel.mode):
+            raise ConfigError(f"RESUME={resume}: parallel.mode=semi_auto checkpoints hold the model's weights but no "
+                              "optimizer state, so that run cannot resume (training/semi_auto.py); start a new run "
+                              f"with model.init_from={resume_from} instead")
     else:
         config = load_config(config_path, overrides)
         run_dir = None

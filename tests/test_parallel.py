@@ -40,7 +40,8 @@ def single(world):
     return train(world, "single")
 
 
-@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2", "pp2v2", "sharding1x2", "tp2pp2", "dp2tp2"])
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2", "pp2v2", "sharding1x2", "tp2pp2", "dp2tp2", "dp2-semi",
+                                    "tp2-semi", "dp2tp2-semi"])
 def test_layout_matches_single_process(world, single, layout):
     run, losses, evals = train(world, layout)
     _, ref_losses, ref_evals = single
@@ -50,7 +51,8 @@ def test_layout_matches_single_process(world, single, layout):
     for step, ref in ref_evals.items():
         assert evals[step] == pytest.approx(ref, rel=RTOL), (step, evals[step], ref)
     tags = run.data.tags
-    expected_world = {"dp2": 2, "tp2": 2, "pp2": 2, "pp2v2": 2, "sharding1x2": 2, "tp2pp2": 4, "dp2tp2": 4}[layout]
+    expected_world = {"dp2": 2, "tp2": 2, "pp2": 2, "pp2v2": 2, "sharding1x2": 2, "tp2pp2": 4, "dp2tp2": 4,
+                      "dp2-semi": 2, "tp2-semi": 2, "dp2tp2-semi": 4}[layout]
     assert tags["world_size"] == str(expected_world) and run.data.params["layout.world_size"] == str(expected_world)
     for key in ("layout.dp", "layout.tp", "layout.pp", "layout.bubble_fraction", "layout.schedule"):
         assert key in tags
@@ -94,22 +96,23 @@ def assert_runtime_applied(run_dir: Path, processes: int, tags: dict) -> None:
     assert (tags["runtime.threads"], tags["runtime.mkl_debug_cpu_type"]) == (threads, switch)
 
 
-def test_tp2pp2_checkpoint_merges_into_a_single_model(world):
-    """The unified checkpoint of the 4-process run loads into one LlamaForCausalLM whose validation loss equals the
-    parallel model's final eval loss (the pipeline computes the loss from its full logits on the last stage)."""
+@pytest.mark.parametrize("layout", ["tp2pp2", "dp2tp2-semi"])
+def test_checkpoint_merges_into_a_single_model(world, layout):
+    """The checkpoint of a 4-process run (manual: unified checkpoint; semi_auto: the gathered full tensors) loads
+    into one LlamaForCausalLM whose validation loss equals the parallel model's final eval loss."""
     runs = world["root"] / "runs"
-    if not (runs / "tp2pp2" / "checkpoints" / "latest").exists():
-        train(world, "tp2pp2")
+    if not (runs / layout / "checkpoints" / "latest").exists():
+        train(world, layout)
     from training.checkpoints import checkpoint_info, latest_complete
     from training.data import BlockDataset
     from training.model import load_merged
 
     import paddle
 
-    checkpoint = latest_complete(runs / "tp2pp2")
+    checkpoint = latest_complete(runs / layout)
     model = load_merged(checkpoint)
     model.eval()
-    blocks = BlockDataset(runs / "tp2pp2" / "data" / "validation.npy").blocks
+    blocks = BlockDataset(runs / layout / "data" / "validation.npy").blocks
     losses = []
     with paddle.no_grad():
         for batch in np.split(blocks, len(blocks) // 8):

@@ -186,3 +186,35 @@ class MlflowLogger(TrainerCallback):
             print(f"[mlflow] WARNING: {len(self.pending)} records could not be sent; kept in "
                   f"{self.run_dir / tracking.UNSENT_RECORDS}", file=sys.stderr, flush=True)
             self.pending = []
+
+
+class PeakMemory(TrainerCallback):
+    """Each rank's peak tensor memory over its first training step (parameters, gradients, optimizer states,
+    activations; before any evaluation), from Paddle's allocator statistics -- the figure `make plan`'s memory
+    model estimates. Written to <run>/memory/rank<r>.json and printed ("peak memory: ...")."""
+
+    def __init__(self, run_dir: Path, device: str):
+        self.out = Path(run_dir) / "memory"
+        self.device = device
+        self.done = False
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.done or state.global_step < 1:
+            return
+        import resource
+
+        import paddle
+        from paddle.base import core
+
+        if self.device == "gpu":
+            peak = core.device_memory_stat_peak_value("Allocated", paddle.distributed.ParallelEnv().device_id)
+        else:
+            peak = core.host_memory_stat_peak_value("Allocated", 0)
+        rank = paddle.distributed.get_rank()
+        record = {"rank": rank, "step": state.global_step, "peak_allocated_bytes": int(peak),
+                  "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        self.out.mkdir(exist_ok=True)
+        (self.out / f"rank{rank}.json").write_text(json.dumps(record))
+        print(f"peak memory: {peak / 2**20:.1f} MiB allocated by tensors (first step), process RSS "
+              f"{record['max_rss_bytes'] / 2**20:.0f} MiB", flush=True)
+        self.done = True

@@ -6,6 +6,7 @@ with PaddleNLP's Trainer. Rank 0 logs to the MLflow run whose id is in $PIPELINE
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from pathlib import Path
@@ -64,6 +65,7 @@ def training_arguments(config, layout: ParallelLayout, output_dir: Path):
     from paddlenlp.trainer import TrainingArguments
 
     t = config.training
+    semi_auto = layout.mode == "semi_auto"
     pipeline_options = []
     if layout.pp > 1 and layout.tp > 1:
         # Partial send/recv slices activations over the tensor-parallel group (GPU-only collectives).
@@ -73,7 +75,8 @@ def training_arguments(config, layout: ParallelLayout, output_dir: Path):
         do_train=True,
         do_eval=True,
         max_steps=t.max_steps,
-        per_device_train_batch_size=layout.micro_batch_size,
+        # (semi_auto: every rank reads the whole micro-batch of the step; it is sharded over dp as a tensor)
+        per_device_train_batch_size=layout.micro_batch_size * (layout.dp if semi_auto else 1),
         gradient_accumulation_steps=layout.accumulation_steps,
         per_device_eval_batch_size=layout.micro_batch_size * layout.accumulation_steps,
         learning_rate=t.learning_rate,
@@ -90,7 +93,7 @@ def training_arguments(config, layout: ParallelLayout, output_dir: Path):
         greater_is_better=False,
         seed=t.seed,
         dataloader_drop_last=True,
-        tensor_parallel_degree=layout.tp,
+        tensor_parallel_degree=1 if semi_auto else layout.tp,  # semi_auto: the mesh says it (training/semi_auto.py)
         pipeline_parallel_degree=layout.pp,
         pipeline_parallel_config=" ".join(pipeline_options),
         sharding=f"stage{layout.sharding_stage}" if layout.sharding_stage else "",
@@ -100,7 +103,8 @@ def training_arguments(config, layout: ParallelLayout, output_dir: Path):
         fp16=layout.amp_effective and layout.amp_dtype == "float16",
         fp16_opt_level=config.parallel.amp_level,
         # Full (merged) tensors in safetensors: export and resume do not depend on the training layout.
-        unified_checkpoint=True,
+        unified_checkpoint=not semi_auto,
+        ignore_save_lr_and_optim=semi_auto,  # see training/semi_auto.py
         device=layout.device,
         no_cuda=layout.device == "cpu",
         disable_tqdm=True,
@@ -143,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from paddlenlp.data import default_data_collator
     from training.callbacks import (CheckpointCompleteCallback, FinalStepCallback, GracefulStop, MlflowLogger,
-                                    PromoteConfig)
+                                    PeakMemory, PromoteConfig)
 
     from training.checkpoints import STOPPED_MARKER
 
@@ -160,7 +164,16 @@ def main(argv: list[str] | None = None) -> None:
     train_args = training_arguments(config, layout, run_dir / "checkpoints")
     tokenizer = load_tokenizer(run_dir / "tokenizer")
     paddle.seed(config.training.seed)
-    model = build_model(config, tokenizer, layout.tp, train_args.tensor_parallel_rank, pipeline=layout.pp > 1)
+    if layout.mode == "semi_auto":
+        from training import semi_auto
+
+        # The whole model on every rank (same seed or weights), then each weight placed on the [dp, mp] mesh.
+        model = semi_auto.shard_model(build_model(config, tokenizer, 1, 0, pipeline=False),
+                                       semi_auto.mesh_2d(layout.dp, layout.tp))
+        new_trainer = functools.partial(semi_auto.make_trainer, semi_auto.mesh_2d(layout.dp, layout.tp))
+    else:
+        model = build_model(config, tokenizer, layout.tp, train_args.tensor_parallel_rank, pipeline=layout.pp > 1)
+        new_trainer = functools.partial(make_trainer, device=layout.device)
     model = prepare_model(config, model)
 
     mlflow_logger = None
@@ -171,11 +184,11 @@ def main(argv: list[str] | None = None) -> None:
         mlflow_logger = MlflowLogger(tracking.client(os.environ["MLFLOW_TRACKING_URI"]), run_id,
                                      config.training.seq_length, run_dir)
     callbacks = [FinalStepCallback(), graceful_stop, PromoteConfig(pending, run_dir / "config.yaml"),
+                 PeakMemory(run_dir, layout.device),
                  CheckpointCompleteCallback(mlflow_logger, config.tracking.checkpoint_artifacts, config.export.metric)]
     if mlflow_logger:
         callbacks.append(mlflow_logger)
-    trainer = make_trainer(
-        device=layout.device,
+    trainer = new_trainer(
         model=model,
         args=train_args,
         train_dataset=BlockDataset(run_dir / "data" / "train.npy"),
@@ -184,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
         callbacks=callbacks,
     )
     trainer.train(resume_from_checkpoint=args.resume_from or None)
-    if trainer.stage_timer is not None:
+    if getattr(trainer, "stage_timer", None) is not None:
         trainer.stage_timer.write(run_dir)
 
 
