@@ -13,7 +13,8 @@ The model, all in bytes per device and documented so it can be checked by hand (
   et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"), no sequence parallelism:
   s*b*h*(10 + 24/tp + 5*a*s/(h*tp)) with 2-byte activations, twice that in fp32 (CPU); with full recompute only
   each layer's input is kept (2*s*b*h, 2-byte) plus one layer's full activations while it is recomputed; 1F1B keeps min(pp, micro-batches) micro-batches in flight on
-  the first stage; the logits of one micro-batch add s*b*V*4/tp on the last stage;
+  the first stage; the fp32 logits of one micro-batch and the softmax the cross entropy keeps add 2*s*b*V*4/tp on
+  the last stage (on CPU, where tensor parallel gathers the logits instead, s*b*V*4*(1/tp + 2) when tp > 1);
 - fits when the total is below gpu_memory x (1 - headroom).
 Step time (seconds, no overlap assumed, which makes it pessimistic): compute 6 N tokens (8 N with recompute) /
 (gpus x peak x utilisation), stretched by the pipeline bubble 1 / (1 - (pp-1)/(m+pp-1)); tensor parallel: 4
@@ -94,7 +95,8 @@ def memory(config: Config, c: Candidate) -> dict[str, float]:
         activations = width * s * b * h * layers * in_flight + full_layer
     else:
         activations = full_layer * layers * in_flight
-    logits = s * b * config.tokenizer.max_vocab_size * 4 / c.tp
+    one = s * b * config.tokenizer.max_vocab_size * 4
+    logits = one * (1 / c.tp + 2) if c.tp > 1 and config.parallel.device == "cpu" else 2 * one / c.tp
     total = params + grads + optimizer + activations + logits
     return {"parameters": params, "gradients": grads, "optimizer": optimizer, "activations": activations,
             "logits": logits, "total": total}
