@@ -3,8 +3,10 @@
 1. CPU runtime (pipeline/bench_train.py): the default config's training tokens/s, MFU against the matmul peak
    measured in the same process, and the project's step against a bare Paddle loop, for each runtime setting (as
    before issue 12, + threads, + MKL's AMD switch, + compiled forward), fresh processes, interleaved rounds;
-2. parallel scaling: tokens/s of every CPU layout (dp2, tp2, pp2, sharding1x2, tp2pp2, dp2tp2) against single on the
-   same global batch, and the measured pipeline idle fraction against (p-1)/(m+p-1);
+2. parallel scaling: tokens/s of every CPU layout (dp2, tp2, pp2, pp2 interleaved, sharding1x2, tp2pp2, dp2tp2,
+   and dp2/tp2/dp2tp2 in semi-automatic mode) against single on the same global batch; per pipeline schedule the
+   measured idle fraction against its analytic bubble; semi-auto against manual (tokens/s, peak memory); `make
+   plan`'s step-time estimate of each manual layout against its measured step (the ranking, reported);
 3. pipeline overhead: our training step (tracking, checkpoints, eval) against a bare PaddleNLP Trainer;
 4. export: wall time of its stages;
 5. serving (pipeline/bench_serving.py): per-token decode time after short and long prompts, served tokens/s at
@@ -149,6 +151,8 @@ def run(quick: bool = False, out: Path | None = None) -> dict:
     stamp = time.strftime("%H%M%S")
     scaling = _scaling(out, uri, steps, stamp, quick)
     results.update(scaling)
+    peak = list(results["runtime"]["settings"].values())[-1]["matmul_peak_gflops"]["median"]
+    results["plan_vs_measured"] = plan_vs_measured(scaling["runs"], peak)
     single = scaling["runs"]["single"]
     if not quick:  # (the runtime trials already compare the project's step with a bare loop)
         bare = bare_trainer_step_time(Path(single["run_dir"]), steps)
@@ -174,17 +178,7 @@ def run(quick: bool = False, out: Path | None = None) -> dict:
 def _scaling(out: Path, uri: str, steps: int, stamp: str, quick: bool) -> dict:
     """Tokens/s of every CPU layout against single on the same global batch (8); per pipeline schedule the measured
     idle fraction next to the analytic bubble; semi-automatic next to manual parallel (tokens/s, peak memory)."""
-    layouts = {"single": [], "dp2": ["parallel.data=2", "parallel.micro_batch_size=4"],
-               "tp2": ["parallel.tensor=2"],
-               "pp2": PP2,
-               "pp2v2": [*PP2, "parallel.schedule=interleaved-1F1B", "parallel.virtual_stages=2"],
-               "sharding1x2": ["parallel.sharding_stage=1", "parallel.sharding_degree=2",
-                               "parallel.micro_batch_size=4"],
-               "tp2pp2": ["parallel.tensor=2", *PP2],
-               "dp2tp2": ["parallel.data=2", "parallel.tensor=2", "parallel.micro_batch_size=4"]}
-    layouts |= {f"{name}-semi": ["parallel.mode=semi_auto", *layouts[name]] for name in SEMI_AUTO_PAIRS}
-    if quick:
-        layouts = {k: layouts[k] for k in ("single", "dp2")}
+    layouts = {k: LAYOUTS[k] for k in ("single", "dp2")} if quick else LAYOUTS
     runs = {}
     for name, overrides in layouts.items():
         runs[name] = train_run(f"{name}-{stamp}", [*overrides, f"training.max_steps={steps}",
@@ -203,6 +197,51 @@ def _scaling(out: Path, uri: str, steps: int, stamp: str, quick: bool) -> dict:
 # pp2 with 4 micro-batches of 2: 1F1B and interleaved (which needs m >= 2p) see the same batches
 PP2 = ["parallel.pipeline=2", "parallel.micro_batch_size=2", "parallel.accumulation_steps=4"]
 SEMI_AUTO_PAIRS = ("dp2", "tp2", "dp2tp2")
+LAYOUTS = {"single": [], "dp2": ["parallel.data=2", "parallel.micro_batch_size=4"],
+           "tp2": ["parallel.tensor=2"],
+           "pp2": PP2,
+           "pp2v2": [*PP2, "parallel.schedule=interleaved-1F1B", "parallel.virtual_stages=2"],
+           "sharding1x2": ["parallel.sharding_stage=1", "parallel.sharding_degree=2", "parallel.micro_batch_size=4"],
+           "tp2pp2": ["parallel.tensor=2", *PP2],
+           "dp2tp2": ["parallel.data=2", "parallel.tensor=2", "parallel.micro_batch_size=4"]}
+LAYOUTS |= {f"{name}-semi": ["parallel.mode=semi_auto", *LAYOUTS[name]] for name in SEMI_AUTO_PAIRS}
+# `make plan`'s bandwidths for gloo over TCP loopback on one machine: an assumption (order of magnitude), stated in
+# the report; the tiny model's messages are small enough that the ranking hardly depends on it.
+LOOPBACK_GBPS = 1.0
+
+
+def plan_vs_measured(runs: dict, peak_gflops: float) -> dict:
+    """`make plan`'s step-time model against the measured step times of the manual layouts (reported, not asserted):
+    this machine as a cluster of `world size` devices, each with its share of the measured fp32 matmul peak, the
+    utilisation calibrated so that the single-process estimate equals its measured step; then the estimate of every
+    other layout, and the rank correlation of estimated vs measured step time."""
+    import dataclasses
+
+    from scipy.stats import spearmanr
+
+    from pipeline import plan
+    from pipeline.config import load_config
+
+    names = [n for n in runs if not n.endswith("-semi") and n != "pp2v2"]  # the plan models manual 1F1B layouts
+
+    def estimate(name: str, utilisation: float) -> float:
+        config = load_config(SMALL_CONFIG, [*BASE, *LAYOUTS[name]])
+        c = plan.of_config(config)
+        world = c.dp * c.tp * c.pp * c.sharding_degree
+        cluster = dataclasses.replace(config.cluster, gpus=world, gpus_per_node=world, utilisation=utilisation,
+                                      peak_tflops=peak_gflops / 1000 / world, intra_node_gbps=LOOPBACK_GBPS,
+                                      inter_node_gbps=LOOPBACK_GBPS)
+        return plan.step_time(dataclasses.replace(config, cluster=cluster), c)["total_s"]
+
+    utilisation = estimate("single", 1.0) / runs["single"]["step_time_s"]
+    rows = {n: {"estimated_step_s": estimate(n, utilisation), "measured_step_s": runs[n]["step_time_s"]}
+            for n in names}
+    order = lambda key: sorted(names, key=lambda n: rows[n][key])  # noqa: E731
+    rho = float(spearmanr([rows[n]["estimated_step_s"] for n in names],
+                          [rows[n]["measured_step_s"] for n in names]).statistic) if len(names) > 2 else None
+    return {"calibrated_utilisation": utilisation, "loopback_gbps_assumed": LOOPBACK_GBPS, "layouts": rows,
+            "estimated_order": order("estimated_step_s"), "measured_order": order("measured_step_s"),
+            "spearman": rho}
 
 
 def pipeline_schedules(runs: dict) -> dict:
@@ -274,7 +313,17 @@ def markdown(r: dict) -> str:
         for name, v in r["semi_auto"].items():
             lines.append(f"| {name} | {v['manual_tokens_per_s']:.0f} | {v['semi_auto_tokens_per_s']:.0f} | "
                          f"{v['semi_vs_manual']:.2f}x | {v['manual_peak_mib']:.1f} | {v['semi_auto_peak_mib']:.1f} |")
-        lines += ["", "| figure | value |", "|---|---|"]
+    if "plan_vs_measured" in r:
+        pv = r["plan_vs_measured"]
+        rho = "" if pv["spearman"] is None else f"; Spearman {pv['spearman']:.2f}"
+        lines += ["", f"`make plan`'s step-time model on this machine (utilisation calibrated on single: "
+                  f"{pv['calibrated_utilisation']:.1%}; gloo loopback assumed {pv['loopback_gbps_assumed']:g} GB/s):"
+                  f" estimated order {' < '.join(pv['estimated_order'])}; measured order "
+                  f"{' < '.join(pv['measured_order'])}{rho}", "",
+                  "| layout | estimated step ms | measured step ms |", "|---|---|---|"]
+        lines += [f"| {n} | {v['estimated_step_s'] * 1000:.1f} | {v['measured_step_s'] * 1000:.1f} |"
+                  for n, v in pv["layouts"].items()]
+    lines += ["", "| figure | value |", "|---|---|"]
     if "pipeline_overhead" in r:
         o = r["pipeline_overhead"]
         lines.append(f"| step time ours / bare PaddleNLP Trainer | {o['ours_step_s'] * 1000:.1f} ms / "

@@ -12,8 +12,8 @@ The model, all in bytes per device and documented so it can be checked by hand (
 - activations of one micro-batch (b sequences of s tokens, hidden h, a heads) per decoder layer, after Korthikanti
   et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"), no sequence parallelism:
   s*b*h*(10 + 24/tp + 5*a*s/(h*tp)) with 2-byte activations, twice that in fp32 (CPU); with full recompute only
-  each layer's input is kept (2*s*b*h, 2-byte) plus one layer's full activations while it is recomputed; 1F1B keeps min(pp, micro-batches) micro-batches in flight on
-  the first stage; the fp32 logits of one micro-batch and the softmax the cross entropy keeps add 2*s*b*V*4/tp on
+  each layer's input is kept (2*s*b*h, 2-byte) plus one layer's full activations while it is recomputed; 1F1B
+  keeps min(pp, micro-batches) micro-batches in flight on the first stage; the fp32 logits of one micro-batch and the softmax the cross entropy keeps add 2*s*b*V*4/tp on
   the last stage (on CPU, where tensor parallel gathers the logits instead, s*b*V*4*(1/tp + 2) when tp > 1);
 - fits when the total is below gpu_memory x (1 - headroom).
 Step time (seconds, no overlap assumed, which makes it pessimistic): compute 6 N tokens (8 N with recompute) /

@@ -30,6 +30,11 @@ def test_bench_harness_quick(store_uri, tmp_path):
         assert v["mfu"]["min"] <= v["mfu"]["median"] <= v["mfu"]["max"]
     assert settings["before"]["speedup_vs_before"] == 1.0
     assert result["scaling"]["dp2"]["speedup_vs_single"] > 0
+    plan = result["plan_vs_measured"]  # calibrated on single: its estimate is its measured step
+    assert list(plan["layouts"]) == ["single", "dp2"] and 0 < plan["calibrated_utilisation"] < 1
+    single = plan["layouts"]["single"]
+    assert single["estimated_step_s"] == pytest.approx(single["measured_step_s"], rel=1e-9)
+    assert single["measured_step_s"] == result["scaling"]["single"]["step_time_s"]
     serving = result["serving"]
     for path in ("kv_cache", "full"):
         assert [c["clients"] for c in serving[path]["concurrency"]] == [1, 2, 4, 8]
