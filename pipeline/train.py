@@ -281,9 +281,15 @@ def run(config_path: str | None, overrides: list[str], resume: str = "", dry_run
                                        heartbeat.start if heartbeat else lambda: None)
         if stopped.exists() and not stopper.signum:
             info = json.loads(stopped.read_text())
-            print(f"the ranks were signalled directly and stopped early ({info}); the run is KILLED",
-                  file=sys.stderr, flush=True)
-            stopper.signum = info["signal"]
+            if returncode == 0:
+                print(f"the ranks were signalled directly and stopped early ({info}); the run is KILLED",
+                      file=sys.stderr, flush=True)
+                stopper.signum = info["signal"]
+            else:
+                print(f"the ranks were signalled directly ({info}) but did not all stop cleanly (exit code "
+                      f"{returncode}); the run is FAILED", file=sys.stderr, flush=True)
+        # KILLED: the launcher was signalled, or the ranks were and then all exited cleanly. A rank that failed after
+        # agreeing to stop (its peer machine died mid-save, say) makes the run FAILED, with its log attached.
         status = "KILLED" if stopper.signum else "FINISHED" if returncode == 0 else "FAILED"
     finally:
         if heartbeat:

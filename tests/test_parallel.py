@@ -247,7 +247,8 @@ def test_node_1_killed_fails_node_0_within_the_collective_timeout(world):
         killed_at = time.time()
         # node 1 dies as a machine does: its launcher and its rank at once (a launcher killed alone makes its rank
         # save and stop, which test_resume covers), so node 0 is left waiting in a collective
-        signal_pids([procs[0].pid, *descendants(procs[0].pid)], signal.SIGKILL)
+        # (leaves first: a launcher that outlived its child by a moment would relay SIGTERM to it)
+        signal_pids([*reversed(descendants(procs[0].pid)), procs[0].pid], signal.SIGKILL)
         (_, _), (rc0, err0) = finish(procs, timeout=120)
         elapsed = time.time() - killed_at
     finally:
