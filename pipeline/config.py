@@ -49,6 +49,9 @@ class DataConfig:
     validation_fraction: float = 0.02
     max_documents: int = 0  # 0 = use every document
     split_seed: int = 1234
+    # Prepared data (tokenizer + packed blocks) is reused from here by runs with the same corpus bytes and settings
+    # (training/data.py cache_entry); "" = prepare every run afresh.
+    cache_dir: str = "~/.cache/paddle-train-to-serve/data"
 
 
 @dataclass

@@ -358,17 +358,26 @@ def _new_run_dir(config: Config) -> Path:
     run_dir.mkdir(parents=True)
     try:
         (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
-        import paddlenlp  # noqa: F401  (the tokenizer needs it; its import resets SIGTERM to the default action,
-        stop_signal_handler()  # so re-arm: a SIGTERM during data preparation still removes the half-made run)
-        from training.data import prepare
+        from training.data import STATS_FILE, cache_entry, load_cached, prepare, store_cached
 
         t0 = time.time()
-        data = prepare(config, run_dir / "data", run_dir / "tokenizer")
+        data_dir, tokenizer_dir = run_dir / "data", run_dir / "tokenizer"
+        entry = cache_entry(config)
+        data = load_cached(entry, data_dir, tokenizer_dir) if entry else None
+        cached = data is not None
+        if not cached:
+            import paddlenlp  # noqa: F401  (the tokenizer needs it; its import resets SIGTERM to the default action,
+            stop_signal_handler()  # so re-arm: a SIGTERM during data preparation still removes the half-made run)
+
+            data = prepare(config, data_dir, tokenizer_dir)
+            (data_dir / STATS_FILE).write_text(json.dumps(asdict(data), indent=2))
+            if entry:
+                store_cached(entry, data_dir, tokenizer_dir)
         print(f"data: {data.train_documents} train / {data.validation_documents} validation documents -> "
               f"{data.train_blocks} / {data.validation_blocks} blocks of {config.training.seq_length} tokens; "
               f"vocabulary {data.vocab_size} (model {data.model_vocab_size}), validation unknown rate "
-              f"{data.unknown_rate:.4f}; {time.time() - t0:.1f}s", flush=True)
-        (run_dir / "data" / "stats.json").write_text(json.dumps(asdict(data), indent=2))
+              f"{data.unknown_rate:.4f}; {time.time() - t0:.1f}s" + (f" (from the cache {entry})" if cached else ""),
+              flush=True)
     except BaseException:
         shutil.rmtree(run_dir, ignore_errors=True)  # nothing half-written is left behind
         raise

@@ -126,10 +126,15 @@ def _make_op_classes(model_dir: Path, limits: Limits, generation: str, threads: 
         def init_op(self):
             self.model = ExportedModel(model_dir)
             self.sessions = threading.local()
+            # Thread workers create their predictors one at a time (paddle.inference does not promise that creating
+            # them concurrently is safe; a thread-mode start on a loaded CI machine once never answered).
+            self.creating = threading.Lock()
 
         def _session(self):
             session = getattr(self.sessions, "session", None)
-            if session is None:
+            if session is not None:
+                return session
+            with self.creating:
                 if generation == "kv_cache":
                     session = self.model.cached_session(threads)
                 else:

@@ -38,7 +38,6 @@ LAYOUTS = {
                "parallel.accumulation_steps=2"],
     "dp2tp2": ["parallel.data=2", "parallel.tensor=2", "parallel.micro_batch_size=4"],
     # parallel.mode=semi_auto: the same degrees, placed by Paddle's auto-parallel API (training/semi_auto.py)
-    "dp2-semi": ["parallel.mode=semi_auto", "parallel.data=2", "parallel.micro_batch_size=4"],
     "tp2-semi": ["parallel.mode=semi_auto", "parallel.tensor=2"],
     "dp2tp2-semi": ["parallel.mode=semi_auto", "parallel.data=2", "parallel.tensor=2", "parallel.micro_batch_size=4"],
 }

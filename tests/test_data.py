@@ -9,10 +9,10 @@ from pipeline import tokenizer as tokenizer_format
 from training import data
 
 
-def config_for(tmp_path, files, **training):
+def config_for(tmp_path, files, extra=(), **training):
     overrides = ["data.source=files", f"data.files={json.dumps([str(f) for f in files])}", "tokenizer.min_frequency=1",
                  "training.seq_length=8", "training.global_batch_size=2", "parallel.micro_batch_size=2"]
-    return load_config(None, overrides + [f"training.{k}={v}" for k, v in training.items()])
+    return load_config(None, overrides + [f"training.{k}={v}" for k, v in training.items()] + list(extra))
 
 
 def test_embedded_corpus_is_found_through_the_package():
@@ -105,3 +105,42 @@ def test_binary_or_non_utf8_corpus_is_a_one_line_error(tmp_path):
     high.write_bytes(b'{"text": "a"}\n' + bytes(range(128, 256)))
     with pytest.raises(ConfigError, match=r"high.jsonl:2: not UTF-8 text \(byte 0x80\)"):
         data.read_documents(config_for(tmp_path, [high]).data)
+
+
+
+def test_prepared_data_is_reused_only_for_the_same_corpus_bytes_and_settings(tmp_path):
+    """A cache entry written after one run's preparation is copied into the next run with the same corpus and
+    settings (same arrays, same vocabulary); another corpus byte or another packing setting is another entry."""
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(f"第{i}条评论，质量很好" for i in range(300)), encoding="utf-8")
+    cache = [f"data.cache_dir={tmp_path / 'cache'}"]
+    config = config_for(tmp_path, [corpus], cache)
+    entry = data.cache_entry(config)
+    assert entry.parent == tmp_path / "cache" and data.load_cached(entry, tmp_path / "r0/d", tmp_path / "r0/t") is None
+    assert not (tmp_path / "r0").exists()
+    made = data.prepare(config, tmp_path / "r1/d", tmp_path / "r1/t")
+    (tmp_path / "r1/d" / data.STATS_FILE).write_text(json.dumps(made.__dict__))
+    data.store_cached(entry, tmp_path / "r1/d", tmp_path / "r1/t")
+    assert [p.name for p in entry.parent.iterdir()] == [entry.name]  # (no temporary left)
+
+    assert data.load_cached(data.cache_entry(config), tmp_path / "r2/d", tmp_path / "r2/t") == made
+    for name in ("train.npy", "validation.npy"):
+        assert np.array_equal(np.load(tmp_path / "r2/d" / name), np.load(tmp_path / "r1/d" / name))
+    assert (tmp_path / "r2/t/vocab.txt").read_text() == (tmp_path / "r1/t/vocab.txt").read_text()
+
+    assert data.cache_entry(config_for(tmp_path, [corpus], cache, seq_length=4)) != entry
+    assert data.cache_entry(config_for(tmp_path, [corpus], [*cache, "tokenizer.max_vocab_size=50"])) != entry
+    corpus.write_text(corpus.read_text(encoding="utf-8") + "。", encoding="utf-8")
+    assert data.cache_entry(config) != entry
+    assert data.cache_entry(config_for(tmp_path, [corpus], ["data.cache_dir="])) is None
+
+
+def test_a_damaged_cache_entry_is_prepared_afresh(tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(f"第{i}条评论" for i in range(300)), encoding="utf-8")
+    config = config_for(tmp_path, [corpus], [f"data.cache_dir={tmp_path / 'cache'}"])
+    entry = data.cache_entry(config)
+    (entry / "data").mkdir(parents=True)
+    (entry / "data" / data.STATS_FILE).write_text("{}")  # stats without the arrays
+    assert data.load_cached(entry, tmp_path / "d", tmp_path / "t") is None
+    assert not (tmp_path / "d").exists() and not (tmp_path / "t").exists()

