@@ -126,15 +126,10 @@ def _make_op_classes(model_dir: Path, limits: Limits, generation: str, threads: 
         def init_op(self):
             self.model = ExportedModel(model_dir)
             self.sessions = threading.local()
-            # Thread workers create their predictors one at a time (paddle.inference does not promise that creating
-            # them concurrently is safe; a thread-mode start on a loaded CI machine once never answered).
-            self.creating = threading.Lock()
 
         def _session(self):
             session = getattr(self.sessions, "session", None)
-            if session is not None:
-                return session
-            with self.creating:
+            if session is None:
                 if generation == "kv_cache":
                     session = self.model.cached_session(threads)
                 else:
@@ -252,6 +247,12 @@ def main() -> None:
         generation = "full"
     threads = predictor_threads(config.serving)
     service_cls = _make_op_classes(model_dir, Limits.from_config(config.serving), generation, threads)
+    if config.serving.op_mode == "thread":
+        # Thread workers would otherwise import paddle in their own threads while Paddle Serving forks its gRPC
+        # gateway from this one. paddle's import runs os.popen (paddle/base/core.py avx_supported); a fork at that
+        # moment keeps the popen's exec-status pipe open in the gateway process, and the worker waits on it forever
+        # (seen with py-spy: the server never answered). Imported here, before any worker thread or fork.
+        ExportedModel(model_dir)
     service = service_cls(name=config.serving.service_name)
     service.prepare_pipeline_config(args.config)
     service.run_service()

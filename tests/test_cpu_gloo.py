@@ -43,9 +43,14 @@ def _two_ranks(out_dir):
 
 
 def test_collectives_on_two_gloo_processes(tmp_path):
-    import paddle.distributed as dist
+    saved = dict(os.environ)  # (paddle sets OMP_NUM_THREADS and CUSTOM_DEVICE_ROOT here: not for later tests)
+    try:
+        import paddle.distributed as dist
 
-    dist.spawn(_two_ranks, args=(str(tmp_path),), nprocs=2, backend="gloo")
+        dist.spawn(_two_ranks, args=(str(tmp_path),), nprocs=2, backend="gloo")
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     r0, r1 = (np.load(tmp_path / f"rank{r}.npz") for r in (0, 1))
     base = np.arange(4, dtype="float32")
     for r, res in enumerate((r0, r1)):
