@@ -1,5 +1,6 @@
 """Corpus, split, vocabulary and tokenizer, packing."""
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -107,7 +108,6 @@ def test_binary_or_non_utf8_corpus_is_a_one_line_error(tmp_path):
         data.read_documents(config_for(tmp_path, [high]).data)
 
 
-
 def test_prepared_data_is_reused_only_for_the_same_corpus_bytes_and_settings(tmp_path):
     """A cache entry written after one run's preparation is copied into the next run with the same corpus and
     settings (same arrays, same vocabulary); another corpus byte or another packing setting is another entry."""
@@ -141,6 +141,11 @@ def test_a_damaged_cache_entry_is_prepared_afresh(tmp_path):
     config = config_for(tmp_path, [corpus], [f"data.cache_dir={tmp_path / 'cache'}"])
     entry = data.cache_entry(config)
     (entry / "data").mkdir(parents=True)
-    (entry / "data" / data.STATS_FILE).write_text("{}")  # stats without the arrays
+    (entry / "data" / data.STATS_FILE).write_text("{}")  # unreadable stats
+    assert data.load_cached(entry, tmp_path / "d", tmp_path / "t") is None
+    assert not (tmp_path / "d").exists() and not (tmp_path / "t").exists()
+    made = data.prepare(config, tmp_path / "p/d", tmp_path / "p/t")
+    (entry / "data" / data.STATS_FILE).write_text(json.dumps(made.__dict__))  # stats and tokenizer, no arrays
+    shutil.copytree(tmp_path / "p/t", entry / "tokenizer")
     assert data.load_cached(entry, tmp_path / "d", tmp_path / "t") is None
     assert not (tmp_path / "d").exists() and not (tmp_path / "t").exists()

@@ -209,6 +209,9 @@ def load_cached(entry: Path, data_dir: Path, tokenizer_dir: Path) -> PreparedDat
     """Copy a complete cache entry into the run directory (None when there is none)."""
     try:
         stats = PreparedData(**json.loads((entry / "data" / STATS_FILE).read_text()))
+        for part in ("data/train.npy", "data/validation.npy", "tokenizer/vocab.txt"):
+            if not (entry / part).is_file():
+                raise FileNotFoundError(entry / part)
         shutil.copytree(entry / "tokenizer", tokenizer_dir)
         shutil.copytree(entry / "data", data_dir)
         return stats
