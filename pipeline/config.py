@@ -86,6 +86,9 @@ class TrainingConfig:
     # a checkpoint and exit; whatever still runs this many seconds after the signal is killed. Keep it below the
     # scheduler's kill delay (Slurm KillWait, 30 s by default; Kubernetes terminationGracePeriodSeconds).
     stop_grace_s: int = 25
+    # Complete checkpoints kept on disk: the newest keep_checkpoints, plus the best by export.metric (what export
+    # picks); older ones are deleted as each new one completes. 0 = keep every checkpoint.
+    keep_checkpoints: int = 3
 
 
 @dataclass
@@ -104,6 +107,9 @@ class ParallelConfig:
     amp_dtype: str = ""  # "" = fp32, or bfloat16 | float16 (GPU only: a no-op on CPU)
     amp_level: str = "O1"
     nnodes: int = 1
+    # Multi-node: node 0 prepares the run directory on storage every node shares; the other nodes wait this long for
+    # it (then fail, naming the path: storage that is not really shared, or node 0 failed early).
+    node_wait_s: int = 600
     # Math threads per process on CPU; 0 = the cores this process may use divided by the processes per node.
     cpu_threads: int = 0
     # Seconds a rank may wait on a collective before the job is declared hung (gloo / NCCL timeout).
@@ -398,6 +404,8 @@ def _validate_training(tr: TrainingConfig, m: ModelConfig) -> None:
     _require(not tr.run_name or ("/" not in tr.run_name and tr.run_name.strip() == tr.run_name),
              "training.run_name: must be a plain name without '/' or surrounding spaces")
     _positive("training.stop_grace_s", tr.stop_grace_s)
+    _require(tr.keep_checkpoints >= 0, f"training.keep_checkpoints: must be >= 0 (0 = keep all), got "
+             f"{tr.keep_checkpoints}")
 
 
 def _validate_tracking_and_export(tracking: TrackingConfig, export: ExportConfig) -> None:

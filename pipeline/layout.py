@@ -170,7 +170,7 @@ class ParallelLayout:
 
         require(self.device in ("cpu", "gpu"), f"parallel.device: {self.device!r} is not allowed; use 'cpu' or 'gpu'")
         for key in ("data", "tensor", "pipeline", "sharding_degree", "micro_batch_size", "accumulation_steps",
-                    "nnodes", "collective_timeout_s"):
+                    "nnodes", "collective_timeout_s", "node_wait_s"):
             require(getattr(p, key) >= 1, f"parallel.{key}: must be >= 1, got {getattr(p, key)}")
         require(p.cpu_threads >= 0, f"parallel.cpu_threads: must be >= 0 (0 = an even share of the cores), got "
                 f"{p.cpu_threads}")

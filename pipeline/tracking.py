@@ -67,7 +67,13 @@ def experiment_id(mlflow_client, name: str, uri: str) -> str:
         return experiment.experiment_id
     # Local store: artifacts under mlflow/artifacts; a server decides its own artifact root.
     location = (LOCAL_ARTIFACTS / name).as_uri() if is_local(uri) else None
-    return mlflow_client.create_experiment(name, artifact_location=location)
+    try:
+        return mlflow_client.create_experiment(name, artifact_location=location)
+    except Exception:  # noqa: BLE001  (runs started together: another one created it a moment ago)
+        experiment = mlflow_client.get_experiment_by_name(name)
+        if experiment is None:
+            raise
+        return experiment.experiment_id
 
 
 def git_commit() -> str:

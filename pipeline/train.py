@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from pipeline import REPO_ROOT, cpu_runtime, runs, tracking
+from pipeline import REPO_ROOT, cpu_runtime, nodes, runs, tracking
 from pipeline.config import Config, ConfigError, load_config
 from pipeline.layout import ParallelLayout, estimate_parameters
 from pipeline.processes import child_dies_with_parent, descendants, signal_pids
@@ -50,7 +50,7 @@ def launch_command(layout: ParallelLayout, run_dir: Path, resume_from: Path | No
     if layout.world_size == 1:
         return [sys.executable, "-m", "training.worker", *worker]
     cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(layout.procs_per_node),
-           "--max_restart", "0", "--log_dir", str(run_dir / "logs")]
+           "--max_restart", "0", "--log_dir", str(nodes.log_dir(run_dir, layout.nnodes))]
     if layout.nnodes > 1:
         # Multi-node: every node runs the same `make train`, with MASTER=<host:port> and NODE_RANK set.
         master = os.environ.get("MASTER")
@@ -89,15 +89,25 @@ _PAIR_RANK = re.compile(r"pair_rank = (\d+)")
 _ERROR = re.compile(r"Traceback|Error|terminate called|Termination signal|TIMEOUT")
 
 
-def failing_rank(log_dir: Path) -> tuple[int, str, str] | None:
+def rank_logs(log_dir: Path, procs_per_node: int = 1) -> dict[int, Path]:
+    """global rank -> its log: `workerlog.<rank>`, or on several nodes `node<k>/workerlog.<local rank>` (the launcher
+    numbers logs per node; ranks are numbered node by node)."""
+    def numbered(folder: Path) -> dict[int, Path]:
+        return {int(p.suffix[1:]): p for p in folder.glob("workerlog.*") if p.suffix[1:].isdigit()}
+
+    found = numbered(log_dir)
+    for folder in log_dir.glob("node*"):
+        if folder.name[4:].isdigit():
+            found.update({int(folder.name[4:]) * procs_per_node + local: p for local, p in numbered(folder).items()})
+    return found
+
+
+def failing_rank(log_dir: Path, procs_per_node: int = 1) -> tuple[int, str, str] | None:
     """(rank, why, log tail) of the rank that most likely failed first.
 
     A rank that raised its own Python exception is the culprit. A rank killed from outside (OOM killer, SIGKILL)
     writes nothing: its log just stops, while its peers fail with gloo errors (TIMEOUT, connection reset)."""
-    logs = {}
-    for path in log_dir.glob("workerlog.*"):
-        if path.suffix[1:].isdigit():
-            logs[int(path.suffix[1:])] = path.read_text(errors="replace")
+    logs = {rank: path.read_text(errors="replace") for rank, path in rank_logs(log_dir, procs_per_node).items()}
     if not logs:
         return None
 
@@ -241,14 +251,17 @@ def run(config_path: str | None, overrides: list[str], resume: str = "", dry_run
     if dry_run:
         return 0
     layout.check_fits_machine()
-    # Node 0 owns the MLflow run; the other nodes' launchers never touch the tracking store.
-    is_node0 = os.environ.get("NODE_RANK", "0") == "0"
-    mlflow_client = None
-    if is_node0:
-        tracking.check_reachable(uri)
-        mlflow_client = tracking.client(uri)
-        for line in runs.reap(mlflow_client, config.tracking.experiment, config.tracking.stale_after_s):
-            print(f"marked stale run FAILED: {line}", flush=True)
+    if layout.nnodes > 1 and run_dir is None and not config.training.run_name:
+        raise ConfigError("parallel.nnodes > 1: set training.run_name, the same on every node (e.g. "
+                          "training.run_name=$SLURM_JOB_NAME-$SLURM_JOB_ID): it names the run directory on shared "
+                          "storage where the nodes meet")
+    if nodes.node_rank() != 0:
+        # The other nodes' launchers never touch the tracking store: node 0 owns the run directory and MLflow run.
+        return _run_other_node(config, layout, run_dir or _runs_root(config) / config.training.run_name, uri)
+    tracking.check_reachable(uri)
+    mlflow_client = tracking.client(uri)
+    for line in runs.reap(mlflow_client, config.tracking.experiment, config.tracking.stale_after_s):
+        print(f"marked stale run FAILED: {line}", flush=True)
 
     pending = None
     if run_dir is None:
@@ -263,10 +276,12 @@ def run(config_path: str | None, overrides: list[str], resume: str = "", dry_run
 
     stopper = Stopper(config.training.stop_grace_s)
     stopper.install()  # here: data preparation imported paddlenlp, which resets SIGTERM
-    run_id, previous_status = (_open_run(mlflow_client, config, layout, run_dir, uri) if is_node0 else (None, None))
+    run_id, previous_status = _open_run(mlflow_client, config, layout, run_dir, uri)
     heartbeat = Heartbeat(mlflow_client, run_id, config.tracking.heartbeat_s) if run_id else None
     if pending is not None:
         pending.write_text(config.to_yaml(), encoding="utf-8")
+    if layout.nnodes > 1:
+        nodes.announce(run_dir, config.to_yaml(), resume_from, pending)
     cmd = launch_command(layout, run_dir, resume_from, pending)
     env = worker_env(config, layout, uri, run_id)
     status, returncode = "FAILED", 1
@@ -294,6 +309,8 @@ def run(config_path: str | None, overrides: list[str], resume: str = "", dry_run
     finally:
         if heartbeat:
             heartbeat.done.set()
+        if layout.nnodes > 1:
+            nodes.withdraw(run_dir)
         started = pending is None or not pending.exists()
         if pending is not None and not started:
             # The resume never completed a step: the run stays as it was (config.yaml, MLflow status).
@@ -301,8 +318,8 @@ def run(config_path: str | None, overrides: list[str], resume: str = "", dry_run
             print(f"the resume did not complete a step; {run_dir / 'config.yaml'} and the MLflow run's status "
                   f"({previous_status}) are unchanged", file=sys.stderr, flush=True)
         if status == "FAILED":
-            _report_failure(mlflow_client if started else None, run_id, run_dir)
-        elif layout.pp > 1 and is_node0 and started:
+            _report_failure(mlflow_client if started else None, run_id, run_dir, layout)
+        elif layout.pp > 1 and started:
             _report_stages(mlflow_client, run_id, run_dir, layout)
         if run_id:
             if not started:
@@ -318,6 +335,22 @@ def run(config_path: str | None, overrides: list[str], resume: str = "", dry_run
               f"RESUME={run_dir}", flush=True)
     print(f"run directory: {run_dir}", flush=True)
     return returncode
+
+
+def _run_other_node(config: Config, layout: ParallelLayout, run_dir: Path, uri: str) -> int:
+    """Node k > 0: wait for node 0's run directory and launch announcement, then run this node's ranks."""
+    info = nodes.wait_for_launch(run_dir, config.to_yaml(), config.parallel.node_wait_s)
+    resume_from = Path(info["resume_from"]) if info["resume_from"] else None
+    pending = Path(info["pending_config"]) if info["pending_config"] else None
+    print(f"node {nodes.node_rank()}: joining {run_dir}" + (f", resuming from {resume_from}" if resume_from else ""),
+          flush=True)
+    stopper = Stopper(config.training.stop_grace_s)
+    stopper.install()
+    returncode = _run_launcher(launch_command(layout, run_dir, resume_from, pending),
+                               worker_env(config, layout, uri, None), run_dir, False, stopper)
+    print(f"node {nodes.node_rank()}: ranks exited with code {returncode}; node 0 records the run's status "
+          f"(run directory {run_dir})", flush=True)
+    return 128 + stopper.signum if stopper.signum else returncode
 
 
 def pipeline_schedule_text(layout: ParallelLayout) -> str:
@@ -348,14 +381,37 @@ def _count(n: float) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
+def _runs_root(config: Config) -> Path:
+    return (REPO_ROOT / config.training.runs_dir).resolve()
+
+
+def _claim_run_dir(config: Config) -> Path:
+    """A new, empty run directory, claimed atomically (mkdir): runs started at the same moment never share one.
+    Default names are `<config>-<UTC time>`, with `-2`, `-3`, ... when that second's name is taken."""
+    root = _runs_root(config)
+    root.mkdir(parents=True, exist_ok=True)
+    if config.training.run_name:
+        try:
+            (root / config.training.run_name).mkdir()
+        except FileExistsError:
+            raise ConfigError(f"training.run_name={config.training.run_name!r} is taken: {root / config.training.run_name}"
+                              f" holds another run; pick another training.run_name (or leave it empty for a "
+                              f"generated one)") from None
+        return root / config.training.run_name
+    base = f"{config.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    for n in range(1, 10_000):
+        run_dir = root / (base if n == 1 else f"{base}-{n}")
+        try:
+            run_dir.mkdir()
+            return run_dir
+        except FileExistsError:
+            continue
+    raise ConfigError(f"could not find a free run name {base}-<n> under {root}")
+
+
 def _new_run_dir(config: Config) -> Path:
     """Create runs/<name>/ with the resolved config, tokenizer and packed data; nothing is left if this fails."""
-    name = config.training.run_name or f"{config.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
-    run_dir = (REPO_ROOT / config.training.runs_dir / name).resolve()
-    if run_dir.exists():
-        raise ConfigError(f"run directory {run_dir} exists; continue it with RESUME={run_dir} or pick another "
-                          f"training.run_name")
-    run_dir.mkdir(parents=True)
+    run_dir = _claim_run_dir(config)
     try:
         (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
         from training.data import STATS_FILE, cache_entry, load_cached, prepare, store_cached
@@ -471,17 +527,61 @@ def _close_run(mlflow_client, run_id: str, run_dir: Path, status: str, uri: str)
               f"stay in {run_dir}", file=sys.stderr, flush=True)
 
 
-def _report_failure(mlflow_client, run_id: str | None, run_dir: Path) -> None:
-    found = failing_rank(run_dir / "logs")
+def _report_failure(mlflow_client, run_id: str | None, run_dir: Path, layout: ParallelLayout) -> None:
+    found = failing_rank(run_dir / "logs", layout.procs_per_node)
     if not found:
         print("training failed before any rank wrote a log", file=sys.stderr)
         return
     rank, why, tail = found
-    print(f"\ntraining failed: rank {rank} {why}\nlast lines of {run_dir / 'logs' / f'workerlog.{rank}'}:\n{tail}\n",
+    logs = rank_logs(run_dir / "logs", layout.procs_per_node)
+    print(f"\ntraining failed: rank {rank} {why}\nlast lines of {logs.get(rank, run_dir / 'logs')}:\n{tail}\n",
           file=sys.stderr, flush=True)
+    kind, line = diagnose(run_dir, layout, rank, why, {r: p.read_text(errors="replace") for r, p in logs.items()})
+    if line:
+        print(line, file=sys.stderr, flush=True)
     if run_id and mlflow_client:
         mlflow_client.log_text(run_id, tail, f"failure/workerlog.{rank}.tail.txt")
         mlflow_client.set_tag(run_id, "failed_rank", str(rank))
+        if kind:
+            mlflow_client.set_tag(run_id, "failure_kind", kind)
+
+
+_DISK_FULL = re.compile(r"No space left on device|StorageFull|Errno 28|ENOSPC")
+_OUT_OF_MEMORY = re.compile(r"Out of memory|out of memory|MemoryError|ResourceExhaustedError|Cannot allocate memory")
+
+
+def diagnose(run_dir: Path, layout: ParallelLayout, rank: int, why: str, logs: dict[int, str]) -> tuple[str, str]:
+    """(kind, one line with the next step) for the failures users hit most; ("", "") for anything else.
+
+    Disk full: the partial checkpoints (newer than the latest complete one; the ranks are gone, so nothing writes
+    them) are removed so the disk is not left full, and the line names the free space and the RESUME command."""
+    from training.checkpoints import checkpoints_dir, latest_complete, step_of
+
+    if any(_DISK_FULL.search(text) for text in logs.values()):
+        latest = latest_complete(run_dir)
+        newest = step_of(latest) if latest else -1
+        root = checkpoints_dir(run_dir)
+        partial = sorted(p for p in (root.iterdir() if root.is_dir() else [])
+                         if p.is_dir() and (step_of(p) or -1) > newest)
+        for path in partial:
+            shutil.rmtree(path, ignore_errors=True)
+        usage = shutil.disk_usage(run_dir)
+        removed = f"removed the partial {', '.join(p.name for p in partial)}; " if partial else ""
+        return "disk_full", (
+            f"disk full: no space left on the file system of {run_dir} ({usage.free / 2**20:.0f} MiB free of "
+            f"{usage.total / 2**30:.1f} GiB); {removed}latest complete checkpoint: {latest or 'none'}; free space "
+            f"(or lower training.keep_checkpoints), then continue with: make train RESUME={run_dir}")
+    text = logs.get(rank, "")
+    if _OUT_OF_MEMORY.search(text):
+        return "out_of_memory", (
+            f"out of memory: rank {rank} of layout {layout.name} ({layout.device}) could not allocate; see the "
+            f"estimate per device with `make plan CONFIG=<this config>` and lower parallel.micro_batch_size, turn on "
+            f"parallel.recompute or raise the tensor/pipeline/sharding degrees")
+    if why.startswith("stopped without an error"):
+        return "killed", (f"rank {rank} was killed from outside (SIGKILL: often the kernel's out-of-memory killer, "
+                          f"see `dmesg`); if memory is the cause, `make plan` estimates it per device; continue with: "
+                          f"make train RESUME={run_dir}")
+    return "", ""
 
 
 def stop_signal_handler() -> None:

@@ -6,13 +6,14 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
 from paddlenlp.trainer import TrainerCallback  # (this import resets SIGTERM: handlers are installed after it)
 
 from pipeline import tracking
-from training.checkpoints import checkpoint_info, complete_checkpoints, mark_complete
+from training.checkpoints import checkpoint_info, complete_checkpoints, make_durable, mark_complete, prune
 
 
 class FinalStepCallback(TrainerCallback):
@@ -37,19 +38,22 @@ def should_upload(mode: str, metric: str, info: dict, earlier: list[dict]) -> bo
 
 
 class CheckpointCompleteCallback(TrainerCallback):
-    """After every rank has written checkpoint-<step>, rank 0 marks it complete and records it in MLflow (uploading
-    the files too when tracking.checkpoint_artifacts asks for it)."""
+    """After every rank has written checkpoint-<step> and made its files durable (fsync), rank 0 marks it complete,
+    applies retention (training.keep_checkpoints) and records it in MLflow (uploading the files too when
+    tracking.checkpoint_artifacts asks for it; in the background, training does not wait for the upload)."""
 
-    def __init__(self, mlflow_logger: "MlflowLogger | None", upload_mode: str = "none", metric: str = "eval_loss"):
-        self.mlflow_logger, self.upload_mode, self.metric = mlflow_logger, upload_mode, metric
+    def __init__(self, mlflow_logger: "MlflowLogger | None", upload_mode: str = "none", metric: str = "eval_loss",
+                 keep: int = 0):
+        self.mlflow_logger, self.upload_mode, self.metric, self.keep = mlflow_logger, upload_mode, metric, keep
 
     def on_save(self, args, state, control, **kwargs):
         import paddle.distributed as dist
 
+        checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        make_durable(checkpoint)  # each rank: what it wrote reaches the disk before the checkpoint can count
         if dist.get_world_size() > 1:
             dist.barrier()
         if state.is_world_process_zero:
-            checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             evals = [e for e in state.log_history if "eval_loss" in e and e.get("step") == state.global_step]
             info = {"step": state.global_step, "path": str(checkpoint.resolve()), "saved_at": time.time(),
                     **{k: v for k, v in (evals[-1] if evals else {}).items() if k.startswith("eval_")}}
@@ -58,6 +62,11 @@ class CheckpointCompleteCallback(TrainerCallback):
             earlier = [checkpoint_info(path) for step, path in complete_checkpoints(Path(args.output_dir).parent)
                        if step != state.global_step] if self.upload_mode == "best" else []
             mark_complete(checkpoint, info)
+            uploading = self.mlflow_logger.uploading() if self.mlflow_logger else set()
+            removed = prune(Path(args.output_dir).parent, self.keep, self.metric, state.global_step, uploading)
+            if removed:
+                print(f"checkpoints: removed {', '.join(p.name for p in removed)} (training.keep_checkpoints="
+                      f"{self.keep}; the best by {self.metric} is kept)", flush=True)
             if self.mlflow_logger:
                 self.mlflow_logger.log_checkpoint(info, should_upload(self.upload_mode, self.metric, info, earlier))
         return control
@@ -128,14 +137,25 @@ class PromoteConfig(TrainerCallback):
 class MlflowLogger(TrainerCallback):
     """Rank 0 only: per-logging-step metrics, eval metrics and checkpoint records into the launcher's MLflow run.
 
-    If the tracking server goes away mid-run, training goes on: records that could not be sent are kept in memory
-    and re-sent, in order, with the next successful call. Whatever is still unsent when training ends is written to
-    `<run dir>/unsent_records.jsonl` and named in a warning (the launcher process retries it once more)."""
+    Records are sent in order by a background thread, so neither a slow tracking server nor a checkpoint upload
+    stalls training; at most `max_uploads` checkpoint uploads wait in the queue (a save beyond that waits for the
+    oldest), and the end of training waits for the queue to drain. If the tracking server goes away mid-run, training
+    goes on: records that could not be sent are kept and re-sent, in order, with the next attempt. Whatever is still
+    unsent when training ends is written to `<run dir>/unsent_records.jsonl` and named in a warning (the launcher
+    process retries it once more)."""
 
-    def __init__(self, client, run_id: str, seq_length: int, run_dir: Path):
+    RETRY_S = 5.0
+
+    def __init__(self, client, run_id: str, seq_length: int, run_dir: Path, max_uploads: int = 2):
         self.client, self.run_id, self.seq_length, self.run_dir = client, run_id, seq_length, run_dir
-        self.pending: list[dict] = []
+        self.max_uploads = max_uploads
+        self.pending: list[dict] = []  # not yet handed to the sender
+        self.sending: list[dict] = []  # the sender's current batch
         self.failing = False
+        self.lock = threading.Condition()
+        self.closed = False
+        self.sender = threading.Thread(target=self._loop, name="mlflow-sender", daemon=True)
+        self.sender.start()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
@@ -156,36 +176,76 @@ class MlflowLogger(TrainerCallback):
         for key in ("train_runtime", "train_loss", "train_samples_per_second", "train_steps_per_second"):
             if key in logs:
                 metrics[key] = logs[key]
-        self.pending += [tracking.metric_record(k, v, step, now) for k, v in metrics.items()
-                         if isinstance(v, (int, float))]
-        self._send()
+        self._enqueue([tracking.metric_record(k, v, step, now) for k, v in metrics.items()
+                       if isinstance(v, (int, float))])
 
     def log_checkpoint(self, info: dict, upload: bool) -> None:
         # The record (path + metrics, + the artifact path once uploaded) lets export find the best checkpoint from
         # the run alone.
-        self.pending.append(tracking.checkpoint_record(info, upload))
-        self._send()
+        with self.lock:
+            while upload and self._queued_uploads() >= self.max_uploads and self.sender.is_alive() \
+                    and not self.failing:
+                self.lock.wait(1.0)  # bounded queue: a save waits for the oldest upload, not for all of them
+        self._enqueue([tracking.checkpoint_record(info, upload)])
 
-    def _send(self) -> None:
-        try:
-            tracking.send_records(self.client, self.run_id, self.pending)
-            if self.failing:
-                print("[mlflow] tracking server reachable again; buffered records sent", file=sys.stderr, flush=True)
-            self.failing = False
-        except Exception as exc:  # noqa: BLE001  (any transport error: keep training, keep the records)
-            if not self.failing:
-                print(f"[mlflow] WARNING: logging failed ({exc.__class__.__name__}); training continues, "
-                      f"metrics and checkpoint records are buffered and re-sent", file=sys.stderr, flush=True)
-            self.failing = True
+    def uploading(self) -> set[str]:
+        """Checkpoint paths whose upload has not finished (retention must not delete them yet)."""
+        with self.lock:
+            return {r["info"]["path"] for r in self.sending + self.pending if r["kind"] == "checkpoint" and r["upload"]}
+
+    def _queued_uploads(self) -> int:
+        return sum(1 for r in self.sending + self.pending if r["kind"] == "checkpoint" and r["upload"])
+
+    def _enqueue(self, records: list[dict]) -> None:
+        with self.lock:
+            self.pending += records
+            self.lock.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self.lock:
+                while not self.pending and not self.closed:
+                    self.lock.wait()
+                if not self.pending:
+                    return
+                self.sending, self.pending = self.pending, []
+            batch = list(self.sending)
+            try:
+                tracking.send_records(self.client, self.run_id, batch)  # removes what it sent from `batch`
+                ok = True
+            except Exception as exc:  # noqa: BLE001  (any transport error: keep training, keep the records)
+                ok = False
+                if not self.failing:
+                    print(f"[mlflow] WARNING: logging failed ({exc.__class__.__name__}); training continues, "
+                          f"metrics and checkpoint records are buffered and re-sent", file=sys.stderr, flush=True)
+            with self.lock:
+                self.pending = batch + self.pending  # what is left of the batch goes first next time
+                self.sending = []
+                if ok and self.failing:
+                    print("[mlflow] tracking server reachable again; buffered records sent", file=sys.stderr,
+                          flush=True)
+                self.failing = not ok
+                self.lock.notify_all()
+                if not ok:
+                    if self.closed:
+                        return
+                    self.lock.wait(self.RETRY_S)
+
+    def flush(self, timeout_s: float = 600.0) -> None:
+        """Wait until everything queued is sent (or the sender gives up), then stop the sender."""
+        with self.lock:
+            self.closed = True
+            self.lock.notify_all()
+        self.sender.join(timeout_s)
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.pending:
-            self._send()
-        if self.pending:
-            tracking.save_unsent(self.run_dir, self.pending)
-            print(f"[mlflow] WARNING: {len(self.pending)} records could not be sent; kept in "
+        self.flush()
+        with self.lock:
+            unsent, self.pending, self.sending = self.sending + self.pending, [], []
+        if unsent:
+            tracking.save_unsent(self.run_dir, unsent)
+            print(f"[mlflow] WARNING: {len(unsent)} records could not be sent; kept in "
                   f"{self.run_dir / tracking.UNSENT_RECORDS}", file=sys.stderr, flush=True)
-            self.pending = []
 
 
 class PeakMemory(TrainerCallback):

@@ -1,14 +1,17 @@
 """Which checkpoints of a run are complete, and which is the latest.
 
-PaddleNLP's Trainer writes `checkpoint-<step>/` in place, from every rank. A checkpoint only counts once all ranks
-have finished writing it: rank 0 then writes `checkpoint_complete.json` inside it (after a barrier) and updates the
-run's `checkpoints/latest` file by an atomic rename. Resume and export read only complete checkpoints.
+PaddleNLP's Trainer writes `checkpoint-<step>/` in place, from every rank (of every node: the run directory is
+shared). A checkpoint only counts once all ranks have finished writing it and made it durable (fsync): rank 0 then
+writes `checkpoint_complete.json` inside it (after a barrier) and updates the run's `checkpoints/latest` file by an
+atomic rename. Resume and export read only complete checkpoints. Retention (`training.keep_checkpoints`) deletes
+older checkpoints as new ones complete, never the newest ones nor the best by `export.metric`.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 COMPLETE_MARKER = "checkpoint_complete.json"
@@ -25,6 +28,66 @@ def checkpoints_dir(run_dir: Path | str) -> Path:
 def mark_complete(checkpoint: Path, info: dict) -> None:
     _atomic_write(checkpoint / COMPLETE_MARKER, json.dumps(info, indent=2))
     _atomic_write(checkpoint.parent / LATEST_FILE, checkpoint.name + "\n")
+
+
+def step_of(checkpoint: Path) -> int | None:
+    match = _STEP.match(Path(checkpoint).name)
+    return int(match.group(1)) if match else None
+
+
+def to_prune(complete: list[tuple[int, dict]], keep: int, metric: str) -> set[int]:
+    """Steps of the complete checkpoints that retention removes: all but the newest `keep` and the best by `metric`
+    (lowest; the earliest of equals). `keep` 0 keeps everything. `complete` is (step, checkpoint info)."""
+    if keep <= 0 or len(complete) <= keep:
+        return set()
+    steps = sorted(step for step, _ in complete)
+    kept = set(steps[-keep:])
+    rated = [(info[metric], step) for step, info in complete if isinstance(info.get(metric), (int, float))]
+    if rated:
+        kept.add(min(rated)[1])
+    return set(steps) - kept
+
+
+def prune(run_dir: Path | str, keep: int, metric: str, newest_complete: int, protect: set[str] = frozenset()) \
+        -> list[Path]:
+    """Apply retention after checkpoint `newest_complete` was marked complete (training.keep_checkpoints).
+
+    Removes complete checkpoints `to_prune` picks, and incomplete ones older than `newest_complete` (left by a crash;
+    a checkpoint newer than it may still be being written, so it is never touched). A removed checkpoint loses its
+    complete marker first, so a removal cut short never leaves a half-deleted checkpoint that counts as complete."""
+    if keep <= 0:
+        return []
+    complete = complete_checkpoints(run_dir)
+    doomed = to_prune([(step, checkpoint_info(path)) for step, path in complete], keep, metric)
+    removed = [path for step, path in complete if step in doomed]
+    root = checkpoints_dir(run_dir)
+    removed = [path for path in removed if str(path.resolve()) not in protect]  # (uploads still running)
+    complete_steps = {step for step, _ in complete}
+    for child in root.iterdir() if root.is_dir() else []:
+        step = step_of(child)
+        if step is not None and step < newest_complete and step not in complete_steps and child.is_dir():
+            removed.append(child)
+    for path in removed:
+        (path / COMPLETE_MARKER).unlink(missing_ok=True)
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
+def make_durable(checkpoint: Path) -> None:
+    """fsync every file of a checkpoint and the directory itself: once a rank returns from this, what it wrote
+    survives a crash of the machine (close() alone leaves it in the page cache). Cheap next to writing it."""
+    checkpoint = Path(checkpoint)
+    if not checkpoint.is_dir():
+        return
+    for path in [*sorted(p for p in checkpoint.rglob("*") if p.is_file()), checkpoint, checkpoint.parent]:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:  # removed meanwhile (another rank's temporary file)
+            continue
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def complete_checkpoints(run_dir: Path | str) -> list[tuple[int, Path]]:
@@ -50,5 +113,8 @@ def checkpoint_info(checkpoint: Path) -> dict:
 
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
     os.replace(tmp, path)

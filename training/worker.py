@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> None:
                                      config.training.seq_length, run_dir)
     callbacks = [FinalStepCallback(), graceful_stop, PromoteConfig(pending, run_dir / "config.yaml"),
                  PeakMemory(run_dir, layout.device),
-                 CheckpointCompleteCallback(mlflow_logger, config.tracking.checkpoint_artifacts, config.export.metric)]
+                 CheckpointCompleteCallback(mlflow_logger, config.tracking.checkpoint_artifacts, config.export.metric,
+                                            config.training.keep_checkpoints)]
     if mlflow_logger:
         callbacks.append(mlflow_logger)
     trainer = new_trainer(

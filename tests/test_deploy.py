@@ -1,0 +1,81 @@
+"""The job files users submit (deploy/): the Slurm batch script and the Kubeflow PaddleJob manifest both run
+deploy/train-node.sh with the same environment contract, and what they run dry-runs here: a new run, then (the run
+directory existing, as after a requeue or a pod restart) a resume of the same run."""
+import os
+import subprocess
+
+import pytest
+import yaml
+
+from pipeline import REPO_ROOT
+
+DEPLOY = REPO_ROOT / "deploy"
+SBATCH = DEPLOY / "slurm" / "train.sbatch"
+PADDLEJOB = DEPLOY / "kubernetes" / "paddlejob-train.yaml"
+
+
+@pytest.mark.parametrize("script", [SBATCH, DEPLOY / "train-node.sh"])
+def test_scripts_parse(script):
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    assert os.access(script, os.X_OK)
+
+
+def _fake_slurm(bin_dir):
+    """srun: runs the task once, as node 0 (drops its options); scontrol: the job's two hostnames."""
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nexport SLURM_NODEID=0\n'
+                                  'exec "$@"\n')
+    (bin_dir / "scontrol").write_text('#!/bin/bash\n[ "$1 $2" = "show hostnames" ] && printf "gpu-a\\ngpu-b\\n"\n')
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+
+
+def test_sbatch_script_dry_runs_a_new_run_then_the_requeued_one(tmp_path):
+    _fake_slurm(tmp_path / "bin")
+    runs = tmp_path / "shared-runs"
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(REPO_ROOT),
+           "SLURM_JOB_NAME": "llama", "SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "64",
+           "SLURM_JOB_NODELIST": "gpu-[a-b]", "RUNS_DIR": str(runs), "DRY_RUN": "1"}
+    env.pop("NODE_RANK", None)
+    proc = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"node 0: new run {runs}/llama-4242" in proc.stdout
+    assert "layout dp4-tp8-pp16: world size 512" in proc.stdout and "(64 node(s) x 8 process(es)" in proc.stdout
+    # requeued: the run directory exists on the shared storage -> the same command resumes it
+    (runs / "llama-4242").mkdir(parents=True)
+    from pipeline.config import load_config
+
+    config = load_config(REPO_ROOT / "configs" / "llama-100b-512gpu.yaml",
+                         [f"training.runs_dir={runs}", "training.run_name=llama-4242"])
+    (runs / "llama-4242" / "config.yaml").write_text(config.to_yaml())
+    proc = subprocess.run(["bash", str(SBATCH)], env={**env, "SLURM_RESTART_COUNT": "1"}, capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"node 0: continuing {runs}/llama-4242" in proc.stdout and "world size 512" in proc.stdout
+
+
+def test_paddlejob_manifest_runs_the_node_script_with_the_contract(tmp_path):
+    job = yaml.safe_load(PADDLEJOB.read_text())
+    assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "PaddleJob")
+    worker = job["spec"]["paddleReplicaSpecs"]["Worker"]
+    pod = worker["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["name"] == "paddle"  # the operator finds its port and container by this name
+    env = {e["name"]: e for e in container["env"]}
+    assert env["NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.labels['training.kubeflow.org/replica-index']"
+    assert int(env["NNODES"]["value"]) == worker["replicas"]
+    assert pod["terminationGracePeriodSeconds"] > 25  # longer than training.stop_grace_s: SIGTERM saves first
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert any(env["RUNS_DIR"]["value"].startswith(m) for m in mounts)
+    # the container's command, as the pod runs it (PADDLE_MASTER and the replica index as the operator sets them)
+    runs = tmp_path / "runs"
+    run_env = {**os.environ, **{k: e["value"] for k, e in env.items() if "value" in e},
+               "PADDLE_MASTER": "paddle-train-worker-0:36789", "NODE_RANK": "0", "RUNS_DIR": str(runs),
+               "DRY_RUN": "1"}
+    run_env.pop("MASTER", None)
+    proc = subprocess.run([*container["command"], *container["args"]], env=run_env, cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"node 0: new run {runs}/{env['RUN_NAME']['value']}" in proc.stdout
+    assert "world size 512" in proc.stdout
