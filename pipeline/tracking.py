@@ -43,9 +43,21 @@ def client(uri: str):
     # error. (Training workers set 0: they buffer and re-send instead.)
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
 
-    if is_local(uri):
-        LOCAL_STORE.parent.mkdir(parents=True, exist_ok=True)
-    return mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri)
+    if not is_local(uri):
+        return mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri)
+    LOCAL_STORE.parent.mkdir(parents=True, exist_ok=True)
+    # A new SQLite store is created and migrated by whichever process touches it first; several processes doing
+    # that at once (runs started together) fail with "duplicate column name". One at a time, under a file lock.
+    import fcntl
+
+    db = Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else LOCAL_STORE
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        mlflow_client = mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri)
+        mlflow_client.search_experiments(max_results=1)  # creates / migrates the tracking tables
+        mlflow_client.search_registered_models(max_results=1)  # ... and the registry's
+    return mlflow_client
 
 
 def check_reachable(uri: str, timeout_s: float = 5.0) -> None:

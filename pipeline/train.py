@@ -209,19 +209,32 @@ def _run_launcher(cmd: list[str], env: dict, run_dir: Path, single: bool, stoppe
         on_start()
         return proc.wait()
     # Single process: same log layout as the launcher (logs/workerlog.0), echoed to the terminal.
-    with open(log_dir / "workerlog.0", "a") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                **options)
-        stopper.attach(proc, single)
-        on_start()
-        try:
-            for line in proc.stdout:
-                sys.stdout.write(line)
+    log = open(log_dir / "workerlog.0", "a")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, **options)
+    stopper.attach(proc, single)
+    on_start()
+    try:
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            try:
                 log.write(line)
                 log.flush()
-        finally:
-            proc.wait()
+            except OSError as exc:  # a full disk must not take the launcher down: the terminal still gets it all
+                if not log.closed:
+                    print(f"cannot write {log.name} ({exc.strerror}); the rest of the log is on the terminal only",
+                          file=sys.stderr, flush=True)
+                    _close_quietly(log)
+    finally:
+        proc.wait()
+        _close_quietly(log)
     return proc.returncode
+
+
+def _close_quietly(fh) -> None:
+    try:
+        fh.close()
+    except OSError:
+        pass
 
 
 def run(config_path: str | None, overrides: list[str], resume: str = "", dry_run: bool = False) -> int:
@@ -557,8 +570,11 @@ def diagnose(run_dir: Path, layout: ParallelLayout, rank: int, why: str, logs: d
     them) are removed so the disk is not left full, and the line names the free space and the RESUME command."""
     from training.checkpoints import checkpoints_dir, latest_complete, step_of
 
-    if any(_DISK_FULL.search(text) for text in logs.values()):
-        latest = latest_complete(run_dir)
+    latest = latest_complete(run_dir)
+    usage = shutil.disk_usage(run_dir)
+    needed = sum(p.stat().st_size for p in latest.rglob("*") if p.is_file()) if latest else 0
+    # (the ranks' own words, or -- when the full disk kept them from being logged -- less room than a checkpoint)
+    if any(_DISK_FULL.search(text) for text in logs.values()) or usage.free < needed:
         newest = step_of(latest) if latest else -1
         root = checkpoints_dir(run_dir)
         partial = sorted(p for p in (root.iterdir() if root.is_dir() else [])

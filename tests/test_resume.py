@@ -15,7 +15,7 @@ import pytest
 
 from helpers import LAYOUTS, env_for, metric_history, seeded_world
 from pipeline import REPO_ROOT, tracking
-from pipeline.processes import descendants
+from pipeline.processes import descendants, signal_pids
 
 pytestmark = pytest.mark.slow
 RTOL = 1e-4
@@ -194,3 +194,81 @@ def test_a_signal_that_reaches_one_rank_stops_all_ranks_at_the_same_step(world):
     assert max(logged) == stop_step  # ... and rank 0 stopped with it, at the checkpointed step
     assert tracking.client(world["uri"]).get_run(_run_id(world, "one-rank")).info.status == "KILLED"
     assert not _workers_of(run_dir)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Cluster runs: two `pipeline train` launchers on this machine act as two nodes (one dp rank each) sharing one
+# training.runs_dir, as nodes share storage. A node is lost, the job is requeued on the one node left, stopped, and
+# requeued on two nodes again: one run directory, one MLflow run, the losses of an uninterrupted run.
+
+def _start_nodes(world, name: str, *extra, resume: bool = False, nnodes: int = 2) -> list[subprocess.Popen]:
+    from helpers import free_port
+
+    env = {**env_for(world["uri"]), "MASTER": f"127.0.0.1:{free_port()}"}
+    what = ["--resume", str(world["runs"] / name)] if resume else \
+        ["--config", str(world["config"]), *world["common"], f"training.run_name={name}"]
+    layout = [f"parallel.nnodes={nnodes}", *LAYOUTS["dp2"]]
+    return [subprocess.Popen([sys.executable, "-m", "pipeline", "train", *what, *layout, *extra], cwd=REPO_ROOT,
+                             env={**env, "NODE_RANK": str(node)}, text=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+            for node in reversed(range(nnodes))]  # [node k, ..., node 0]: the others start first and wait
+
+
+def _finish(procs, timeout: float) -> list[tuple[int, str]]:
+    out = []
+    for proc in procs:
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        out.append((proc.returncode, output))
+    return out
+
+
+def test_node_lost_requeued_on_one_node_then_two_continues_the_same_run(world):
+    run_dir, timeout_s = world["runs"] / "cluster", 10
+    procs = _start_nodes(world, "cluster", f"parallel.collective_timeout_s={timeout_s}")
+    try:
+        _wait_for_checkpoint(world, "cluster", procs[1])
+        # node 1 dies as a machine does: its rank and its launcher at once (leaves first: a launcher that outlived
+        # its child by a moment would relay SIGTERM to it), so node 0 is left waiting in a collective
+        killed_at = time.time()
+        signal_pids([*reversed(descendants(procs[0].pid)), procs[0].pid], signal.SIGKILL)
+        (_, _), (rc0, out0) = _finish(procs, timeout=120)
+        elapsed = time.time() - killed_at
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert rc0 != 0, out0[-2000:]
+    # bounded by the collective timeout (plus the launcher's shutdown and the run's close), not by the test's wait
+    assert elapsed < 4 * timeout_s + 20, elapsed
+    client = tracking.client(world["uri"])
+    run_id = _run_id(world, "cluster")
+    assert client.get_run(run_id).info.status == "FAILED"
+    # one run directory, one checkpoint directory per step holding every rank's part, each node's logs
+    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["node0", "node1"]
+    first = int((run_dir / "checkpoints" / "latest").read_text().split("-")[1])
+    assert (run_dir / "checkpoints" / f"checkpoint-{first}" / "rng_state_2.pth").is_file()
+    assert not (run_dir / "launch.json").exists()
+
+    # requeued on the one node left: the same run, from its latest complete checkpoint; stopped after one more
+    (single,) = _start_nodes(world, "cluster", resume=True, nnodes=1)
+    _wait_for_checkpoint(world, "cluster", single, step=first + 3)
+    single.send_signal(signal.SIGTERM)
+    ((rc, out),) = _finish([single], timeout=GRACE_S + 60)
+    assert rc == 128 + signal.SIGTERM, out[-3000:]
+    assert f"resuming {run_dir} from {run_dir / 'checkpoints' / f'checkpoint-{first}'}" in out
+    assert client.get_run(run_id).info.status == "KILLED"
+    second = int((run_dir / "checkpoints" / "latest").read_text().split("-")[1])
+    assert first < second < STEPS
+
+    # requeued on two nodes again: node 1 joins the shared directory and both finish the run
+    (rc1, out1), (rc0, out0) = _finish(_start_nodes(world, "cluster", resume=True), timeout=300)
+    assert rc0 == 0 and rc1 == 0, out0[-3000:] + out1[-3000:]
+    assert f"node 1: joining {run_dir}, resuming from {run_dir / 'checkpoints' / f'checkpoint-{second}'}" in out1
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert len(client.search_runs([client.get_run(run_id).info.experiment_id],
+                                  "attributes.run_name = 'cluster'")) == 1
+    _assert_losses_continue(world, "cluster", 0)

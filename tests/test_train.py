@@ -89,3 +89,89 @@ def test_bad_yaml_fails_with_one_line(tmp_path, store_uri, content, message):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_three_runs_started_together_get_their_own_directories(tiny_config, tmp_path, store_uri):
+    """As a sweep started from a shell loop does: three `make train` in one checkout at the same moment."""
+    import subprocess
+
+    from helpers import env_for
+    from pipeline import REPO_ROOT
+
+    runs = tmp_path / "runs"
+    args = (f"training.runs_dir={runs} training.max_steps=2 training.eval_interval=2 training.save_interval=2 "
+            f"data.cache_dir={tmp_path / 'cache'}")
+    procs = [subprocess.Popen(["make", "-s", "train", f"CONFIG={tiny_config}", f"ARGS={args}"], cwd=REPO_ROOT,
+                              env=env_for(store_uri), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(3)]
+    outputs = [proc.communicate(timeout=600)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0, 0], "\n".join(o[-1500:] for o in outputs)
+    dirs = sorted(runs.iterdir())
+    assert len(dirs) == 3 and all(d.name.startswith("t-") for d in dirs), dirs
+    client = tracking.client(store_uri)
+    found = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
+    assert sorted(r.data.tags[tracking.TAG_RUN_DIR] for r in found) == [str(d) for d in dirs]
+    assert all(r.info.status == "FINISHED" for r in found)
+    assert all((d / "checkpoints" / "checkpoint-2" / "checkpoint_complete.json").is_file() for d in dirs)
+
+
+def test_a_taken_run_name_is_refused_without_suggesting_to_resume_it(tiny_config, tmp_path, store_uri):
+    (tmp_path / "runs" / "mine").mkdir(parents=True)
+    proc = cli(["train", "--config", str(tiny_config), f"training.runs_dir={tmp_path / 'runs'}",
+                "training.run_name=mine"], store_uri)
+    assert proc.returncode == 2
+    assert "training.run_name='mine' is taken" in proc.stderr and "RESUME" not in proc.stderr
+    assert list((tmp_path / "runs").iterdir()) == [tmp_path / "runs" / "mine"]
+
+
+def test_a_full_disk_during_a_save_is_diagnosed_cleaned_up_and_resumes(tiny_config, tmp_path, store_uri):
+    """A real full file system (a 64 MiB tmpfs; CI runs as root) filled after the first checkpoint: the run fails
+    with one line naming the latest complete checkpoint and the RESUME command, no partial checkpoint is left, and
+    after space is freed the run resumes to the end."""
+    import os
+    import subprocess
+    import time
+
+    from helpers import env_for
+    from pipeline import REPO_ROOT
+    from training.checkpoints import COMPLETE_MARKER
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"mounting a tmpfs needs root: {mounted.stderr.decode().strip()}")
+    try:
+        run_dir, filler = disk / "runs" / "full", disk / "filler"
+        proc = subprocess.Popen(
+            ["make", "-s", "train", f"CONFIG={tiny_config}",
+             f"ARGS=training.runs_dir={disk / 'runs'} training.run_name=full training.max_steps=60 "
+             f"data.cache_dir={tmp_path / 'cache'}"], cwd=REPO_ROOT, env=env_for(store_uri),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        first = run_dir / "checkpoints" / "checkpoint-3" / COMPLETE_MARKER
+        deadline = time.time() + 240
+        while not first.exists():
+            assert proc.poll() is None and time.time() < deadline, "no first checkpoint"
+            time.sleep(0.05)
+        free = os.statvfs(disk)
+        # leave ~200 KiB: logs go on a little, the next checkpoint (several MiB) cannot be written
+        subprocess.run(["fallocate", "-l", str(free.f_bavail * free.f_frsize - 200 * 1024), str(filler)], check=True)
+        _, stderr = proc.communicate(timeout=300)
+        assert proc.returncode != 0
+        line = next((l for l in stderr.splitlines() if l.startswith("disk full: ")), None)
+        assert line is not None, stderr[-3000:]
+        assert f"file system of {run_dir}" in line and f"make train RESUME={run_dir}" in line
+        latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+        assert f"latest complete checkpoint: {run_dir / 'checkpoints' / latest}" in line
+        assert all((c / COMPLETE_MARKER).is_file() for c in (run_dir / "checkpoints").glob("checkpoint-*")), \
+            "a partial checkpoint was left on the full disk"
+        client = tracking.client(store_uri)
+        run = client.get_run(run_id_of(run_dir))
+        assert run.info.status == "FAILED" and run.data.tags["failure_kind"] == "disk_full"
+        filler.unlink()
+        resumed = cli(["train", "--resume", str(run_dir)], store_uri)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert client.get_run(run.info.run_id).info.status == "FINISHED"
+        assert (run_dir / "checkpoints" / "latest").read_text().strip() == "checkpoint-60"
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
