@@ -35,7 +35,8 @@ def test_sbatch_script_dry_runs_a_new_run_then_the_requeued_one(tmp_path):
     runs = tmp_path / "shared-runs"
     env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(REPO_ROOT),
            "SLURM_JOB_NAME": "llama", "SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "64",
-           "SLURM_JOB_NODELIST": "gpu-[a-b]", "RUNS_DIR": str(runs), "DRY_RUN": "1"}
+           "SLURM_JOB_NODELIST": "gpu-[a-b]", "RUNS_DIR": str(runs), "DRY_RUN": "1",
+           "DEVICE": "cpu"}  # (the Paddle build of this machine; a cluster's is gpu, the scripts' default)
     env.pop("NODE_RANK", None)
     proc = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -72,7 +73,7 @@ def test_paddlejob_manifest_runs_the_node_script_with_the_contract(tmp_path):
     runs = tmp_path / "runs"
     run_env = {**os.environ, **{k: e["value"] for k, e in env.items() if "value" in e},
                "PADDLE_MASTER": "paddle-train-worker-0:36789", "NODE_RANK": "0", "RUNS_DIR": str(runs),
-               "DRY_RUN": "1"}
+               "DRY_RUN": "1", "DEVICE": "cpu"}
     run_env.pop("MASTER", None)
     proc = subprocess.run([*container["command"], *container["args"]], env=run_env, cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=120)
