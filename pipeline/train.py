@@ -264,6 +264,8 @@ def run(config_path: str | None, overrides: list[str], resume: str = "", dry_run
     if dry_run:
         return 0
     layout.check_fits_machine()
+    if layout.nnodes > 1 and not os.environ.get("MASTER"):
+        raise ConfigError("parallel.nnodes > 1: set MASTER=<host:port> of node 0 (and NODE_RANK) on every node")
     if layout.nnodes > 1 and run_dir is None and not config.training.run_name:
         raise ConfigError("parallel.nnodes > 1: set training.run_name, the same on every node (e.g. "
                           "training.run_name=$SLURM_JOB_NAME-$SLURM_JOB_ID): it names the run directory on shared "
