@@ -595,10 +595,10 @@ def diagnose(run_dir: Path, layout: ParallelLayout, rank: int, why: str, logs: d
             f"out of memory: rank {rank} of layout {layout.name} ({layout.device}) could not allocate; see the "
             f"estimate per device with `make plan CONFIG=<this config>` and lower parallel.micro_batch_size, turn on "
             f"parallel.recompute or raise the tensor/pipeline/sharding degrees")
-    if why.startswith("stopped without an error"):
-        return "killed", (f"rank {rank} was killed from outside (SIGKILL: often the kernel's out-of-memory killer, "
-                          f"see `dmesg`); if memory is the cause, `make plan` estimates it per device; continue with: "
-                          f"make train RESUME={run_dir}")
+    if why.startswith(("stopped without an error", "was lost by rank")):
+        return "killed", (f"rank {rank} stopped without an error of its own: killed from outside (SIGKILL, often the "
+                          f"kernel's out-of-memory killer: see `dmesg`; `make plan` estimates memory per device) or "
+                          f"its node was lost; continue with: make train RESUME={run_dir}")
     return "", ""
 
 

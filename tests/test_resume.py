@@ -235,7 +235,7 @@ def test_node_lost_requeued_on_one_node_then_two_continues_the_same_run(world):
         # its child by a moment would relay SIGTERM to it), so node 0 is left waiting in a collective
         killed_at = time.time()
         signal_pids([*reversed(descendants(procs[0].pid)), procs[0].pid], signal.SIGKILL)
-        (_, _), (rc0, out0) = _finish(procs, timeout=120)
+        (_, out1), (rc0, out0) = _finish(procs, timeout=120)
         elapsed = time.time() - killed_at
     finally:
         for proc in procs:
@@ -246,9 +246,16 @@ def test_node_lost_requeued_on_one_node_then_two_continues_the_same_run(world):
     assert elapsed < 4 * timeout_s + 20, elapsed
     client = tracking.client(world["uri"])
     run_id = _run_id(world, "cluster")
-    assert client.get_run(run_id).info.status == "FAILED"
-    # one run directory, one checkpoint directory per step holding every rank's part, each node's logs
+    run = client.get_run(run_id)
+    assert run.info.status == "FAILED" and run.data.params["parallel.nnodes"] == "2"
+    assert run.data.tags["world_size"] == "2"
+    # one run directory (node 1 waited for node 0 to prepare it), one checkpoint directory per step holding every
+    # rank's part, each node's logs in their own folder, each rank's memory record
+    assert "node 1: waiting for node 0 to prepare" in out1 and f"node 1: joining {run_dir}" in out1
+    assert [p.name for p in world["runs"].iterdir() if p.name.startswith("cluster")] == ["cluster"]
     assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["node0", "node1"]
+    assert "global_step: 3," in (run_dir / "logs" / "node1" / "workerlog.0").read_text()
+    assert sorted(p.name for p in (run_dir / "memory").iterdir()) == ["rank0.json", "rank1.json"]
     first = int((run_dir / "checkpoints" / "latest").read_text().split("-")[1])
     assert (run_dir / "checkpoints" / f"checkpoint-{first}" / "rng_state_2.pth").is_file()
     assert not (run_dir / "launch.json").exists()
