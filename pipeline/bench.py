@@ -7,7 +7,8 @@
    and dp2/tp2/dp2tp2 in semi-automatic mode) against single on the same global batch; per pipeline schedule the
    measured idle fraction against its analytic bubble; semi-auto against manual (tokens/s, peak memory); `make
    plan`'s step-time estimate of each manual layout against its measured step (the ranking, reported);
-3. pipeline overhead: our training step (tracking, checkpoints, eval) against a bare PaddleNLP Trainer;
+3. pipeline overhead: our training step (tracking, checkpoints, eval) against a bare PaddleNLP Trainer; the
+   training loop's pause per checkpoint with asynchronous and synchronous writes (interleaved runs);
 4. export: wall time of its stages;
 5. serving (pipeline/bench_serving.py): per-token decode time after short and long prompts, served tokens/s at
    1-8 concurrent clients, HTTP / gRPC overhead over in process, for the kv_cache and the full-sequence paths.
@@ -160,6 +161,8 @@ def run(quick: bool = False, out: Path | None = None) -> dict:
         results["pipeline_overhead"] = {"ours_step_s": ours, "bare_trainer_step_s": bare, "ratio": ours / bare,
                                         "ours_includes": "eval + checkpoint at the last step, MLflow logging"}
         print(f"[bench] step: ours {ours * 1000:.1f} ms vs bare Trainer {bare * 1000:.1f} ms", flush=True)
+    if not quick:  # (the async path's pause is asserted in tests/test_resume.py; this measures it against sync)
+        results["checkpoints"] = checkpoint_stall(out, uri, stamp)
     t0 = time.perf_counter()
     meta = _export(single["run_id"], uri)
     results["export"] = {"wall_s": time.perf_counter() - t0, **meta["timings_s"],
@@ -191,6 +194,38 @@ def _scaling(out: Path, uri: str, steps: int, stamp: str, quick: bool) -> dict:
     if "pp2" in runs:
         result["pipeline_schedules"] = pipeline_schedules({k: runs[k] for k in ("pp2", "pp2v2", "tp2pp2")})
         result["semi_auto"] = semi_auto_vs_manual(runs)
+    return result
+
+
+# A model whose checkpoint takes a measurable time to write (~8.6M parameters: ~100 MB with the AdamW moments).
+CHECKPOINT_MODEL = ["model.hidden_size=256", "model.intermediate_size=688", "model.num_layers=8",
+                    "model.num_attention_heads=8", "model.num_key_value_heads=8"]
+
+
+def checkpoint_stall(out: Path, uri: str, stamp: str, rounds: int = 3, steps: int = 12) -> dict:
+    """How long the training loop pauses per checkpoint (`checkpoint_stall_s`: from the start of the save to the
+    end of the save callbacks on rank 0), with training.async_checkpoint on and off, in interleaved runs."""
+    model = CHECKPOINT_MODEL
+    stalls: dict[str, list[float]] = {"sync": [], "async": []}
+    runtimes: dict[str, list[float]] = {"sync": [], "async": []}
+    sizes = []
+    for i in range(rounds):
+        for name, on in (("sync", "false"), ("async", "true")):
+            r = train_run(f"ckpt-{name}-{i}-{stamp}", [*model, f"training.async_checkpoint={on}",
+                                                        f"training.max_steps={steps}", "training.eval_interval=2",
+                                                        "training.save_interval=2", "training.keep_checkpoints=0"],
+                          out, uri)
+            client = tracking.client(uri)
+            stalls[name] += list(tracking.metric_history(client, r["run_id"], "checkpoint_stall_s").values())
+            runtimes[name].append(r["train_runtime_s"])  # (the whole loop: do background writes slow the steps?)
+            latest = Path(r["run_dir"]) / "checkpoints" / f"checkpoint-{steps}"
+            sizes.append(sum(f.stat().st_size for f in latest.rglob("*") if f.is_file()))
+    result = {name: spread(v) for name, v in stalls.items()}
+    result.update(saves_per_setting=len(stalls["sync"]), checkpoint_mb=float(np.median(sizes)) / 2**20,
+                  train_runtime_s={name: spread(v) for name, v in runtimes.items()},
+                  async_vs_sync=result["async"]["median"] / result["sync"]["median"])
+    print(f"[bench] checkpoint stall: sync {result['sync']['median'] * 1000:.0f} ms, async "
+          f"{result['async']['median'] * 1000:.0f} ms per save ({result['checkpoint_mb']:.0f} MB)", flush=True)
     return result
 
 
@@ -328,6 +363,14 @@ def markdown(r: dict) -> str:
         o = r["pipeline_overhead"]
         lines.append(f"| step time ours / bare PaddleNLP Trainer | {o['ours_step_s'] * 1000:.1f} ms / "
                      f"{o['bare_trainer_step_s'] * 1000:.1f} ms = {o['ratio']:.2f}x |")
+    if "checkpoints" in r:
+        c, ms = r["checkpoints"], lambda v: f"{v['median'] * 1000:.0f} [{v['min'] * 1000:.0f}-{v['max'] * 1000:.0f}]"
+        lines.append(f"| training paused per checkpoint ({c['checkpoint_mb']:.0f} MB, {c['saves_per_setting']} saves "
+                     f"each), ms: synchronous / asynchronous | {ms(c['sync'])} / {ms(c['async'])} = "
+                     f"{c['async_vs_sync']:.2f}x |")
+        rt = c["train_runtime_s"]
+        lines.append(f"| training loop of those runs (s): synchronous / asynchronous | {rt['sync']['median']:.1f} / "
+                     f"{rt['async']['median']:.1f} |")
     e = r["export"]
     lines.append(f"| export wall (load / convert / parity) | {e['wall_s']:.1f} s ({e['load_s']:.1f} / "
                  f"{e['convert_s']:.1f} / {e['parity_s']:.1f} s), parity {e['parity_max_abs_error']:.1e} |")

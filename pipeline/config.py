@@ -89,6 +89,10 @@ class TrainingConfig:
     # Complete checkpoints kept on disk: the newest keep_checkpoints, plus the best by export.metric (what export
     # picks); older ones are deleted as each new one completes. 0 = keep every checkpoint.
     keep_checkpoints: int = 3
+    # Checkpoint files are written by a background thread of each rank (after a host copy of the tensors), so the
+    # training step does not wait for the disk; a checkpoint still counts only once every rank's files are fsynced
+    # (training/async_checkpoint.py). false = write them before the next step.
+    async_checkpoint: bool = True
 
 
 @dataclass

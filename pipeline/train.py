@@ -284,6 +284,10 @@ def run(config_path: str | None, overrides: list[str], resume: str = "", dry_run
     else:
         # The new config (maybe another layout) goes live only once the resumed run has completed a step.
         pending = run_dir / PENDING_CONFIG
+        from training.checkpoints import remove_partial
+
+        for path in remove_partial(run_dir):  # (a save the interruption cut short: it would be written again)
+            print(f"removed the partial {path.name} left by the interrupted run", flush=True)
         old_layout = ParallelLayout.from_config(previous).name
         changed = f"; layout {old_layout} -> {layout.name}" if old_layout != layout.name else ""
         print(f"resuming {run_dir} from {resume_from or 'the start (no complete checkpoint yet)'}{changed}",
@@ -570,19 +574,14 @@ def diagnose(run_dir: Path, layout: ParallelLayout, rank: int, why: str, logs: d
 
     Disk full: the partial checkpoints (newer than the latest complete one; the ranks are gone, so nothing writes
     them) are removed so the disk is not left full, and the line names the free space and the RESUME command."""
-    from training.checkpoints import checkpoints_dir, latest_complete, step_of
+    from training.checkpoints import latest_complete, remove_partial
 
     latest = latest_complete(run_dir)
     usage = shutil.disk_usage(run_dir)
     needed = sum(p.stat().st_size for p in latest.rglob("*") if p.is_file()) if latest else 0
     # (the ranks' own words, or -- when the full disk kept them from being logged -- less room than a checkpoint)
     if any(_DISK_FULL.search(text) for text in logs.values()) or usage.free < needed:
-        newest = step_of(latest) if latest else -1
-        root = checkpoints_dir(run_dir)
-        partial = sorted(p for p in (root.iterdir() if root.is_dir() else [])
-                         if p.is_dir() and (step_of(p) or -1) > newest)
-        for path in partial:
-            shutil.rmtree(path, ignore_errors=True)
+        partial = remove_partial(run_dir)
         usage = shutil.disk_usage(run_dir)
         removed = f"removed the partial {', '.join(p.name for p in partial)}; " if partial else ""
         return "disk_full", (

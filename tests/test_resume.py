@@ -279,3 +279,37 @@ def test_node_lost_requeued_on_one_node_then_two_continues_the_same_run(world):
     assert len(client.search_runs([client.get_run(run_id).info.experiment_id],
                                   "attributes.run_name = 'cluster'")) == 1
     _assert_losses_continue(world, "cluster", 0)
+
+
+def test_a_kill_during_an_async_save_resumes_from_the_last_complete_checkpoint(world):
+    """training.async_checkpoint (the default): the writer thread is slowed (fault injection) so that saves are
+    still in flight when the job is killed with SIGKILL. `latest` names a complete checkpoint, never the one being
+    written; the resume removes the partial one and continues exactly."""
+    from training.async_checkpoint import DELAY_ENV
+    from training.checkpoints import COMPLETE_MARKER
+
+    run_dir = world["runs"] / "async-kill"
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "train", "--config", str(world["config"]),
+                             *world["common"], "training.run_name=async-kill"], cwd=REPO_ROOT,
+                            env={**env_for(world["uri"]), DELAY_ENV: "1"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT, start_new_session=True)  # (a full pipe would stall training)
+    try:
+        _wait_for_checkpoint(world, "async-kill", proc)
+        signal_pids([*reversed(descendants(proc.pid)), proc.pid], signal.SIGKILL)
+        proc.wait(timeout=60)
+        output = (run_dir / "logs" / "workerlog.0").read_text(errors="replace")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert (run_dir / "checkpoints" / latest / COMPLETE_MARKER).is_file()
+    stop_step = int(latest.split("-")[1])
+    partial = [p for p in (run_dir / "checkpoints").glob("checkpoint-*") if not (p / COMPLETE_MARKER).exists()]
+    assert partial and all(int(p.name.split("-")[1]) > stop_step for p in partial), output[-2000:]
+    resumed = _resume(world, "async-kill")
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    assert f"resuming {run_dir} from {run_dir / 'checkpoints' / latest}" in resumed.stdout
+    assert f"removed the partial {min(partial, key=lambda p: int(p.name.split('-')[1])).name}" in resumed.stdout
+    _assert_losses_continue(world, "async-kill", stop_step)
+    stalls = metric_history(tracking.client(world["uri"]), _run_id(world, "async-kill"), "checkpoint_stall_s")
+    assert stalls and max(stalls.values()) < 1.0  # the 1 s-per-file writes never paused the loop

@@ -13,7 +13,8 @@ from pathlib import Path
 from paddlenlp.trainer import TrainerCallback  # (this import resets SIGTERM: handlers are installed after it)
 
 from pipeline import tracking
-from training.checkpoints import checkpoint_info, complete_checkpoints, make_durable, mark_complete, prune
+from training.checkpoints import (DONE_MARKER_PREFIX, checkpoint_info, complete_checkpoints, make_durable,
+                                  mark_complete, prune)
 
 
 class FinalStepCallback(TrainerCallback):
@@ -40,36 +41,80 @@ def should_upload(mode: str, metric: str, info: dict, earlier: list[dict]) -> bo
 class CheckpointCompleteCallback(TrainerCallback):
     """After every rank has written checkpoint-<step> and made its files durable (fsync), rank 0 marks it complete,
     applies retention (training.keep_checkpoints) and records it in MLflow (uploading the files too when
-    tracking.checkpoint_artifacts asks for it; in the background, training does not wait for the upload)."""
+    tracking.checkpoint_artifacts asks for it; in the background, training does not wait for the upload).
+
+    Synchronous saves: every rank fsyncs, a barrier, rank 0 marks. Asynchronous saves (`writer`, see
+    training/async_checkpoint.py): each rank's writer thread, once its files are written and fsynced, leaves a
+    `.done-rank<r>` marker in the checkpoint; rank 0's writer waits for the markers of all ranks (no collective: the
+    training loop owns those) and marks the checkpoint complete. A checkpoint killed half-way is never marked.
+    Each save's pause of the training loop is logged as `checkpoint_stall_s`."""
 
     def __init__(self, mlflow_logger: "MlflowLogger | None", upload_mode: str = "none", metric: str = "eval_loss",
-                 keep: int = 0):
+                 keep: int = 0, writer=None, peers_timeout_s: float = 3600.0):
         self.mlflow_logger, self.upload_mode, self.metric, self.keep = mlflow_logger, upload_mode, metric, keep
+        self.writer, self.peers_timeout_s = writer, peers_timeout_s
 
     def on_save(self, args, state, control, **kwargs):
         import paddle.distributed as dist
 
         checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        make_durable(checkpoint)  # each rank: what it wrote reaches the disk before the checkpoint can count
-        if dist.get_world_size() > 1:
-            dist.barrier()
-        if state.is_world_process_zero:
-            evals = [e for e in state.log_history if "eval_loss" in e and e.get("step") == state.global_step]
-            info = {"step": state.global_step, "path": str(checkpoint.resolve()), "saved_at": time.time(),
-                    **{k: v for k, v in (evals[-1] if evals else {}).items() if k.startswith("eval_")}}
-            if "eval_loss" in info:
-                info["eval_perplexity"] = tracking.perplexity(info["eval_loss"])
-            earlier = [checkpoint_info(path) for step, path in complete_checkpoints(Path(args.output_dir).parent)
-                       if step != state.global_step] if self.upload_mode == "best" else []
-            mark_complete(checkpoint, info)
-            uploading = self.mlflow_logger.uploading() if self.mlflow_logger else set()
-            removed = prune(Path(args.output_dir).parent, self.keep, self.metric, state.global_step, uploading)
-            if removed:
-                print(f"checkpoints: removed {', '.join(p.name for p in removed)} (training.keep_checkpoints="
-                      f"{self.keep}; the best by {self.metric} is kept)", flush=True)
-            if self.mlflow_logger:
-                self.mlflow_logger.log_checkpoint(info, should_upload(self.upload_mode, self.metric, info, earlier))
+        evals = [e for e in state.log_history if "eval_loss" in e and e.get("step") == state.global_step]
+        info = {"step": state.global_step, "path": str(checkpoint.resolve()), "saved_at": time.time(),
+                **{k: v for k, v in (evals[-1] if evals else {}).items() if k.startswith("eval_")}}
+        if "eval_loss" in info:
+            info["eval_perplexity"] = tracking.perplexity(info["eval_loss"])
+        if self.writer is not None:
+            self.writer.check()  # an earlier write failed: stop here, not silently without checkpoints
+            self.writer.submit(self._finish, checkpoint, info, dist.get_rank(), dist.get_world_size())
+        else:
+            make_durable(checkpoint)  # each rank: what it wrote reaches the disk before the checkpoint can count
+            if dist.get_world_size() > 1:
+                dist.barrier()
+            if state.is_world_process_zero:
+                self._complete(checkpoint, info)
+        started = getattr(state, "checkpoint_started_at", None)
+        if started and self.mlflow_logger:
+            self.mlflow_logger.log_metrics({"checkpoint_stall_s": time.time() - started}, state.global_step)
         return control
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.writer is not None:
+            self.writer.check()
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.writer is not None:
+            self.writer.drain()  # the last checkpoint is complete (or its failure raised) before the rank exits
+
+    def _finish(self, checkpoint: Path, info: dict, rank: int, world: int) -> None:
+        """In the rank's writer thread, after its files of this checkpoint are written and fsynced."""
+        make_durable(checkpoint)
+        marker = checkpoint / f"{DONE_MARKER_PREFIX}{rank}"
+        with open(marker, "w") as fh:
+            fh.write(str(time.time()))
+            fh.flush()
+            os.fsync(fh.fileno())
+        if rank != 0:
+            return
+        deadline = time.time() + self.peers_timeout_s
+        while not all((checkpoint / f"{DONE_MARKER_PREFIX}{r}").exists() for r in range(world)):
+            if time.time() > deadline:
+                raise TimeoutError(f"{checkpoint}: not every rank finished writing within {self.peers_timeout_s:g}s")
+            time.sleep(0.05)
+        self._complete(checkpoint, info)
+
+    def _complete(self, checkpoint: Path, info: dict) -> None:
+        """Rank 0: mark complete, apply retention, record (and maybe upload) in MLflow."""
+        earlier = [checkpoint_info(path) for step, path in complete_checkpoints(checkpoint.parent.parent)
+                   if step != info["step"]] if self.upload_mode == "best" else []
+        mark_complete(checkpoint, info)
+        uploading = self.mlflow_logger.uploading() if self.mlflow_logger else set()
+        removed = prune(checkpoint.parent.parent, self.keep, self.metric, info["step"], uploading)
+        if removed:
+            print(f"checkpoints: removed {', '.join(p.name for p in removed)} (training.keep_checkpoints="
+                  f"{self.keep}; the best by {self.metric} is kept)", flush=True)
+        if self.mlflow_logger:
+            self.mlflow_logger.log_checkpoint(info, should_upload(self.upload_mode, self.metric, info, earlier))
 
 
 class GracefulStop(TrainerCallback):
@@ -178,6 +223,10 @@ class MlflowLogger(TrainerCallback):
                 metrics[key] = logs[key]
         self._enqueue([tracking.metric_record(k, v, step, now) for k, v in metrics.items()
                        if isinstance(v, (int, float))])
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        now = int(time.time() * 1000)
+        self._enqueue([tracking.metric_record(k, v, step, now) for k, v in metrics.items()])
 
     def log_checkpoint(self, info: dict, upload: bool) -> None:
         # The record (path + metrics, + the artifact path once uploaded) lets export find the best checkpoint from

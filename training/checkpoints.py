@@ -18,6 +18,8 @@ COMPLETE_MARKER = "checkpoint_complete.json"
 # Written in the run directory by rank 0 when a signal stopped training early (step, signal).
 STOPPED_MARKER = "stopped.json"
 LATEST_FILE = "latest"
+# Left in a checkpoint by each rank once its files are durable (asynchronous saves; rank 0 waits for all of them).
+DONE_MARKER_PREFIX = ".done-rank"
 _STEP = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -105,6 +107,19 @@ def complete_checkpoints(run_dir: Path | str) -> list[tuple[int, Path]]:
 def latest_complete(run_dir: Path | str) -> Path | None:
     done = complete_checkpoints(run_dir)
     return done[-1][1] if done else None
+
+
+def remove_partial(run_dir: Path | str) -> list[Path]:
+    """Remove the checkpoints newer than the latest complete one (left by a crash, a kill or a full disk mid-save).
+    Only when no rank of the run is running: the launcher calls it before a resume and after a failure."""
+    latest = latest_complete(run_dir)
+    newest = step_of(latest) if latest else -1
+    root = checkpoints_dir(run_dir)
+    partial = sorted((p for p in (root.iterdir() if root.is_dir() else [])
+                      if p.is_dir() and step_of(p) is not None and step_of(p) > newest), key=step_of)
+    for path in partial:
+        shutil.rmtree(path, ignore_errors=True)
+    return partial
 
 
 def checkpoint_info(checkpoint: Path) -> dict:

@@ -38,6 +38,13 @@ def make_trainer(device: str = "cpu", **kwargs):
 
         stage_timer = None
 
+        def _save_checkpoint(self, model, metrics=None):
+            # when the loop paused for this checkpoint (CheckpointCompleteCallback logs checkpoint_stall_s)
+            import time
+
+            self.state.checkpoint_started_at = time.time()
+            return super()._save_checkpoint(model, metrics)
+
         def _wrap_model(self, model, training=True):
             """Also: time the pipeline stages (training/stage_timing.py) of the engine fleet wraps the model in."""
             from paddle.distributed.fleet.meta_parallel import PipelineParallel
@@ -59,6 +66,11 @@ def prepare_model(config, model):
 
         dy2static_fix.compile_forward(model)
     return model
+
+
+def async_writes(config, layout: ParallelLayout) -> bool:
+    """training.async_checkpoint applies to unified checkpoints (semi_auto saves its own way, synchronously)."""
+    return config.training.async_checkpoint and layout.mode != "semi_auto"
 
 
 def training_arguments(config, layout: ParallelLayout, output_dir: Path):
@@ -104,6 +116,8 @@ def training_arguments(config, layout: ParallelLayout, output_dir: Path):
         fp16_opt_level=config.parallel.amp_level,
         # Full (merged) tensors in safetensors: export and resume do not depend on the training layout.
         unified_checkpoint=not semi_auto,
+        # PaddleNLP's async branch (host snapshot), written by our writer thread: training/async_checkpoint.py
+        unified_checkpoint_config="async_save" if async_writes(config, layout) else "",
         ignore_save_lr_and_optim=semi_auto,  # see training/semi_auto.py
         device=layout.device,
         no_cuda=layout.device == "cpu",
@@ -183,10 +197,16 @@ def main(argv: list[str] | None = None) -> None:
 
         mlflow_logger = MlflowLogger(tracking.client(os.environ["MLFLOW_TRACKING_URI"]), run_id,
                                      config.training.seq_length, run_dir)
+    writer = None
+    if async_writes(config, layout):
+        from training import async_checkpoint
+
+        async_checkpoint.apply()
+        writer = async_checkpoint.writer()
     callbacks = [FinalStepCallback(), graceful_stop, PromoteConfig(pending, run_dir / "config.yaml"),
                  PeakMemory(run_dir, layout.device),
                  CheckpointCompleteCallback(mlflow_logger, config.tracking.checkpoint_artifacts, config.export.metric,
-                                            config.training.keep_checkpoints)]
+                                            config.training.keep_checkpoints, writer)]
     if mlflow_logger:
         callbacks.append(mlflow_logger)
     trainer = new_trainer(
