@@ -372,8 +372,9 @@ def markdown(r: dict) -> str:
         lines.append(f"| training loop of those runs (s): synchronous / asynchronous | {rt['sync']['median']:.1f} / "
                      f"{rt['async']['median']:.1f} |")
     e = r["export"]
-    lines.append(f"| export wall (load / convert / parity) | {e['wall_s']:.1f} s ({e['load_s']:.1f} / "
-                 f"{e['convert_s']:.1f} / {e['parity_s']:.1f} s), parity {e['parity_max_abs_error']:.1e} |")
+    lines.append(f"| export wall (load / convert / parity / MLflow model) | {e['wall_s']:.1f} s "
+                 f"({e['load_s']:.1f} / {e['convert_s']:.1f} / {e['parity_s']:.1f} / {e.get('mlflow_model_s', 0):.1f} s), parity "
+                 f"{e['parity_max_abs_error']:.1e} |")
     from pipeline import bench_serving
 
     lines += bench_serving.markdown(sv)

@@ -176,7 +176,24 @@ def build(chosen: Selection, config: Config, checkpoint: Path, tokenizer_dir: Pa
     references = tokens_gate(convert.dynamic_forward(model), predictor, staging, config)
     exportdir.write_references(staging, references)
     timings["parity_s"] = time.time() - t0  # (in meta["timings_s"]: publish writes export.json with the version)
+    t0 = time.time()
+    mlflow_model_gate(staging, references)
+    timings["mlflow_model_s"] = time.time() - t0
     return meta
+
+
+def mlflow_model_gate(staging: Path, references: dict[str, list[int]]) -> None:
+    """The export directory is also an MLflow `python_function` model (serving/pyfunc.py); loaded as MLflow loads
+    it, it must generate the references token for token."""
+    from serving import pyfunc
+
+    pyfunc.write_mlflow_model(staging, pyfunc.pinned_requirements(REPO_ROOT), exportdir.REFERENCE_PROMPTS[0])
+    differ = pyfunc.check(staging, references)
+    if differ:
+        raise ExportError(f"the MLflow pyfunc model generates other tokens than the exported graph for {differ}; "
+                          f"nothing was published")
+    print(f"MLflow model: python_function flavor; mlflow.pyfunc.load_model reproduces the greedy tokens of "
+          f"{len(references)} prompts", flush=True)
 
 
 def logits_gate(model, staging: Path, config: Config) -> float:

@@ -35,7 +35,11 @@ def test_export_of_the_best_run(exported):
                                                           "prefill.pdiparams.info", "decode.pdmodel",
                                                           "decode.pdiparams", "decode.pdiparams.info",
                                                           "export.json", "reference.json",
-                                                          "serving_server_conf.prototxt", "tokenizer")} == logged
+                                                          "serving_server_conf.prototxt", "tokenizer",
+                                                          # MLflow's metadata of the python_function flavor
+                                                          "MLmodel", "python_model.pkl", "code", "requirements.txt",
+                                                          "python_env.yaml", "conda.yaml", "input_example.json",
+                                                          "serving_input_example.json")} == logged
     assert not list(export_dir.parent.glob(".staging-*"))
     # greedy tokens of the graph equal the dynamic model's, recorded for smoke (serving needs no checkpoint)
     assert "greedy tokens: exported graph == cache programs (alone and batched) == dynamic model for 5 prompts" in out
@@ -66,6 +70,67 @@ def test_exported_graph_loads_in_a_fresh_process(exported, tmp_path):
     subprocess.run([sys.executable, "-c", code, str(exported["export_dir"]), str(tmp_path / "ids.npy"),
                     str(tmp_path / "out.npy")], check=True, cwd=REPO_ROOT, env=env_for(exported["uri"]))
     assert np.abs(np.load(tmp_path / "out.npy") - expected).max() < 1e-4
+
+
+def test_registered_version_loads_with_mlflow_pyfunc_in_a_fresh_process(exported, tmp_path):
+    """What a notebook does: the tracking URI and `models:/<name>/<version>`, nothing of this repository on the
+    path (the model brings its code) -- the recorded greedy continuations, token for token, and the signature."""
+    references = exportdir.read_references(exported["export_dir"])
+    code = ("import json, sys, mlflow, pandas as pd\n"
+            "model = mlflow.pyfunc.load_model('models:/test-model/1')\n"
+            "prompts = json.loads(sys.argv[1])\n"
+            "out = model.predict(pd.DataFrame({'prompt': prompts, 'max_new_tokens': [8] * len(prompts)}))\n"
+            "info = mlflow.models.get_model_info('models:/test-model/1')\n"
+            "print(json.dumps({'tokens': [list(map(int, t)) for t in out['token_ids']], 'text': list(out['text']),\n"
+            "                  'inputs': info.signature.inputs.input_names(),\n"
+            "                  'outputs': info.signature.outputs.input_names()}))\n")
+    env = {k: v for k, v in env_for(exported["uri"]).items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(list(references))], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["tokens"] == list(references.values())
+    assert all(isinstance(t, str) and t for t in got["text"])
+    assert got["inputs"] == ["prompt", "max_new_tokens", "temperature", "top_k", "seed"]
+    assert got["outputs"] == ["text", "token_ids"]
+
+
+def test_mlflow_models_serve_answers_over_its_rest_route(exported, tmp_path):
+    import os
+    import signal
+    import time
+
+    import requests
+
+    from helpers import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m", "models:/test-model/1",
+                             "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)], cwd=tmp_path,
+                            env=env_for(exported["uri"]), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/ping", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert time.time() < deadline, "mlflow models serve did not come up"
+            time.sleep(0.5)
+        prompt, tokens = next(iter(exportdir.read_references(exported["export_dir"]).items()))
+        answer = requests.post(f"http://127.0.0.1:{port}/invocations", timeout=60,
+                               json={"dataframe_records": [{"prompt": prompt, "max_new_tokens": 8}]})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["predictions"][0]["token_ids"] == tokens
+        bad = requests.post(f"http://127.0.0.1:{port}/invocations", json={"dataframe_records": [{"prompt": ""}]},
+                            timeout=60)
+        assert bad.status_code >= 400 and "prompt" in bad.text
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
 
 
 def test_second_export_is_the_next_version(exported):
