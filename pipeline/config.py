@@ -131,6 +131,28 @@ class ParallelConfig:
 
 
 @dataclass
+class PerformanceConfig:
+    """GPU-grade settings, passed to PaddleNLP exactly (LlamaConfig / TrainingArguments; training/worker.py
+    `performance_arguments`), checked against the layout and device before launch. Off by default; the GPU example
+    configs turn on what PaddleNLP's reference Llama pretraining turns on (llm/config/llama/pretrain_argument.json)."""
+
+    flash_attention: bool = False  # LlamaConfig.use_flash_attention (GPU kernel): no s^2 attention scores kept
+    fused_rms_norm: bool = False  # use_fused_rms_norm (GPU kernel)
+    fused_rope: bool = False  # use_fused_rope (GPU kernel)
+    fuse_attention_qkv: bool = False  # one [h, 3h] q/k/v weight (a weight layout, plain matmuls: runs on CPU)
+    fuse_attention_ffn: bool = False  # one gate+up weight (a weight layout: runs on CPU)
+    sequence_parallel: bool = False  # split norms/dropout activations over the tensor group (needs tensor > 1)
+    recompute_granularity: str = "full"  # with parallel.recompute: full | full_attn | core_attn
+    pp_recompute_interval: int = 1  # with parallel.recompute and pipeline > 1: recompute every k-th layer
+    amp_master_grad: bool = False  # fp32 gradients for the fp32 master weights (amp O2)
+    mp_async_allreduce: bool = False  # tensor_parallel_config enable_mp_async_allreduce (overlap dx all-reduce)
+    dp_comm_overlap: bool = False  # pipeline_parallel_config enable_dp_comm_overlap (pipeline > 1, data > 1)
+    sharding_comm_overlap: bool = False  # pipeline_parallel_config enable_sharding_comm_overlap (sharding + pp)
+    split_param: bool = False  # sharding_parallel_config split_param (sharding stage 1 v2)
+    distributed_dataloader: bool = False  # only the first rank of a tensor/pipeline group reads the data
+
+
+@dataclass
 class TrackingConfig:
     tracking_uri: str = ""  # "" = $MLFLOW_TRACKING_URI, else the local SQLite store under mlflow/
     experiment: str = "tiny-zh-llama"
@@ -200,6 +222,7 @@ class Config:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    performance: PerformanceConfig = field(default_factory=PerformanceConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     serving: ServingConfig = field(default_factory=ServingConfig)
@@ -357,6 +380,7 @@ def validate(config: Config) -> None:
     _validate_serving(config.serving)
     _validate_cluster(config.cluster)
     ParallelLayout.from_config(config)  # the layout rules live with the layout
+    _validate_performance(config.performance, config.parallel)
 
 
 def _validate_model(m: ModelConfig) -> None:
@@ -451,3 +475,52 @@ def _validate_cluster(c: ClusterConfig) -> None:
              f"cluster.gpus ({c.gpus}) must be a multiple of cluster.gpus_per_node ({c.gpus_per_node})")
     _require(0 <= c.headroom < 1, "cluster.headroom: must be in [0, 1)")
     _require(0 < c.utilisation <= 1, "cluster.utilisation: must be in (0, 1]")
+
+
+# GPU kernels or GPU-only collectives: refused on CPU (Paddle 2.6.2 has no CPU kernels for them, or gloo lacks the
+# collective), each with the reason.
+GPU_ONLY = {
+    "flash_attention": "flash attention is a CUDA kernel",
+    "fused_rms_norm": "the fused RMSNorm is a CUDA kernel",
+    "fused_rope": "the fused rotary embedding is a CUDA kernel",
+    "sequence_parallel": "sequence parallelism needs reduce_scatter, which gloo lacks",
+    "amp_master_grad": "AMP is a no-op on CPU (auto_cast), so there are no low-precision gradients",
+    "mp_async_allreduce": "the overlapped tensor-parallel all-reduce runs on CUDA streams",
+    "dp_comm_overlap": "communication overlap runs on CUDA streams",
+    "sharding_comm_overlap": "communication overlap runs on CUDA streams",
+    "split_param": "sharding with split_param needs reduce_scatter, which gloo lacks",
+    "distributed_dataloader": "only exercised with NCCL (it broadcasts batches over the tensor/pipeline group)",
+}
+
+
+def _validate_performance(perf: PerformanceConfig, p: ParallelConfig) -> None:
+    _one_of("performance.recompute_granularity", perf.recompute_granularity, ("full", "full_attn", "core_attn"))
+    _require(perf.pp_recompute_interval >= 1, "performance.pp_recompute_interval: must be >= 1")
+    if p.device == "cpu":
+        for key, why in GPU_ONLY.items():
+            _require(not getattr(perf, key), f"performance.{key}: GPU only ({why}); set parallel.device=gpu or "
+                     f"performance.{key}=false")
+    _require(not perf.sequence_parallel or p.tensor > 1,
+             "performance.sequence_parallel: needs parallel.tensor > 1 (it splits activations over the tensor group)")
+    _require(not perf.mp_async_allreduce or p.tensor > 1, "performance.mp_async_allreduce: needs parallel.tensor > 1")
+    _require(perf.recompute_granularity == "full" or p.recompute,
+             "performance.recompute_granularity: only with parallel.recompute=true")
+    _require(perf.pp_recompute_interval == 1 or (p.recompute and p.pipeline > 1),
+             "performance.pp_recompute_interval: only with parallel.recompute=true and parallel.pipeline > 1")
+    _require(not perf.amp_master_grad or (p.amp_dtype and p.amp_level == "O2"),
+             "performance.amp_master_grad: needs parallel.amp_dtype set and parallel.amp_level=O2")
+    _require(not perf.dp_comm_overlap or (p.pipeline > 1 and p.data > 1),
+             "performance.dp_comm_overlap: PaddleNLP applies it with parallel.pipeline > 1 and parallel.data > 1")
+    _require(not perf.sharding_comm_overlap or (p.pipeline > 1 and p.sharding_stage >= 1),
+             "performance.sharding_comm_overlap: needs parallel.pipeline > 1 and sharding (parallel.sharding_stage)")
+    _require(not (perf.dp_comm_overlap and perf.sharding_comm_overlap),
+             "performance.dp_comm_overlap and performance.sharding_comm_overlap: PaddleNLP allows one, not both")
+    _require(not perf.sharding_comm_overlap or perf.amp_master_grad,
+             "performance.sharding_comm_overlap: PaddleNLP requires performance.amp_master_grad=true with it")
+    _require(not perf.split_param or p.sharding_stage == 1,
+             "performance.split_param: only with parallel.sharding_stage=1")
+    _require(not perf.distributed_dataloader or p.tensor > 1 or p.pipeline > 1,
+             "performance.distributed_dataloader: only with parallel.tensor > 1 or parallel.pipeline > 1")
+    _require(not (perf.fuse_attention_qkv and p.mode == "semi_auto") and not (perf.fuse_attention_ffn and
+             p.mode == "semi_auto"), "performance.fuse_attention_qkv/ffn: not with parallel.mode=semi_auto (its "
+             "placements name the unfused q/k/v and gate/up weights)")

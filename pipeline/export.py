@@ -147,6 +147,7 @@ def build(chosen: Selection, config: Config, checkpoint: Path, tokenizer_dir: Pa
     timings = {}
     t0 = time.time()
     model = convert.load_checkpoint(checkpoint)
+    layout_error = fused_weights_gate(model, checkpoint, config)
     timings["load_s"] = time.time() - t0
     t0 = time.time()
     convert.save_static(model, staging)
@@ -171,6 +172,8 @@ def build(chosen: Selection, config: Config, checkpoint: Path, tokenizer_dir: Pa
         "max_position_embeddings": config.model.max_position_embeddings, "eos_token_id": model.config.eos_token_id,
         "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "weights_sha256": exportdir.weights_sha256(staging), "timings_s": timings,
+        "trained_weight_layout": "fused" if layout_error is not None else "plain",
+        "fused_vs_portable_max_abs_error": layout_error,
     }
     exportdir.write_meta(staging, meta)
     references = tokens_gate(convert.dynamic_forward(model), predictor, staging, config)
@@ -180,6 +183,26 @@ def build(chosen: Selection, config: Config, checkpoint: Path, tokenizer_dir: Pa
     mlflow_model_gate(staging, references)
     timings["mlflow_model_s"] = time.time() - t0
     return meta
+
+
+def fused_weights_gate(model, checkpoint: Path, config: Config) -> float | None:
+    """A checkpoint trained with fused q/k/v or gate/up weights (performance.fuse_attention_qkv/ffn) is exported as
+    the portable, unfused model (what the cache programs read); the fused model loaded as trained must give the
+    same logits. None when the checkpoint is not fused."""
+    from training import convert
+    from training.model import is_fused, load_merged
+
+    if not is_fused(checkpoint):
+        return None
+    trained = load_merged(checkpoint, portable=False)
+    trained.eval()
+    error = convert.weight_layout_error(model, trained, model.config.vocab_size, config.training.seq_length)
+    if error > config.export.parity_tolerance:
+        raise ExportError(f"the unfused model of the fused checkpoint {checkpoint} differs from it by {error:.2e} > "
+                          f"export.parity_tolerance; nothing was published")
+    print(f"fused q/k/v / gate-up weights: exported unfused; max |unfused - fused as trained| = {error:.2e}",
+          flush=True)
+    return error
 
 
 def mlflow_model_gate(staging: Path, references: dict[str, list[int]]) -> None:

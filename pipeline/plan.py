@@ -10,14 +10,21 @@ The model, all in bytes per device and documented so it can be checked by hand (
   sharding stage 1 divides the optimizer by the sharding degree, stage 2 also the gradients, stage 3 also the
   parameters;
 - activations of one micro-batch (b sequences of s tokens, hidden h, a heads) per decoder layer, after Korthikanti
-  et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"), no sequence parallelism:
-  s*b*h*(10 + 24/tp + 5*a*s/(h*tp)) with 2-byte activations, twice that in fp32 (CPU); with full recompute only
-  each layer's input is kept (2*s*b*h, 2-byte) plus one layer's full activations while it is recomputed; 1F1B
-  keeps min(pp, micro-batches) micro-batches in flight on the first stage; the fp32 logits of one micro-batch and the softmax the cross entropy keeps add 2*s*b*V*4/tp on
+  et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", Table 2):
+  s*b*h*(10 + 24/tp + 5*a*s/(h*tp)) with 2-byte activations, twice that in fp32 (CPU) -- norms 4, attention
+  3 + 8/tp + scores 5as/(h tp), MLP 3 + 16/tp; sequence parallelism (performance.sequence_parallel, tp > 1) divides
+  the replicated 10 by tp; flash attention drops the scores; with recompute (parallel.recompute) a layer keeps, per
+  performance.recompute_granularity: full = its input (2*s*b*h, split by sequence parallelism), full_attn = norms +
+  MLP, core_attn = all but the scores, plus one layer's recomputed part while it is recomputed; with pipeline
+  parallelism only every performance.pp_recompute_interval-th layer is recomputed; 1F1B keeps min(pp,
+  micro-batches) micro-batches in flight on the first stage; the fp32 logits of one micro-batch and the softmax the cross entropy keeps add 2*s*b*V*4/tp on
   the last stage (on CPU, where tensor parallel gathers the logits instead, s*b*V*4*(1/tp + 2) when tp > 1);
 - fits when the total is below gpu_memory x (1 - headroom).
-Step time (seconds, no overlap assumed, which makes it pessimistic): compute 6 N tokens (8 N with recompute) /
-(gpus x peak x utilisation), stretched by the pipeline bubble 1 / (1 - (pp-1)/(m+pp-1)); tensor parallel: 4
+Step time (seconds; communication not overlapped unless an overlap option says so): compute (6 N + recompute's extra
+forward: 2 N for full, 2 N_attn + 4 L s h for full_attn, 4 L s h for core_attn) x tokens / (gpus x peak x
+utilisation), stretched by the pipeline bubble 1 / (1 - (pp-1)/(m+pp-1)); performance.mp_async_allreduce hides
+the backward's half of the tensor-parallel all-reduces; dp/sharding_comm_overlap (pipeline > 1) hide the gradient
+communication behind the backward (2/3 of compute); sequence parallelism moves the same bytes; tensor parallel: 4
 all-reduces per layer per micro-batch of s*b*h*2 bytes, ring volume 2(tp-1)/tp, over the intra-node bandwidth;
 pipeline: 2 transfers of s*b*h*2 bytes per micro-batch per stage boundary, over inter-node bandwidth when a stage
 boundary crosses nodes; data parallel / sharding: a ring all-reduce of the gradients (2(d-1)/d x gradient bytes)
@@ -87,19 +94,56 @@ def memory(config: Config, c: Candidate) -> dict[str, float]:
     params = n * width / (shard if c.sharding_stage >= 3 else 1)
     grads = n * width / (shard if c.sharding_stage >= 2 else 1)
     optimizer = n * (12 if amp and config.parallel.amp_level == "O2" else 8) / shard
-    h, a, layers = m.hidden_size, m.num_attention_heads, m.num_layers // c.pp
-    # (bytes for 2-byte activations; fp32 activations, as on CPU, take twice as many)
-    full_layer = s * b * h * (10 + 24 / c.tp + 5 * a * s / (h * c.tp)) * width / 2
+    layers = m.num_layers // c.pp
+    kept, recomputed = layer_activations(config, c)
     in_flight = min(c.pp, c.accumulation_steps)
     if c.recompute:
-        activations = width * s * b * h * layers * in_flight + full_layer
+        # every pp_recompute_interval-th layer is recomputed (pipeline only); one layer's recomputed part is live
+        rc_layers = -(-layers // config.performance.pp_recompute_interval) if c.pp > 1 else layers
+        activations = (kept * rc_layers + (kept + recomputed) * (layers - rc_layers)) * in_flight + recomputed
     else:
-        activations = full_layer * layers * in_flight
+        activations = (kept + recomputed) * layers * in_flight
     one = s * b * config.tokenizer.max_vocab_size * 4
     logits = one * (1 / c.tp + 2) if c.tp > 1 and config.parallel.device == "cpu" else 2 * one / c.tp
     total = params + grads + optimizer + activations + logits
     return {"parameters": params, "gradients": grads, "optimizer": optimizer, "activations": activations,
             "logits": logits, "total": total}
+
+
+def layer_activations(config: Config, c: Candidate) -> tuple[float, float]:
+    """(bytes kept, bytes recomputed) per decoder layer for one micro-batch, in Korthikanti et al.'s units of s*b*h
+    2-byte values: layer norms 4, attention 3 + 8/tp + the scores 5*a*s/(h*tp), MLP 3 + 16/tp (10 + 24/tp +
+    5as/(h tp) in all, Table 2). Sequence parallelism divides the parts a tensor group replicates (norms 4, attention
+    3, MLP 3) by tp; flash attention keeps no scores; recompute keeps, per granularity: full = the layer's input
+    (2, split by sequence parallelism), full_attn = norms + MLP, core_attn = all but the scores."""
+    m, perf, s, b = config.model, config.performance, config.training.seq_length, c.micro_batch_size
+    h, a, t = m.hidden_size, m.num_attention_heads, c.tp
+    unit = s * b * h * _param_bytes(config) / 2  # (fp32 activations, as on CPU, take twice as many bytes)
+    shared = 1 / t if perf.sequence_parallel and t > 1 else 1
+    norms, attention, mlp = 4 * shared, 3 * shared + 8 / t, 3 * shared + 16 / t
+    scores = 0.0 if perf.flash_attention else 5 * a * s / (h * t)
+    everything = norms + attention + scores + mlp
+    if not c.recompute:
+        return unit * everything, 0.0
+    kept = {"full": 2 * shared, "full_attn": norms + mlp, "core_attn": norms + attention + mlp}[
+        perf.recompute_granularity]
+    return unit * kept, unit * (everything - kept)
+
+
+def recompute_flops_per_token(config: Config, c: Candidate) -> float:
+    """The extra forward recompute costs per trained token: full = the whole forward (2N), full_attn = the
+    attention weights' forward (2 N_attn) and scores (4 L s h), core_attn = the scores only (4 L s h)."""
+    if not c.recompute:
+        return 0.0
+    m, s = config.model, config.training.seq_length
+    scores = 4 * m.num_layers * s * m.hidden_size
+    granularity = config.performance.recompute_granularity
+    if granularity == "full":
+        return 2 * estimate_parameters(config)
+    if granularity == "full_attn":
+        kv = m.hidden_size * m.num_key_value_heads // m.num_attention_heads
+        return 2 * m.num_layers * (2 * m.hidden_size ** 2 + 2 * m.hidden_size * kv) + scores
+    return scores
 
 
 def step_time(config: Config, c: Candidate) -> dict[str, float]:
@@ -109,7 +153,8 @@ def step_time(config: Config, c: Candidate) -> dict[str, float]:
     n = estimate_parameters(config)
     micro = c.accumulation_steps
     bubble = (c.pp - 1) / (micro + c.pp - 1)
-    compute = (8 if c.recompute else 6) * n * tokens / (gpus * cl.peak_tflops * 1e12 * cl.utilisation) / (1 - bubble)
+    flops = 6 * n + recompute_flops_per_token(config, c)
+    compute = flops * tokens / (gpus * cl.peak_tflops * 1e12 * cl.utilisation) / (1 - bubble)
     message = s * b * m.hidden_size * 2
     layers = m.num_layers // c.pp
     tensor = 4 * layers * micro * 2 * (c.tp - 1) / c.tp * message / (cl.intra_node_gbps * GB) if c.tp > 1 else 0.0
@@ -123,6 +168,11 @@ def step_time(config: Config, c: Candidate) -> dict[str, float]:
     if c.sharding_stage >= 3:  # parameters gathered for the forward and again for the backward of every micro-batch
         d = c.sharding_degree
         data += 2 * micro * (d - 1) / d * grad_bytes / data_bw
+    perf = config.performance
+    if perf.mp_async_allreduce and c.tp > 1:  # the backward's dx all-reduces (half the traffic) hide behind dW
+        tensor *= 0.5
+    if c.pp > 1 and ((perf.dp_comm_overlap and c.dp > 1) or (perf.sharding_comm_overlap and c.sharding_stage)):
+        data = max(0.0, data - compute * 2 / 3)  # gradient communication hidden behind the backward (2/3 of compute)
     return {"compute_s": compute, "tensor_s": tensor, "pipeline_s": pipe, "data_s": data,
             "total_s": compute + tensor + pipe + data, "bubble": bubble}
 
@@ -178,6 +228,20 @@ def breakdown(config: Config, c: Candidate) -> str:
     return "\n".join(lines)
 
 
+def performance_variants(config: Config, c: Candidate) -> list[tuple[str, dict[str, float]]]:
+    """The layout's memory as configured and without flash attention / sequence parallelism (side by side)."""
+    perf = config.performance
+    variants = [("as configured", perf)]
+    for label, changes in (("without flash attention", {"flash_attention": False}),
+                           ("without sequence parallelism", {"sequence_parallel": False}),
+                           ("without either", {"flash_attention": False, "sequence_parallel": False}),
+                           ("with both", {"flash_attention": True, "sequence_parallel": True})):
+        variant = dataclasses.replace(perf, **changes)
+        if variant != perf and all(variant != v for _, v in variants):
+            variants.append((label, variant))
+    return [(label, memory(dataclasses.replace(config, performance=v), c)) for label, v in variants]
+
+
 def run(config_path: str, overrides: list[str], top: int = 10, csv_path: str = "", write: str = "") -> int:
     config = load_config(config_path, overrides)
     cl = config.cluster
@@ -186,6 +250,12 @@ def run(config_path: str, overrides: list[str], top: int = 10, csv_path: str = "
     if config.parallel.data * config.parallel.tensor * config.parallel.pipeline * config.parallel.sharding_degree \
             == cl.gpus:
         print("the config's own layout:\n" + breakdown(config, of_config(config)))
+        perf = config.performance
+        print(f"  activations per device by performance setting (flash_attention={perf.flash_attention}, "
+              f"sequence_parallel={perf.sequence_parallel}, recompute={config.parallel.recompute} "
+              f"{perf.recompute_granularity if config.parallel.recompute else ''}):")
+        for label, mem in performance_variants(config, of_config(config)):
+            print(f"    {label:<30} activations {mem['activations'] / GB:8.2f} GB   total {mem['total'] / GB:8.2f} GB")
     dp_only = Candidate(cl.gpus, 1, 1, 0, 1, 1, max(1, config.training.global_batch_size // cl.gpus), False)
     print("data parallel only:\n" + breakdown(config, dp_only))
     rows = rank(config, enumerate_layouts(config))

@@ -19,7 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pipeline import REPO_ROOT, cpu_runtime, nodes, runs, tracking
-from pipeline.config import Config, ConfigError, load_config
+from pipeline.config import Config, ConfigError, PerformanceConfig, load_config
 from pipeline.layout import ParallelLayout, estimate_parameters
 from pipeline.processes import child_dies_with_parent, descendants, signal_pids
 
@@ -261,6 +261,7 @@ def run(config_path: str | None, overrides: list[str], resume: str = "", dry_run
           f"{_count(params / (layout.tp * layout.pp))} per rank\n" + layout.describe(), flush=True)
     if layout.pp > 1:
         print(pipeline_schedule_text(layout), flush=True)
+    print(performance_text(config, layout), flush=True)
     if dry_run:
         return 0
     layout.check_fits_machine()
@@ -370,6 +371,19 @@ def _run_other_node(config: Config, layout: ParallelLayout, run_dir: Path, uri: 
     print(f"node {nodes.node_rank()}: ranks exited with code {returncode}; node 0 records the run's status "
           f"(run directory {run_dir})", flush=True)
     return 128 + stopper.signum if stopper.signum else returncode
+
+
+def performance_text(config: Config, layout: ParallelLayout) -> str:
+    """The performance settings as they will reach PaddleNLP (config.performance, translated by training/)."""
+    from training.worker import performance_values
+
+    values = performance_values(config, layout)
+    default = PerformanceConfig()
+    on = [k if v is True else f"{k}={v}" for k, v in vars(config.performance).items() if v != getattr(default, k)]
+    lines = [f"performance settings: {', '.join(on) if on else 'none turned on'} (passed to PaddleNLP as:)"]
+    for target, settings in values.items():
+        lines.append(f"  {target}: " + ", ".join(f"{k}={v!r}" for k, v in settings.items()))
+    return "\n".join(lines)
 
 
 def pipeline_schedule_text(layout: ParallelLayout) -> str:

@@ -40,6 +40,8 @@ LAYOUTS = {
     # parallel.mode=semi_auto: the same degrees, placed by Paddle's auto-parallel API (training/semi_auto.py)
     "tp2-semi": ["parallel.mode=semi_auto", "parallel.tensor=2"],
     "dp2tp2-semi": ["parallel.mode=semi_auto", "parallel.data=2", "parallel.tensor=2", "parallel.micro_batch_size=4"],
+    # fused q/k/v and gate/up weights (a weight layout, CPU-capable), loaded from the same unfused initial weights
+    "tp2-fused": ["parallel.tensor=2", "performance.fuse_attention_qkv=true", "performance.fuse_attention_ffn=true"],
 }
 
 

@@ -42,6 +42,9 @@ def test_sbatch_script_dry_runs_a_new_run_then_the_requeued_one(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"node 0: new run {runs}/llama-4242" in proc.stdout
     assert "layout dp4-tp8-pp16: world size 512" in proc.stdout and "(64 node(s) x 8 process(es)" in proc.stdout
+    # the dry run shows the performance settings exactly as they will reach PaddleNLP
+    assert "LlamaConfig: use_flash_attention=True, use_fused_rms_norm=True, use_fused_rope=True" in proc.stdout
+    assert "TrainingArguments: amp_master_grad=True" in proc.stdout
     # requeued: the run directory exists on the shared storage -> the same command resumes it
     (runs / "llama-4242").mkdir(parents=True)
     from pipeline.config import load_config

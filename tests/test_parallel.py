@@ -42,7 +42,7 @@ def single(world):
 
 # (semi_auto: a 1x2 and a 2x2 [dp, mp] mesh; dp2-semi, the 2x1 mesh, is measured by `make bench`)
 @pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2", "pp2v2", "sharding1x2", "tp2pp2", "dp2tp2", "tp2-semi",
-                                    "dp2tp2-semi"])
+                                    "dp2tp2-semi", "tp2-fused"])
 def test_layout_matches_single_process(world, single, layout):
     run, losses, evals = train(world, layout)
     _, ref_losses, ref_evals = single
@@ -53,7 +53,7 @@ def test_layout_matches_single_process(world, single, layout):
         assert evals[step] == pytest.approx(ref, rel=RTOL), (step, evals[step], ref)
     tags = run.data.tags
     expected_world = {"dp2": 2, "tp2": 2, "pp2": 2, "pp2v2": 2, "sharding1x2": 2, "tp2pp2": 4, "dp2tp2": 4,
-                      "tp2-semi": 2, "dp2tp2-semi": 4}[layout]
+                      "tp2-semi": 2, "dp2tp2-semi": 4, "tp2-fused": 2}[layout]
     assert tags["world_size"] == str(expected_world) and run.data.params["layout.world_size"] == str(expected_world)
     for key in ("layout.dp", "layout.tp", "layout.pp", "layout.bubble_fraction", "layout.schedule"):
         assert key in tags
@@ -97,7 +97,7 @@ def assert_runtime_applied(run_dir: Path, processes: int, tags: dict) -> None:
     assert (tags["runtime.threads"], tags["runtime.mkl_debug_cpu_type"]) == (threads, switch)
 
 
-@pytest.mark.parametrize("layout", ["tp2pp2", "dp2tp2-semi"])
+@pytest.mark.parametrize("layout", ["tp2pp2", "dp2tp2-semi", "tp2-fused"])
 def test_checkpoint_merges_into_a_single_model(world, layout):
     """The checkpoint of a 4-process run (manual: unified checkpoint; semi_auto: the gathered full tensors) loads
     into one LlamaForCausalLM whose validation loss equals the parallel model's final eval loss."""
@@ -122,6 +122,15 @@ def test_checkpoint_merges_into_a_single_model(world, layout):
     merged_loss = float(np.mean(losses))
     parallel_loss = checkpoint_info(checkpoint)["eval_loss"]
     assert abs(merged_loss - parallel_loss) < 1e-5, (merged_loss, parallel_loss)
+    if layout == "tp2-fused":  # exported unfused (PaddleNLP splits the fused weights): export's gate passes
+        from pipeline import export
+        from pipeline.config import load_config
+
+        from training.model import is_fused
+
+        assert is_fused(checkpoint) and not model.config.fuse_attention_qkv
+        error = export.fused_weights_gate(model, checkpoint, load_config(runs / layout / "config.yaml"))
+        assert error is not None and error < 1e-5
 
 
 # measured peak / `make plan`'s estimate must lie in this band, for every layout the plan models (manual mode).

@@ -30,7 +30,8 @@ def test_memory_by_hand():
 def test_recompute_and_sharding_by_hand():
     config = load_config(None, SMALL)
     recompute = plan.memory(config, plan.Candidate(2, 2, 2, 0, 1, 2, 4, True))
-    assert recompute["activations"] == 2 * 128 * 2 * 1024 * 2 * 2 + 6_422_528  # layer inputs + one layer's full set
+    # layer inputs (2 layers x 2 in flight) + one layer's full set while it is recomputed, less its input (kept)
+    assert recompute["activations"] == 2 * 128 * 2 * 1024 * 2 * 2 + 6_422_528 - 2 * 128 * 2 * 1024
     n = 69_166_080 / 4
     for stage, (params, grads, optimizer) in {1: (n * 2, n * 2, n * 12 / 2), 2: (n * 2, n, n * 12 / 2),
                                               3: (n, n, n * 12 / 2)}.items():
@@ -69,3 +70,69 @@ def test_the_100b_example(tmp_path):
     written = load_config(tmp_path / "chosen.yaml")
     assert ParallelLayout.from_config(written).world_size == 512 and written.parallel.nnodes == 64
     assert len((tmp_path / "plan.csv").read_text().splitlines()) == len(rows) + 1
+
+
+# unit = s*b*h 2-byte values of one micro-batch = 128 * 2 * 1024 bytes (bf16); the config's layout is TP2_PP2
+UNIT = 128 * 2 * 1024
+LAYOUT = ["parallel.data=2", "parallel.tensor=2", "parallel.pipeline=2", "parallel.micro_batch_size=2",
+          "parallel.accumulation_steps=4"]
+
+
+@pytest.mark.parametrize("overrides, per_layer", [
+    ([], 24.5),  # 10 + 24/2 + 5*8*128/(1024*2)
+    (["performance.flash_attention=true"], 22.0),  # no scores
+    (["performance.sequence_parallel=true"], 19.5),  # 34/2 + 2.5 (Korthikanti Table 2, sequence parallel)
+    (["performance.sequence_parallel=true", "performance.flash_attention=true"], 17.0),
+])
+def test_activations_with_flash_attention_and_sequence_parallelism_by_hand(overrides, per_layer):
+    config = load_config(None, SMALL + LAYOUT + overrides)
+    assert plan.memory(config, TP2_PP2)["activations"] == per_layer * UNIT * 2 * 2  # 2 layers, 2 in flight
+
+
+@pytest.mark.parametrize("overrides, activations", [
+    (["performance.recompute_granularity=full"], 2 * 4 + 22.5),  # inputs kept + one layer's rest
+    (["performance.recompute_granularity=core_attn"], 22 * 4 + 2.5),  # all but the scores + one layer's scores
+    (["performance.recompute_granularity=full_attn"], 15 * 4 + 9.5),  # norms + MLP; one layer's attention
+    (["performance.recompute_granularity=full", "performance.pp_recompute_interval=2"], (2 + 24.5) * 2 + 22.5),
+    (["performance.recompute_granularity=full", "performance.sequence_parallel=true"], 1 * 4 + 18.5),
+])
+def test_recompute_granularity_by_hand(overrides, activations):
+    config = load_config(None, SMALL + LAYOUT + ["parallel.recompute=true", *overrides])
+    c = plan.Candidate(2, 2, 2, 0, 1, 2, 4, True)
+    assert plan.memory(config, c)["activations"] == activations * UNIT
+
+
+def test_recompute_flops_and_overlap_by_hand():
+    c = plan.Candidate(2, 2, 2, 0, 1, 2, 4, True)
+    scores = 4 * 4 * 128 * 1024  # 4 L s h per token
+    expected = {"full": 2 * 69_166_080, "full_attn": 2 * 4 * (2 * 1024 ** 2 + 2 * 1024 * 1024) + scores,
+                "core_attn": scores}
+    for granularity, flops in expected.items():
+        config = load_config(None, SMALL + ["parallel.recompute=true",
+                                            f"performance.recompute_granularity={granularity}"])
+        assert plan.recompute_flops_per_token(config, c) == flops
+        base = plan.step_time(load_config(None, SMALL), plan.Candidate(2, 2, 2, 0, 1, 2, 4, False))
+        assert plan.step_time(config, c)["compute_s"] == pytest.approx(base["compute_s"] * (6 * 69_166_080 + flops)
+                                                                       / (6 * 69_166_080))
+    plain = plan.step_time(load_config(None, SMALL), TP2_PP2)
+    overlapped = plan.step_time(load_config(None, SMALL + LAYOUT + ["performance.mp_async_allreduce=true",
+                                                           "performance.dp_comm_overlap=true"]), TP2_PP2)
+    assert overlapped["tensor_s"] == pytest.approx(plain["tensor_s"] / 2)
+    assert overlapped["data_s"] == pytest.approx(max(0.0, plain["data_s"] - plain["compute_s"] * 2 / 3))
+    assert overlapped["compute_s"] == plain["compute_s"]
+
+
+def test_the_100b_plan_shows_flash_attention_and_sequence_parallelism_side_by_side(capsys):
+    from pipeline import REPO_ROOT
+
+    config = load_config(REPO_ROOT / "configs" / "llama-100b-512gpu.yaml", ["cluster.gpus=512"])
+    assert config.performance.flash_attention and config.performance.sequence_parallel
+    variants = dict(plan.performance_variants(config, plan.of_config(config)))
+    assert list(variants) == ["as configured", "without flash attention", "without sequence parallelism",
+                              "without either"]
+    act = {k: v["activations"] for k, v in variants.items()}
+    assert act["as configured"] < act["without flash attention"] < act["without either"]
+    assert act["as configured"] < act["without sequence parallelism"] < act["without either"]
+    plan.run(str(REPO_ROOT / "configs" / "llama-100b-512gpu.yaml"), ["cluster.gpus=512"], top=1)
+    out = capsys.readouterr().out
+    assert "without flash attention" in out and "without sequence parallelism" in out

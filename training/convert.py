@@ -80,6 +80,18 @@ def parity_error(model, predictor, vocab: int, seq_length: int, seed: int = 0) -
     return worst
 
 
+def weight_layout_error(portable, trained, vocab: int, seq_length: int, seed: int = 2) -> float:
+    """Max |portable - as trained| logit difference: a checkpoint trained with fused q/k/v or gate/up weights is
+    exported as the unfused model (PaddleNLP splits the weights on load); both must compute the same function."""
+    rng = np.random.RandomState(seed)
+    a, b = dynamic_forward(portable), dynamic_forward(trained)
+    worst = 0.0
+    for batch, length in PARITY_SHAPES:
+        ids = rng.randint(5, vocab, size=(batch, length or seq_length)).astype("int64")
+        worst = max(worst, float(np.abs(a(ids) - b(ids)).max()))
+    return worst
+
+
 def save_cache_programs(model, export_dir: Path) -> None:
     from training import kv_cache
 

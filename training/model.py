@@ -10,7 +10,7 @@ def llama_config(config: Config, tokenizer, tensor_parallel_degree: int = 1, ten
     from pipeline.tokenizer import model_vocab_size
 
     m = config.model
-    return LlamaConfig(
+    model_config = LlamaConfig(
         vocab_size=model_vocab_size(tokenizer),
         hidden_size=m.hidden_size,
         intermediate_size=m.intermediate_size,
@@ -23,12 +23,6 @@ def llama_config(config: Config, tokenizer, tensor_parallel_degree: int = 1, ten
         bos_token_id=tokenizer.cls_token_id,
         eos_token_id=tokenizer.sep_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        # Fused kernels are GPU-only and the plain paths are what export converts; keep the model portable.
-        use_flash_attention=False,
-        use_fused_rms_norm=False,
-        use_fused_rope=False,
-        fuse_attention_qkv=False,
-        fuse_attention_ffn=False,
         tie_word_embeddings=False,
         use_recompute=config.parallel.recompute,
         tensor_parallel_degree=tensor_parallel_degree,
@@ -36,6 +30,21 @@ def llama_config(config: Config, tokenizer, tensor_parallel_degree: int = 1, ten
         # ParallelCrossEntropy (c_softmax_with_cross_entropy) has no CPU kernel: gather the logits on CPU instead.
         tensor_parallel_output=config.parallel.device == "gpu",
     )
+    # Set after construction, as PaddleNLP's own llm/run_pretrain.py does: in 2.8.1 LlamaConfig(use_flash_attention=
+    # True) ends up False (PretrainedConfig.__init__ resets it from kwargs it no longer has).
+    for key, value in performance_model_settings(config).items():
+        setattr(model_config, key, value)
+    return model_config
+
+
+def performance_model_settings(config: Config) -> dict:
+    """config.performance -> LlamaConfig keyword arguments, exactly (validated in pipeline/config.py: the GPU kernels
+    are refused on CPU). Export always converts to the plain, unfused model (training/convert.py)."""
+    perf = config.performance
+    return {"use_flash_attention": perf.flash_attention, "use_fused_rms_norm": perf.fused_rms_norm,
+            "use_fused_rope": perf.fused_rope, "fuse_attention_qkv": perf.fuse_attention_qkv,
+            "fuse_attention_ffn": perf.fuse_attention_ffn, "sequence_parallel": perf.sequence_parallel,
+            "recompute_granularity": perf.recompute_granularity, "pp_recompute_interval": perf.pp_recompute_interval}
 
 
 def pipeline_model_class():
@@ -71,9 +80,27 @@ def build_model(config: Config, tokenizer, tensor_parallel_degree: int, tensor_p
     return cls(model_config)
 
 
-def load_merged(checkpoint_dir, dtype: str = "float32"):
-    """A single-device model from a unified (merged, full-tensor) checkpoint, whatever layout wrote it."""
+# The plain model every export and evaluation loads: no GPU kernels, unfused q/k/v and gate/up weights (PaddleNLP
+# splits fused checkpoint weights on load), the layout training/kv_cache.py's programs read.
+KERNELS_OFF = {"use_flash_attention": False, "use_fused_rms_norm": False, "use_fused_rope": False,
+               "sequence_parallel": False}
+PORTABLE = {**KERNELS_OFF, "fuse_attention_qkv": False, "fuse_attention_ffn": False}
+
+
+def load_merged(checkpoint_dir, dtype: str = "float32", portable: bool = True):
+    """A single-device model from a unified (merged, full-tensor) checkpoint, whatever layout wrote it: the
+    portable model, or (portable=False) with the weight layout the checkpoint was trained with."""
     from paddlenlp.transformers import LlamaForCausalLM
 
+    overrides = PORTABLE if portable else KERNELS_OFF
     return LlamaForCausalLM.from_pretrained(str(checkpoint_dir), tensor_parallel_degree=1, tensor_parallel_rank=0,
-                                            tensor_parallel_output=False, dtype=dtype)
+                                            tensor_parallel_output=False, dtype=dtype, **overrides)
+
+
+def is_fused(checkpoint_dir) -> bool:
+    """Was the checkpoint trained with fused q/k/v or gate/up weights (its config.json says)?"""
+    import json
+    from pathlib import Path
+
+    saved = json.loads((Path(checkpoint_dir) / "config.json").read_text())
+    return bool(saved.get("fuse_attention_qkv") or saved.get("fuse_attention_ffn"))

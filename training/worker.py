@@ -76,13 +76,35 @@ def async_writes(config, layout: ParallelLayout) -> bool:
 def training_arguments(config, layout: ParallelLayout, output_dir: Path):
     from paddlenlp.trainer import TrainingArguments
 
-    t = config.training
+    return TrainingArguments(**training_argument_values(config, layout, output_dir))
+
+
+# The TrainingArguments that carry config.performance (with the model's LlamaConfig settings: what a dry run shows).
+PERFORMANCE_ARGUMENTS = ("amp_master_grad", "tensor_parallel_config", "pipeline_parallel_config",
+                         "sharding_parallel_config", "distributed_dataloader", "recompute")
+
+
+def performance_values(config, layout: ParallelLayout) -> dict:
+    """{"LlamaConfig": ..., "TrainingArguments": ...}: the performance settings exactly as they reach PaddleNLP."""
+    from training.model import performance_model_settings
+
+    values = training_argument_values(config, layout, Path("."))
+    return {"LlamaConfig": performance_model_settings(config),
+            "TrainingArguments": {k: values[k] for k in PERFORMANCE_ARGUMENTS}}
+
+
+def training_argument_values(config, layout: ParallelLayout, output_dir: Path) -> dict:
+    """The keyword arguments of PaddleNLP's TrainingArguments for this config (a plain dict: the translation of
+    every setting is testable without the devices it needs)."""
+    t, perf = config.training, config.performance
     semi_auto = layout.mode == "semi_auto"
     pipeline_options = []
-    if layout.pp > 1 and layout.tp > 1:
+    if layout.pp > 1 and layout.tp > 1 and layout.device == "cpu":
         # Partial send/recv slices activations over the tensor-parallel group (GPU-only collectives).
         pipeline_options.append("disable_partial_send_recv")
-    return TrainingArguments(
+    pipeline_options += [name for name, on in (("enable_dp_comm_overlap", perf.dp_comm_overlap),
+                                               ("enable_sharding_comm_overlap", perf.sharding_comm_overlap)) if on]
+    return dict(
         output_dir=str(output_dir),
         do_train=True,
         do_eval=True,
@@ -114,6 +136,10 @@ def training_arguments(config, layout: ParallelLayout, output_dir: Path):
         bf16=layout.amp_effective and layout.amp_dtype == "bfloat16",
         fp16=layout.amp_effective and layout.amp_dtype == "float16",
         fp16_opt_level=config.parallel.amp_level,
+        amp_master_grad=perf.amp_master_grad,
+        tensor_parallel_config="enable_mp_async_allreduce" if perf.mp_async_allreduce else "",
+        sharding_parallel_config="split_param" if perf.split_param else "",
+        distributed_dataloader=perf.distributed_dataloader,
         # Full (merged) tensors in safetensors: export and resume do not depend on the training layout.
         unified_checkpoint=not semi_auto,
         # PaddleNLP's async branch (host snapshot), written by our writer thread: training/async_checkpoint.py
@@ -189,6 +215,12 @@ def main(argv: list[str] | None = None) -> None:
         model = build_model(config, tokenizer, layout.tp, train_args.tensor_parallel_rank, pipeline=layout.pp > 1)
         new_trainer = functools.partial(make_trainer, device=layout.device)
     model = prepare_model(config, model)
+    if config.performance.sequence_parallel:
+        # As PaddleNLP's llm/run_pretrain.py: the sequence-parallel weights (norms) get their gradients all-reduced
+        # over the tensor group.
+        from paddlenlp.transformers import register_sequence_parallel_allreduce_hooks
+
+        register_sequence_parallel_allreduce_hooks(model, layout.accumulation_steps, False)
 
     mlflow_logger = None
     run_id = os.environ.get("PIPELINE_MLFLOW_RUN_ID")
