@@ -105,10 +105,12 @@ def test_mlflow_models_serve_answers_over_its_rest_route(exported, tmp_path):
     from helpers import free_port
 
     port = free_port()
+    # as from an activated environment: MLflow execs `uvicorn` from PATH
+    env = {**env_for(exported["uri"]), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     proc = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m", "models:/test-model/1",
                              "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)], cwd=tmp_path,
-                            env=env_for(exported["uri"]), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
         deadline = time.time() + 120
         while True:
