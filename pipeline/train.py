@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from pipeline import REPO_ROOT, cpu_runtime, nodes, runs, tracking
+from pipeline import REPO_ROOT, console, cpu_runtime, nodes, runs, tracking
 from pipeline.config import Config, ConfigError, PerformanceConfig, load_config
 from pipeline.layout import ParallelLayout, estimate_parameters
 from pipeline.processes import child_dies_with_parent, descendants, signal_pids
@@ -197,31 +197,34 @@ class Heartbeat(threading.Thread):
                 pass
 
 
-def _run_launcher(cmd: list[str], env: dict, run_dir: Path, single: bool, stopper: Stopper,
+def _run_launcher(cmd: list[str], env: dict, run_dir: Path, log_dir: Path, single: bool, stopper: Stopper,
                   on_start=lambda: None) -> int:
-    log_dir = run_dir / "logs"
+    """Run the ranks; their output (PaddleNLP's, Paddle's) goes to the logs under `log_dir`, not to the console:
+    one process writes logs/workerlog.0 itself, paddle.distributed.launch writes workerlog.<rank> and its own
+    output (which repeats rank 0's) to launcher.log. The console shows pipeline/console.py's progress instead."""
     log_dir.mkdir(parents=True, exist_ok=True)
     # Own session: signals reach the ranks only through the Stopper. The child gets SIGTERM if this process dies.
     options = dict(env=env, cwd=REPO_ROOT, start_new_session=True, preexec_fn=child_dies_with_parent())
     if not single:
-        proc = subprocess.Popen(cmd, **options)
+        with open(log_dir / "launcher.log", "a") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, **options)
         stopper.attach(proc, single)
         on_start()
         return proc.wait()
-    # Single process: same log layout as the launcher (logs/workerlog.0), echoed to the terminal.
+    # One process: its output through a pipe into logs/workerlog.0 (the launcher's layout), so that a full disk
+    # costs log lines, never the rank (a print that fails would raise in it).
     log = open(log_dir / "workerlog.0", "a")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, **options)
     stopper.attach(proc, single)
     on_start()
     try:
         for line in proc.stdout:
-            sys.stdout.write(line)
             try:
                 log.write(line)
                 log.flush()
-            except OSError as exc:  # a full disk must not take the launcher down: the terminal still gets it all
+            except OSError as exc:
                 if not log.closed:
-                    print(f"cannot write {log.name} ({exc.strerror}); the rest of the log is on the terminal only",
+                    print(f"cannot write {log.name} ({exc.strerror}); the rest of the rank's output is lost",
                           file=sys.stderr, flush=True)
                     _close_quietly(log)
     finally:
@@ -297,6 +300,8 @@ def run(config_path: str | None, overrides: list[str], resume: str = "", dry_run
     stopper = Stopper(config.training.stop_grace_s)
     stopper.install()  # here: data preparation imported paddlenlp, which resets SIGTERM
     run_id, previous_status = _open_run(mlflow_client, config, layout, run_dir, uri)
+    print(header(mlflow_client, run_dir, run_id, uri, layout), flush=True)
+    began = time.time()
     heartbeat = Heartbeat(mlflow_client, run_id, config.tracking.heartbeat_s) if run_id else None
     if pending is not None:
         pending.write_text(config.to_yaml(), encoding="utf-8")
@@ -312,8 +317,18 @@ def run(config_path: str | None, overrides: list[str], resume: str = "", dry_run
         stopped = run_dir / STOPPED_MARKER
         stopped.unlink(missing_ok=True)
         if not stopper.signum:  # (a signal while the run was being opened: do not start the ranks at all)
-            returncode = _run_launcher(cmd, env, run_dir, layout.world_size == 1, stopper,
-                                       heartbeat.start if heartbeat else lambda: None)
+            progress = console.Progress(run_dir)
+
+            def started():  # (threads start after the fork, so the child's preexec_fn never races one)
+                progress.start()
+                if heartbeat:
+                    heartbeat.start()
+
+            try:
+                returncode = _run_launcher(cmd, env, run_dir, nodes.log_dir(run_dir, layout.nnodes),
+                                           layout.world_size == 1, stopper, started)
+            finally:
+                progress.stop()
         if stopped.exists() and not stopper.signum:
             info = json.loads(stopped.read_text())
             if returncode == 0:
@@ -353,8 +368,42 @@ def run(config_path: str | None, overrides: list[str], resume: str = "", dry_run
 
         print(f"stopped; latest complete checkpoint: {latest_complete(run_dir)}\ncontinue with: make train "
               f"RESUME={run_dir}", flush=True)
+    elif status == "FINISHED":
+        print(summary(run_dir, config, time.time() - began), flush=True)
     print(f"run directory: {run_dir}", flush=True)
     return returncode
+
+
+def header(mlflow_client, run_dir: Path, run_id: str, uri: str, layout: ParallelLayout) -> str:
+    """What runs and where to look: the run directory, the MLflow run and how to open it, the rank logs."""
+    try:
+        experiment = mlflow_client.get_run(run_id).info.experiment_id
+    except Exception:  # noqa: BLE001  (the header never costs the run)
+        experiment = "?"
+    where = "`make mlflow-ui`, then http://127.0.0.1:5000" if tracking.is_local(uri) else uri.rstrip("/")
+    return (f"run {run_dir.name}: {run_dir}\n"
+            f"  MLflow run {run_id}: {where}/#/experiments/{experiment}/runs/{run_id}\n"
+            f"  the ranks' output (PaddleNLP's logs): {nodes.log_dir(run_dir, layout.nnodes)}/")
+
+
+def summary(run_dir: Path, config: Config, seconds: float) -> str:
+    """The end of a finished run: its eval loss, the best checkpoint, the time taken and the next commands."""
+    from pipeline.console import duration
+    from training.checkpoints import checkpoint_info, complete_checkpoints
+
+    metric = config.export.metric
+    rated = [(step, checkpoint_info(path)) for step, path in complete_checkpoints(run_dir)]
+    rated = [(step, info) for step, info in rated if metric in info]
+    lines = [f"finished in {duration(seconds)}"]
+    if rated:
+        step, last = rated[-1]
+        best_step, best = min(rated, key=lambda item: item[1][metric])
+        lines[0] += (f": {metric} {last[metric]:.4f} (perplexity {tracking.perplexity(last[metric]):.1f}) at step "
+                     f"{step}; best {best[metric]:.4f} at step {best_step}: {best['path']}")
+    lines += ["next: make export          # the best checkpoint -> parity-checked graph -> registered model version",
+              "      make serve && make smoke   # serve the newest version, check it with real requests",
+              "      make compare         # this run next to the others of the experiment"]
+    return "\n".join(lines)
 
 
 def _run_other_node(config: Config, layout: ParallelLayout, run_dir: Path, uri: str) -> int:
@@ -366,8 +415,11 @@ def _run_other_node(config: Config, layout: ParallelLayout, run_dir: Path, uri: 
           flush=True)
     stopper = Stopper(config.training.stop_grace_s)
     stopper.install()
+    print(f"node {nodes.node_rank()}: ranks' logs in {nodes.log_dir(run_dir, layout.nnodes)}; progress is shown on "
+          f"node 0", flush=True)
     returncode = _run_launcher(launch_command(layout, run_dir, resume_from, pending),
-                               worker_env(config, layout, uri, None), run_dir, False, stopper)
+                               worker_env(config, layout, uri, None), run_dir, nodes.log_dir(run_dir, layout.nnodes),
+                               False, stopper)
     print(f"node {nodes.node_rank()}: ranks exited with code {returncode}; node 0 records the run's status "
           f"(run directory {run_dir})", flush=True)
     return 128 + stopper.signum if stopper.signum else returncode
@@ -527,7 +579,6 @@ def _open_run(mlflow_client, config: Config, layout: ParallelLayout, run_dir: Pa
     mlflow_client.log_artifact(run_id, str(run_dir / "config.yaml"))
     mlflow_client.log_artifacts(run_id, str(run_dir / "tokenizer"), "tokenizer")
     info_file.write_text(json.dumps({"run_id": run_id, "experiment_id": experiment, "tracking_uri": uri}))
-    print(f"MLflow run {run_id} in experiment {config.tracking.experiment!r}", flush=True)
     return run_id, None
 
 

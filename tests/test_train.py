@@ -1,5 +1,7 @@
 """Real training runs (single process) into a temporary MLflow store: tracking, bad input, kill + resume."""
 import json
+import math
+import re
 from pathlib import Path
 
 import pytest
@@ -52,6 +54,18 @@ def test_short_training_run_is_tracked(tiny_config, tmp_path, store_uri):
     assert (run_dir / "config.yaml").is_file() and (run_dir / "tokenizer" / "vocab.txt").is_file()
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config.yaml", "tokenizer", "checkpoints"} <= artifacts
+    # the console (stdout is a pipe here, not a terminal): plain progress lines and a summary; PaddleNLP's argument
+    # dump and INFO/DEBUG lines only in the rank log
+    out = proc.stdout
+    assert "Training Configuration Arguments" not in out and "[   DEBUG]" not in out and "global_step" not in out
+    assert "Training Configuration Arguments" in (run_dir / "logs" / "workerlog.0").read_text()
+    assert f"run short: {run_dir}\n  MLflow run {run.info.run_id}: `make mlflow-ui`, then" in out
+    assert "training steps 1..12: 256 tokens a step, 3,072 tokens = " in out
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert re.fullmatch(r"step 12/12 \(100%\)  loss \d+\.\d{4}  eval_loss \d+\.\d{4}  [\d,]+ tok/s  ETA 0:00:00",
+                        lines[-1]), lines
+    assert f"eval_loss {evals[12]:.4f} (perplexity {math.exp(evals[12]):.1f}) at step 12" in out
+    assert "next: make export" in out and "make compare" in out
 
 
 @pytest.mark.parametrize("case, overrides, message", [

@@ -13,6 +13,7 @@ from pathlib import Path
 from paddlenlp.trainer import TrainerCallback  # (this import resets SIGTERM: handlers are installed after it)
 
 from pipeline import tracking
+from training import progress
 from training.checkpoints import (DONE_MARKER_PREFIX, checkpoint_info, complete_checkpoints, make_durable,
                                   mark_complete, prune)
 
@@ -53,6 +54,7 @@ class CheckpointCompleteCallback(TrainerCallback):
                  keep: int = 0, writer=None, peers_timeout_s: float = 3600.0):
         self.mlflow_logger, self.upload_mode, self.metric, self.keep = mlflow_logger, upload_mode, metric, keep
         self.writer, self.peers_timeout_s = writer, peers_timeout_s
+        self.noted = False
 
     def on_save(self, args, state, control, **kwargs):
         import paddle.distributed as dist
@@ -111,8 +113,12 @@ class CheckpointCompleteCallback(TrainerCallback):
         uploading = self.mlflow_logger.uploading() if self.mlflow_logger else set()
         removed = prune(checkpoint.parent.parent, self.keep, self.metric, info["step"], uploading)
         if removed:
-            print(f"checkpoints: removed {', '.join(p.name for p in removed)} (training.keep_checkpoints="
-                  f"{self.keep}; the best by {self.metric} is kept)", flush=True)
+            print(f"checkpoints: removed {', '.join(p.name for p in removed)}", flush=True)
+            if not self.noted:  # (the console hears it once; the rank log every time)
+                self.noted = True
+                progress.note(checkpoint.parent.parent, f"checkpoints: keeping the newest {self.keep} and the best by "
+                              f"{self.metric} (training.keep_checkpoints); older ones are removed as new ones "
+                              f"complete")
         if self.mlflow_logger:
             self.mlflow_logger.log_checkpoint(info, should_upload(self.upload_mode, self.metric, info, earlier))
 
@@ -265,14 +271,13 @@ class MlflowLogger(TrainerCallback):
             except Exception as exc:  # noqa: BLE001  (any transport error: keep training, keep the records)
                 ok = False
                 if not self.failing:
-                    print(f"[mlflow] WARNING: logging failed ({exc.__class__.__name__}); training continues, "
-                          f"metrics and checkpoint records are buffered and re-sent", file=sys.stderr, flush=True)
+                    progress.note(self.run_dir, f"[mlflow] WARNING: logging failed ({exc.__class__.__name__}); "
+                                  f"training continues, metrics and checkpoint records are buffered and re-sent")
             with self.lock:
                 self.pending = batch + self.pending  # what is left of the batch goes first next time
                 self.sending = []
                 if ok and self.failing:
-                    print("[mlflow] tracking server reachable again; buffered records sent", file=sys.stderr,
-                          flush=True)
+                    progress.note(self.run_dir, "[mlflow] tracking server reachable again; buffered records sent")
                 self.failing = not ok
                 self.lock.notify_all()
                 if not ok:
@@ -293,8 +298,8 @@ class MlflowLogger(TrainerCallback):
             unsent, self.pending, self.sending = self.sending + self.pending, [], []
         if unsent:
             tracking.save_unsent(self.run_dir, unsent)
-            print(f"[mlflow] WARNING: {len(unsent)} records could not be sent; kept in "
-                  f"{self.run_dir / tracking.UNSENT_RECORDS}", file=sys.stderr, flush=True)
+            progress.note(self.run_dir, f"[mlflow] WARNING: {len(unsent)} records could not be sent; kept in "
+                          f"{self.run_dir / tracking.UNSENT_RECORDS}")
 
 
 class PeakMemory(TrainerCallback):

@@ -241,10 +241,16 @@ def main(argv: list[str] | None = None) -> None:
                                             config.training.keep_checkpoints, writer)]
     if mlflow_logger:
         callbacks.append(mlflow_logger)
+    train_data = BlockDataset(run_dir / "data" / "train.npy")
+    if train_args.process_index == 0:
+        from training.progress import progress_callback
+
+        callbacks.append(progress_callback(run_dir, config.training.seq_length, config.training.global_batch_size,
+                                           len(train_data)))
     trainer = new_trainer(
         model=model,
         args=train_args,
-        train_dataset=BlockDataset(run_dir / "data" / "train.npy"),
+        train_dataset=train_data,
         eval_dataset=BlockDataset(run_dir / "data" / "validation.npy"),
         data_collator=default_data_collator,  # blocks are already fixed-length: no padding
         callbacks=callbacks,
