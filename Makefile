@@ -17,8 +17,10 @@ EXPERIMENT ?=
 MODEL ?=
 FILTER ?=
 REAP ?=
+SWEEP ?=
+PARALLEL ?=
 
-.PHONY: setup train export serve stop smoke all compare bench plan test test-fast runs mlflow-ui mlflow-server mlflow-stop clean
+.PHONY: setup train export serve stop smoke all compare sweep bench plan test test-fast runs mlflow-ui mlflow-server mlflow-stop clean
 setup: $(STAMP)
 
 # One environment from exact pins (requirements/lock.txt, verified to install and import together) plus the Paddle
@@ -53,6 +55,11 @@ all: $(STAMP)
 
 compare: $(STAMP)
 	$(PY) -m pipeline compare --config $(CONFIG) $(if $(EXPERIMENT),--experiment $(EXPERIMENT)) $(if $(METRIC),--metric $(METRIC)) $(if $(FILTER),--filter "$(FILTER)")
+
+# A grid of overrides, N at a time, then compared: make sweep ARGS="training.learning_rate=1e-3,3e-3 model.num_layers=2,4"
+# SWEEP=<id> continues an interrupted sweep (finished runs are not retrained).
+sweep: $(STAMP)
+	$(PY) -m pipeline sweep --config $(CONFIG) $(if $(SWEEP),--id $(SWEEP)) $(if $(PARALLEL),--parallel $(PARALLEL)) $(ARGS)
 
 # RUNNING runs of the experiment, alive / dead / stale; REAP=1 marks the dead and stale ones FAILED.
 runs: $(STAMP)

@@ -60,6 +60,11 @@ def parser() -> argparse.ArgumentParser:
     compare.add_argument("--experiment", default="")
     compare.add_argument("--metric", default="eval_loss")
     compare.add_argument("--filter", default="", help="MLflow search filter, e.g. \"params.layout.tp = '2'\"")
+    sweep = sub.add_parser("sweep", help="train a grid of overrides (key=v1,v2 ...), N at a time, then compare them")
+    sweep.add_argument("--config", default=None, help=config_help)
+    sweep.add_argument("--id", default="", help="continue this sweep (finished runs are not retrained)")
+    sweep.add_argument("--parallel", type=int, default=0, help="runs at once (default: what the cores hold)")
+    sweep.add_argument("overrides", nargs="*", help="e.g. training.learning_rate=1e-3,3e-3 model.num_layers=2,4")
     bench = sub.add_parser("bench", help="benchmark suite (reports/bench/bench.{json,md}, MLflow experiment bench)")
     bench.add_argument("--quick", action="store_true", help="tiny settings: checks the harness, not the machine")
     bench.add_argument("--out", default="", help="output directory (default reports/bench)")
@@ -122,6 +127,12 @@ def _runs(args) -> int:
                      tracking.tracking_uri(base), args.reap)
 
 
+def _sweep(args) -> int:
+    from pipeline import sweep
+
+    return sweep.run(args.config or str(DEFAULT_CONFIG), args.overrides, args.id, args.parallel)
+
+
 def _bench(args) -> int:
     from pipeline import bench
 
@@ -142,7 +153,7 @@ def _mlflow_server(args) -> int:
 
 
 VERBS = {"train": _train, "export": _export, "serve": _serve_verb("serve"), "stop": _serve_verb("stop"),
-         "smoke": _serve_verb("smoke"), "compare": _compare, "runs": _runs, "bench": _bench, "plan": _plan,
+         "smoke": _serve_verb("smoke"), "compare": _compare, "sweep": _sweep, "runs": _runs, "bench": _bench, "plan": _plan,
          "mlflow-server": _mlflow_server, "mlflow-stop": _mlflow_server}
 
 if __name__ == "__main__":

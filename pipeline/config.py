@@ -163,6 +163,8 @@ class TrackingConfig:
     # launcher process is gone, on the same host) is marked FAILED by `make runs REAP=1` and at the next `make train`.
     heartbeat_s: int = 30
     stale_after_s: int = 300
+    # Set by `make sweep` on its runs (tag pipeline.sweep): which sweep a run belongs to.
+    sweep: str = ""
 
 
 @dataclass

@@ -565,6 +565,7 @@ def _open_run(mlflow_client, config: Config, layout: ParallelLayout, run_dir: Pa
         "git_commit": tracking.git_commit(), "paddle_version": _version("paddlepaddle", "paddlepaddle-gpu"),
         "paddlenlp_version": _version("paddlenlp"), "device": layout.device, "world_size": str(layout.world_size),
         **{f"layout.{k}": str(v) for k, v in layout.as_params().items()}, **liveness,
+        **({"pipeline.sweep": config.tracking.sweep} if config.tracking.sweep else {}),
     }
     run = mlflow_client.create_run(experiment, tags=tags, run_name=run_dir.name)
     run_id = run.info.run_id
