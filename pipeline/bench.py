@@ -73,11 +73,12 @@ def runtime_trials(out: Path, repeats: int, steps: int, quick: bool) -> dict:
     (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
     prepare(config, run_dir / "data", run_dir / "tokenizer")
     # (quick: the two ends only -- the harness check, not the measurement)
-    names = ["before", "threads+mkl+compile"] if quick else list(SETTINGS)
+    names = ["before", "threads+mkl+compile+passive"] if quick else list(SETTINGS)
     trials: dict[str, list[dict]] = {name: [] for name in names}
     for round_ in range(repeats):
         for name in names[round_ % len(names):] + names[:round_ % len(names)]:
-            env = {k: v for k, v in os.environ.items() if k not in ("MKL_DEBUG_CPU_TYPE", "PIPELINE_MKL_VERSION")}
+            env = {k: v for k, v in os.environ.items()
+                   if k not in ("MKL_DEBUG_CPU_TYPE", "PIPELINE_MKL_VERSION", "KMP_BLOCKTIME")}
             env.update(SETTINGS[name][0], PYTHONPATH=str(REPO_ROOT))
             proc = subprocess.run([sys.executable, "-m", "pipeline.bench_train", "--run-dir", str(run_dir),
                                    "--setting", name, "--steps", str(steps), "--scratch", str(out / "scratch")],
@@ -325,11 +326,12 @@ def markdown(r: dict) -> str:
              f"Training speed of {rt['config']} ({rt['batch_tokens']} tokens a step), each setting in a fresh "
              f"process, {rt['repeats']} interleaved rounds: median [min-max]. MFU: {FLOPS_NOTE}, against the fp32 "
              "matmul peak measured in the same process.", "",
-             "| setting | threads | MKL_DEBUG_CPU_TYPE | matmul peak GFLOP/s | tokens/s | vs before | MFU "
-             "| bare-loop tokens/s | ours / bare step |", "|---|---|---|---|---|---|---|---|---|"]
+             "| setting | threads | MKL_DEBUG_CPU_TYPE | KMP_BLOCKTIME | matmul peak GFLOP/s | tokens/s | vs before "
+             "| MFU | bare-loop tokens/s | ours / bare step |", "|---|---|---|---|---|---|---|---|---|---|"]
     mm = lambda v, f="{:.0f}": f"{f.format(v['median'])} [{f.format(v['min'])}-{f.format(v['max'])}]"  # noqa: E731
     for name, v in rt["settings"].items():
         lines.append(f"| {name} | {v['runtime']['threads']} | {v['runtime']['mkl_debug_cpu_type']} | "
+                     f"{v['runtime'].get('kmp_blocktime', 'unset')} | "
                      f"{mm(v['matmul_peak_gflops'])} | {mm(v['tokens_per_s'])} | {v['speedup_vs_before']:.2f}x | "
                      f"{mm({k: x * 100 for k, x in v['mfu'].items()}, '{:.1f}')}% | {mm(v['bare_tokens_per_s'])} | "
                      f"{mm(v['ours_vs_bare'], '{:.2f}')} |")

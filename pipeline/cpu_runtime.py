@@ -14,6 +14,11 @@ Two facts about Paddle 2.6.2's CPU build (measured on these machines, see README
    machine has (setting the variable instead makes Paddle print a warning at every import).
    `apply_threads(n)` calls `paddle.base.core.set_num_threads(n)` after import; `threads_per_process` derives n from
    the cores this process may use and the processes that share them (`parallel.cpu_threads` overrides).
+3. Paddle's MKL runs on Intel OpenMP (`libiomp5.so`), whose worker threads spin for KMP_BLOCKTIME (200 ms) after
+   every parallel region -- while Python dispatches the next small eager op, so the spinning threads take the
+   cores the op needs (a 60-step run: ~30 s of system time out of ~89 CPU-s). `prepare_process()` sets
+   `KMP_BLOCKTIME=0` (threads sleep at once) unless KMP_BLOCKTIME or OMP_WAIT_POLICY is set;
+   `PIPELINE_OMP_PASSIVE=off` leaves it alone (for before/after benchmarks).
 """
 from __future__ import annotations
 
@@ -25,6 +30,8 @@ from pathlib import Path
 MKL_SWITCH = "MKL_DEBUG_CPU_TYPE"
 FIX_ENV = "PIPELINE_MKL_AMD_FIX"
 _VERSION_ENV = "PIPELINE_MKL_VERSION"  # cache for child processes: reading it loads the 130 MB library
+BLOCKTIME = "KMP_BLOCKTIME"
+PASSIVE_ENV = "PIPELINE_OMP_PASSIVE"
 
 
 def cpu_vendor() -> str:
@@ -82,8 +89,19 @@ def mkl_switch_value(vendor: str, version: str, environ: dict) -> str | None:
     return None
 
 
+def blocktime_value(environ: dict) -> str | None:
+    """The KMP_BLOCKTIME to set (fact 3), or None to leave the environment as it is."""
+    if environ.get(PASSIVE_ENV, "auto") == "off" or BLOCKTIME in environ or "OMP_WAIT_POLICY" in environ:
+        return None
+    return "0"
+
+
 def prepare_process() -> None:
-    """Before paddle loads: make MKL use its fast kernels on AMD. Cheap on other CPUs (one read of /proc/cpuinfo)."""
+    """Before paddle loads: OpenMP threads that sleep between ops, and MKL's fast kernels on AMD. Cheap on other
+    CPUs (one read of /proc/cpuinfo)."""
+    value = blocktime_value(os.environ)
+    if value is not None:
+        os.environ[BLOCKTIME] = value
     vendor = cpu_vendor()
     if vendor != "AuthenticAMD":  # decided without loading MKL
         return
@@ -120,4 +138,4 @@ def describe(threads: int) -> dict[str, str]:
     """What this process runs with, for MLflow tags and logs."""
     return {"cpu_vendor": cpu_vendor() or "unknown", "mkl_version": mkl_version() or "none",
             "mkl_debug_cpu_type": os.environ.get(MKL_SWITCH, "unset"), "threads": str(threads),
-            "cores": str(available_cores())}
+            "kmp_blocktime": os.environ.get(BLOCKTIME, "unset"), "cores": str(available_cores())}

@@ -18,13 +18,16 @@ def test_bench_harness_quick(store_uri, tmp_path):
     for section in ("runtime", "scaling", "export", "serving"):
         assert section in result, section
     settings = result["runtime"]["settings"]
-    assert list(settings) == ["before", "threads+mkl+compile"]  # quick: the two ends
+    assert list(settings) == ["before", "threads+mkl+compile+passive"]  # quick: the two ends
     # each trial process really ran with its setting
     assert settings["before"]["runtime"]["threads"] == "1"
     assert settings["before"]["runtime"]["mkl_debug_cpu_type"] == "unset"
-    assert settings["threads+mkl+compile"]["runtime"]["threads"] == str(cpu_runtime.available_cores())
+    assert settings["threads+mkl+compile+passive"]["runtime"]["threads"] == str(cpu_runtime.available_cores())
     amd = cpu_runtime.cpu_vendor() == "AuthenticAMD"
-    assert settings["threads+mkl+compile"]["runtime"]["mkl_debug_cpu_type"] == ("5" if amd else "unset")
+    assert settings["threads+mkl+compile+passive"]["runtime"]["mkl_debug_cpu_type"] == ("5" if amd else "unset")
+    # OpenMP threads sleep between ops (KMP_BLOCKTIME=0) in the project's setting, spin as before in "before"
+    assert (settings["before"]["runtime"]["kmp_blocktime"],
+            settings["threads+mkl+compile+passive"]["runtime"]["kmp_blocktime"]) == ("unset", "0")
     for v in settings.values():
         assert 0 < v["mfu"]["median"] < 1
         assert v["mfu"]["min"] <= v["mfu"]["median"] <= v["mfu"]["max"]
@@ -44,4 +47,4 @@ def test_bench_harness_quick(store_uri, tmp_path):
     assert set(decode) == {f"{p}_{n}" for p in ("kv_cache", "full") for n in (8, 120)} | {
         "kv_cache_long_vs_short", "full_long_vs_short"}
     report = (tmp_path / "bench.md").read_text()
-    assert "| threads+mkl+compile |" in report and "| 8 HTTP clients: generated tokens/s" in report
+    assert "| threads+mkl+compile+passive |" in report and "| 8 HTTP clients: generated tokens/s" in report

@@ -53,3 +53,12 @@ def test_compile_refused_for_model_parallel_layouts():
     with pytest.raises(ConfigError, match="training.compile: the compiled forward supports single-device"):
         load_config(None, ["training.compile=true", "parallel.tensor=2"])
     load_config(None, ["training.compile=true", "parallel.data=2", "parallel.micro_batch_size=8"])
+
+
+def test_openmp_threads_sleep_between_ops_unless_told_otherwise():
+    from pipeline.cpu_runtime import blocktime_value
+
+    assert blocktime_value({}) == "0"
+    assert blocktime_value({"KMP_BLOCKTIME": "200"}) is None  # the user's own value stays
+    assert blocktime_value({"OMP_WAIT_POLICY": "ACTIVE"}) is None
+    assert blocktime_value({"PIPELINE_OMP_PASSIVE": "off"}) is None  # the before/after switch of `make bench`
