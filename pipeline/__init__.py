@@ -11,6 +11,17 @@ from pipeline import cpu_runtime as _cpu_runtime
 
 _cpu_runtime.prepare_process()
 
+import warnings as _warnings
+
+# Warnings known to be harmless here, silenced where every process starts (anything else still shows):
+for _message in (
+    "Setuptools is replacing distutils",  # setuptools' shim, triggered by paddle's `import distutils`
+    r"The Attr\(force_cpu\) of Op\(fill_constant\)",  # Paddle 2.6.2's own ops in dy2static export programs
+    "paddle.assign doesn't support float64",  # export: rotary tables are float32 anyway
+    "the input shapes of select_input should have the same rank",  # dy2static control flow in PaddleNLP's Llama
+):
+    _warnings.filterwarnings("ignore", message=_message)
+
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -56,6 +56,8 @@ def run(experiment: str = "", metric: str = "", run_id: str = "", config_path: s
     """Select, fetch, build, publish. The export settings are the source run's config with `overrides` on top (e.g.
     `export.exports_dir=...` on the machine that exports); `config_path` only names the experiment, metric and
     tracking URI to select from."""
+    quiet_libraries()
+    began = time.time()
     base = load_config(config_path or DEFAULT_CONFIG)
     uri = tracking.tracking_uri(base)
     tracking.check_reachable(uri)
@@ -69,9 +71,31 @@ def run(experiment: str = "", metric: str = "", run_id: str = "", config_path: s
         staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=root))
         try:
             meta = build(chosen, config, checkpoint, tokenizer_dir, staging)
-            return publish(client, chosen, meta, staging, root)
+            meta = publish(client, chosen, meta, staging, root)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+    t = meta["timings_s"]
+    print(f"export took {time.time() - began:.1f}s (load {t['load_s']:.1f} / convert {t['convert_s']:.1f} / parity "
+          f"{t['parity_s']:.1f} / MLflow model {t['mlflow_model_s']:.1f} s); next: make serve && make smoke", flush=True)
+    return meta
+
+
+def quiet_libraries() -> None:
+    """The export's console says what it does; the libraries' chatter is switched off where it starts:
+    Paddle's C++ INFO lines ("New Executor is Running", before paddle loads), PaddleNLP's INFO lines (model
+    loading), MLflow's per-file download bars and its notes while saving the pyfunc model (its cloudpickle warning
+    included: the pickled class is this repository's own, shipped in the model's code/)."""
+    import logging
+    import os
+
+    os.environ.setdefault("GLOG_minloglevel", "2")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    import mlflow  # noqa: F401  (it configures its loggers at import: set the level after)
+
+    logging.getLogger("mlflow").setLevel(logging.ERROR)
+    from paddlenlp.utils.log import logger
+
+    logger.set_level("WARNING")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
