@@ -509,6 +509,9 @@ def _new_run_dir(config: Config) -> Path:
         if not cached:
             import paddlenlp  # noqa: F401  (the tokenizer needs it; its import resets SIGTERM to the default action,
             stop_signal_handler()  # so re-arm: a SIGTERM during data preparation still removes the half-made run)
+            from paddlenlp.utils.log import logger
+
+            logger.set_level("WARNING")  # ("tokenizer config file saved in ...": the data line below says it all)
 
             data = prepare(config, data_dir, tokenizer_dir)
             (data_dir / STATS_FILE).write_text(json.dumps(asdict(data), indent=2))
