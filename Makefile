@@ -89,4 +89,4 @@ mlflow-ui: $(STAMP)
 	$(PY) -m mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow/mlflow.db --host 127.0.0.1 --port $${MLFLOW_PORT:-5000}
 
 clean:
-	rm -rf runs exports reports mlflow/mlflow.db mlflow/artifacts mlflow/server
+	rm -rf runs exports reports mlflow/mlflow.db mlflow/mlflow.db.lock mlflow/artifacts mlflow/server
