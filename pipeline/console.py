@@ -11,7 +11,8 @@ import threading
 import time
 from pathlib import Path
 
-PROGRESS_FILE = "progress.jsonl"  # (training/progress.py writes it; the name is the contract)
+from training.progress import PROGRESS_FILE
+
 TIMED_STEPS = 3  # logging events before an ETA is trusted
 
 
