@@ -315,7 +315,8 @@ def _export(run_id: str, uri: str) -> dict:
                           capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"bench export failed:\n{proc.stderr[-3000:]}")
-    export_dir = proc.stdout.strip().splitlines()[-1].split(": ", 1)[1]
+    registered = next(line for line in proc.stdout.splitlines() if line.startswith("registered model "))
+    export_dir = registered.split(": ", 1)[1]  # "registered model 'name' version N: <export dir>"
     meta = exportdir.read_meta(Path(export_dir))
     return {**meta, "export_dir": export_dir}
 
