@@ -52,11 +52,10 @@ def launch_command(layout: ParallelLayout, run_dir: Path, resume_from: Path | No
     cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(layout.procs_per_node),
            "--max_restart", "0", "--log_dir", str(nodes.log_dir(run_dir, layout.nnodes))]
     if layout.nnodes > 1:
-        # Multi-node: every node runs the same `make train`, with MASTER=<host:port> and NODE_RANK set.
-        master = os.environ.get("MASTER")
-        if not master:
-            raise ConfigError("parallel.nnodes > 1: set MASTER=<host:port> of node 0 (and NODE_RANK) on every node")
-        cmd += ["--nnodes", str(layout.nnodes), "--master", master, "--rank", os.environ.get("NODE_RANK", "0")]
+        # Multi-node: every node runs the same `make train`, with MASTER=<host:port> and NODE_RANK set (`run` checks
+        # MASTER before it opens anything).
+        cmd += ["--nnodes", str(layout.nnodes), "--master", os.environ["MASTER"], "--rank",
+                os.environ.get("NODE_RANK", "0")]
     if layout.device == "gpu":
         cmd += ["--devices", os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(layout.procs_per_node))))]
     return cmd + [str(REPO_ROOT / "training" / "worker.py"), *worker]
@@ -102,12 +101,11 @@ def rank_logs(log_dir: Path, procs_per_node: int = 1) -> dict[int, Path]:
     return found
 
 
-def failing_rank(log_dir: Path, procs_per_node: int = 1) -> tuple[int, str, str] | None:
-    """(rank, why, log tail) of the rank that most likely failed first.
+def failing_rank(logs: dict[int, str]) -> tuple[int, str, str] | None:
+    """(rank, why, log tail) of the rank that most likely failed first, from each rank's log text.
 
     A rank that raised its own Python exception is the culprit. A rank killed from outside (OOM killer, SIGKILL)
     writes nothing: its log just stops, while its peers fail with gloo errors (TIMEOUT, connection reset)."""
-    logs = {rank: path.read_text(errors="replace") for rank, path in rank_logs(log_dir, procs_per_node).items()}
     if not logs:
         return None
 
@@ -616,15 +614,16 @@ def _close_run(mlflow_client, run_id: str, run_dir: Path, status: str, uri: str)
 
 
 def _report_failure(mlflow_client, run_id: str | None, run_dir: Path, layout: ParallelLayout) -> None:
-    found = failing_rank(run_dir / "logs", layout.procs_per_node)
+    paths = rank_logs(run_dir / "logs", layout.procs_per_node)
+    logs = {rank: path.read_text(errors="replace") for rank, path in paths.items()}
+    found = failing_rank(logs)
     if not found:
         print("training failed before any rank wrote a log", file=sys.stderr)
         return
     rank, why, tail = found
-    logs = rank_logs(run_dir / "logs", layout.procs_per_node)
-    print(f"\ntraining failed: rank {rank} {why}\nlast lines of {logs.get(rank, run_dir / 'logs')}:\n{tail}\n",
+    print(f"\ntraining failed: rank {rank} {why}\nlast lines of {paths.get(rank, run_dir / 'logs')}:\n{tail}\n",
           file=sys.stderr, flush=True)
-    kind, line = diagnose(run_dir, layout, rank, why, {r: p.read_text(errors="replace") for r, p in logs.items()})
+    kind, line = diagnose(run_dir, layout, rank, why, logs)
     if line:
         print(line, file=sys.stderr, flush=True)
     if run_id and mlflow_client:

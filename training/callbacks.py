@@ -246,10 +246,14 @@ class MlflowLogger(TrainerCallback):
     def uploading(self) -> set[str]:
         """Checkpoint paths whose upload has not finished (retention must not delete them yet)."""
         with self.lock:
-            return {r["info"]["path"] for r in self.sending + self.pending if r["kind"] == "checkpoint" and r["upload"]}
+            return {r["info"]["path"] for r in self._uploads()}
 
     def _queued_uploads(self) -> int:
-        return sum(1 for r in self.sending + self.pending if r["kind"] == "checkpoint" and r["upload"])
+        return len(self._uploads())
+
+    def _uploads(self) -> list[dict]:
+        """The checkpoint records still to upload (caller holds the lock)."""
+        return [r for r in self.sending + self.pending if r["kind"] == "checkpoint" and r["upload"]]
 
     def _enqueue(self, records: list[dict]) -> None:
         with self.lock:

@@ -61,14 +61,8 @@ def prune(run_dir: Path | str, keep: int, metric: str, newest_complete: int, pro
         return []
     complete = complete_checkpoints(run_dir)
     doomed = to_prune([(step, checkpoint_info(path)) for step, path in complete], keep, metric)
-    removed = [path for step, path in complete if step in doomed]
-    root = checkpoints_dir(run_dir)
-    removed = [path for path in removed if str(path.resolve()) not in protect]  # (uploads still running)
-    complete_steps = {step for step, _ in complete}
-    for child in root.iterdir() if root.is_dir() else []:
-        step = step_of(child)
-        if step is not None and step < newest_complete and step not in complete_steps and child.is_dir():
-            removed.append(child)
+    removed = [path for step, path in complete if step in doomed and str(path.resolve()) not in protect]
+    removed += [path for step, path in _incomplete(run_dir) if step < newest_complete]  # (protect: uploads running)
     for path in removed:
         (path / COMPLETE_MARKER).unlink(missing_ok=True)
         shutil.rmtree(path, ignore_errors=True)
@@ -94,14 +88,18 @@ def make_durable(checkpoint: Path) -> None:
 
 def complete_checkpoints(run_dir: Path | str) -> list[tuple[int, Path]]:
     """(step, path) of every complete checkpoint, oldest first."""
+    return [(step, path) for step, path in _checkpoint_dirs(run_dir) if (path / COMPLETE_MARKER).is_file()]
+
+
+def _incomplete(run_dir: Path | str) -> list[tuple[int, Path]]:
+    """(step, path) of every checkpoint directory without its complete marker, oldest first."""
+    return [(step, path) for step, path in _checkpoint_dirs(run_dir) if not (path / COMPLETE_MARKER).is_file()]
+
+
+def _checkpoint_dirs(run_dir: Path | str) -> list[tuple[int, Path]]:
     root = checkpoints_dir(run_dir)
-    found = []
-    if root.is_dir():
-        for child in root.iterdir():
-            match = _STEP.match(child.name)
-            if match and (child / COMPLETE_MARKER).is_file():
-                found.append((int(match.group(1)), child))
-    return sorted(found)
+    found = [(step_of(child), child) for child in (root.iterdir() if root.is_dir() else []) if child.is_dir()]
+    return sorted((step, path) for step, path in found if step is not None)
 
 
 def latest_complete(run_dir: Path | str) -> Path | None:
@@ -114,9 +112,7 @@ def remove_partial(run_dir: Path | str) -> list[Path]:
     Only when no rank of the run is running: the launcher calls it before a resume and after a failure."""
     latest = latest_complete(run_dir)
     newest = step_of(latest) if latest else -1
-    root = checkpoints_dir(run_dir)
-    partial = sorted((p for p in (root.iterdir() if root.is_dir() else [])
-                      if p.is_dir() and step_of(p) is not None and step_of(p) > newest), key=step_of)
+    partial = [path for step, path in _incomplete(run_dir) if step > newest]
     for path in partial:
         shutil.rmtree(path, ignore_errors=True)
     return partial

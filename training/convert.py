@@ -71,20 +71,19 @@ def save_static(model, export_dir: Path) -> None:
 
 def parity_error(model, predictor, vocab: int, seq_length: int, seed: int = 0) -> float:
     """Max |dynamic - paddle.inference| logit difference over batches of different shapes."""
-    rng = np.random.RandomState(seed)
-    forward = dynamic_forward(model)
-    worst = 0.0
-    for batch, length in PARITY_SHAPES:
-        ids = rng.randint(5, vocab, size=(batch, length or seq_length)).astype("int64")
-        worst = max(worst, float(np.abs(exportdir.predict(predictor, ids) - forward(ids)).max()))
-    return worst
+    return _max_logit_error(dynamic_forward(model), lambda ids: exportdir.predict(predictor, ids), vocab, seq_length,
+                            seed)
 
 
 def weight_layout_error(portable, trained, vocab: int, seq_length: int, seed: int = 2) -> float:
     """Max |portable - as trained| logit difference: a checkpoint trained with fused q/k/v or gate/up weights is
     exported as the unfused model (PaddleNLP splits the weights on load); both must compute the same function."""
+    return _max_logit_error(dynamic_forward(portable), dynamic_forward(trained), vocab, seq_length, seed)
+
+
+def _max_logit_error(a, b, vocab: int, seq_length: int, seed: int) -> float:
+    """Max |a(ids) - b(ids)| over seeded random batches of PARITY_SHAPES."""
     rng = np.random.RandomState(seed)
-    a, b = dynamic_forward(portable), dynamic_forward(trained)
     worst = 0.0
     for batch, length in PARITY_SHAPES:
         ids = rng.randint(5, vocab, size=(batch, length or seq_length)).astype("int64")
