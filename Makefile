@@ -70,7 +70,7 @@ plan: $(STAMP)
 	$(PY) -m pipeline plan --config $(CONFIG) $(ARGS)
 
 bench: $(STAMP)
-	$(PY) -m pipeline bench $(ARGS)
+	$(PY) -m bench $(ARGS)
 
 mlflow-server: $(STAMP)
 	$(PY) -m pipeline mlflow-server

@@ -1,28 +1,41 @@
 """`python -m pipeline <verb> [options] [section.key=value ...]` -- the one CLI the Makefile calls.
 
 Each verb is one function in one module of pipeline/: train (train.py), export (export.py), serve / stop / smoke
-(serve.py), compare (compare.py), runs (runs.py), bench (bench.py), plan (plan.py), mlflow-server / mlflow-stop
-(mlflow_server.py).
+(serve.py), compare (compare.py), sweep (sweep.py), runs (runs.py), plan (plan.py), mlflow-server / mlflow-stop
+(mlflow_server.py). Each is handed the config, loaded once (`verb_config`), and the parsed arguments.
+The benchmark suite has its own entry point: `python -m bench` (bench/).
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-import pipeline  # noqa: F401  (zlib before paddle)
-from pipeline.config import DEFAULT_CONFIG, ConfigError, load_config
+import core  # noqa: F401  (zlib before paddle)
+from core.config import DEFAULT_CONFIG, Config, ConfigError, load_config
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        return VERBS[args.verb](args) or 0
+        return VERBS[args.verb](verb_config(args), args) or 0
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # before training started (data preparation, MLflow set-up): nothing was kept
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def verb_config(args) -> Config:
+    """The config every verb is handed, loaded once: `--config` (default configs/tiny.yaml) with the overrides on top;
+    for `train --resume`, the run directory's recorded config with the overrides on top. Export and sweep get the
+    file alone: export applies its overrides to the source run's config, sweep's are a grid."""
+    if getattr(args, "resume", ""):
+        from pipeline import train
+
+        return train.resumed_config(args.resume, args.overrides)
+    own_overrides = args.verb in ("export", "sweep")
+    return load_config(args.config or DEFAULT_CONFIG, [] if own_overrides else getattr(args, "overrides", []))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -65,9 +78,6 @@ def parser() -> argparse.ArgumentParser:
     sweep.add_argument("--id", default="", help="continue this sweep (finished runs are not retrained)")
     sweep.add_argument("--parallel", type=int, default=0, help="runs at once (default: what the cores hold)")
     sweep.add_argument("overrides", nargs="*", help="e.g. training.learning_rate=1e-3,3e-3 model.num_layers=2,4")
-    bench = sub.add_parser("bench", help="benchmark suite (reports/bench/bench.{json,md}, MLflow experiment bench)")
-    bench.add_argument("--quick", action="store_true", help="tiny settings: checks the harness, not the machine")
-    bench.add_argument("--out", default="", help="output directory (default reports/bench)")
     runs = sub.add_parser("runs", help="RUNNING runs of an experiment: alive, dead or stale; --reap marks the "
                                        "dead and stale ones FAILED")
     runs.add_argument("--config", default=None, help=config_help + "; names the experiment")
@@ -84,76 +94,63 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _config(args):
-    return load_config(args.config or DEFAULT_CONFIG, getattr(args, "overrides", []))
+def _train(config: Config, args) -> int:
+    from pipeline import supervise, train
+
+    supervise.stop_signal_handler()  # (until the ranks start, SIGTERM removes what was half-made)
+    return train.run(config, resume=args.resume, dry_run=args.dry_run)
 
 
-def _train(args) -> int:
-    from pipeline import train
-
-    train.stop_signal_handler()
-    return train.run(args.config or str(DEFAULT_CONFIG), args.overrides, resume=args.resume, dry_run=args.dry_run)
-
-
-def _export(args) -> int:
+def _export(config: Config, args) -> int:
     from pipeline import export
 
-    export.run(args.experiment, args.metric, args.run_id, args.config, args.overrides)
+    export.run(config, args.experiment, args.metric, args.run_id, args.overrides)
     return 0
 
 
 def _serve_verb(name: str):
-    def verb(args) -> int:
+    def verb(config: Config, args) -> int:
         from pipeline import serve
 
-        config = _config(args)
         return serve.serve(config, args.model) if name == "serve" else getattr(serve, name)(config)
 
     return verb
 
 
-def _compare(args) -> int:
+def _compare(config: Config, args) -> int:
     from pipeline import compare
 
-    base = load_config(args.config or DEFAULT_CONFIG)
-    return compare.run(args.experiment or base.tracking.experiment, args.metric, args.filter)
+    return compare.run(args.experiment or config.tracking.experiment, args.metric, args.filter)
 
 
-def _runs(args) -> int:
-    from pipeline import runs, tracking
+def _runs(config: Config, args) -> int:
+    from core import tracking
+    from pipeline import runs
 
-    base = load_config(args.config or DEFAULT_CONFIG)
-    return runs.main(args.experiment or base.tracking.experiment, base.tracking.stale_after_s,
-                     tracking.tracking_uri(base), args.reap)
+    return runs.main(args.experiment or config.tracking.experiment, config.tracking.stale_after_s,
+                     tracking.tracking_uri(config), args.reap)
 
 
-def _sweep(args) -> int:
+def _sweep(config: Config, args) -> int:
     from pipeline import sweep
 
-    return sweep.run(args.config or str(DEFAULT_CONFIG), args.overrides, args.id, args.parallel)
+    return sweep.run(config, args.config or str(DEFAULT_CONFIG), args.overrides, args.id, args.parallel)
 
 
-def _bench(args) -> int:
-    from pipeline import bench
-
-    bench.run(quick=args.quick, out=args.out or None)
-    return 0
-
-
-def _plan(args) -> int:
+def _plan(config: Config, args) -> int:
     from pipeline import plan
 
-    return plan.run(args.config or str(DEFAULT_CONFIG), args.overrides, args.top, args.csv, args.write)
+    return plan.run(config, args.top, args.csv, args.write)
 
 
-def _mlflow_server(args) -> int:
+def _mlflow_server(config: Config, args) -> int:
     from pipeline import mlflow_server
 
     return mlflow_server.main(args.verb)
 
 
 VERBS = {"train": _train, "export": _export, "serve": _serve_verb("serve"), "stop": _serve_verb("stop"),
-         "smoke": _serve_verb("smoke"), "compare": _compare, "sweep": _sweep, "runs": _runs, "bench": _bench, "plan": _plan,
+         "smoke": _serve_verb("smoke"), "compare": _compare, "sweep": _sweep, "runs": _runs, "plan": _plan,
          "mlflow-server": _mlflow_server, "mlflow-stop": _mlflow_server}
 
 if __name__ == "__main__":

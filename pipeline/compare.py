@@ -7,15 +7,12 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from pipeline import REPO_ROOT, tracking
-from pipeline.config import ConfigError
+from core import REPO_ROOT, tracking
+from core.config import ConfigError
+from pipeline.loss_plot import history as _history, plot_curves
 
 COLUMNS = ["run", "run_id", "status", "layout", "dp", "tp", "pp", "sharding", "hidden", "layers", "lr", "batch",
            "steps", "final_loss", "best_eval_loss", "best_perplexity", "tokens_per_s", "wall_s", "model_version"]
-
-
-def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
-    return list(tracking.metric_history(client, run_id, key).items())
 
 
 def summarize(client, run, metric: str) -> dict:
@@ -85,40 +82,6 @@ def write_csv(rows: list[dict], path: Path) -> None:
         writer = csv.DictWriter(fh, fieldnames=COLUMNS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
-
-
-def plot_curves(rows: list[dict], path: Path, title: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (train_ax, eval_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for row in rows:
-        label = f"{row['run']} ({row['layout']})"
-        if row["_losses"]:
-            train_ax.plot(*zip(*row["_losses"]), label=label)
-        if row["_evals"]:
-            eval_ax.plot(*zip(*row["_evals"]), marker="o", label=label)
-    for ax, name in ((train_ax, "train loss"), (eval_ax, "eval loss")):
-        ax.set_xlabel("step")
-        ax.set_ylabel(name)
-        ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-def plot_run_losses(client, run_id: str, path: Path) -> Path:
-    """The loss-curve PNG each training run logs as an artifact when it finishes."""
-    run = client.get_run(run_id)
-    row = {"run": run.info.run_name, "layout": run.data.tags.get(tracking.TAG_LAYOUT, "?"),
-           "_losses": _history(client, run_id, "loss"), "_evals": _history(client, run_id, "eval_loss")}
-    return plot_curves([row], path, f"{run.info.run_name}: loss curves")
 
 
 def run(experiment: str, metric: str, filter_string: str) -> int:

@@ -4,7 +4,7 @@ artifacts + registered model version.
     select()          the best checkpoint (lowest export.metric) of the best FINISHED run, or of RUN_ID
     fetch_inputs()    its checkpoint, config and tokenizer: from this machine's disk or the run's artifacts
     build()           convert (training/convert.py), gate on logits and on greedy tokens, write the export
-                      directory's files (pipeline/exportdir.py) in a staging directory
+                      directory's files (core/exportdir.py) in a staging directory
     publish()         log the directory to the source run (`exports/<name>/v<N>/`), register `runs:/...` (MLflow's
                       convention, which a tracking server accepts; a local path it refuses), rename staging into place
 
@@ -20,9 +20,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import pipeline  # noqa: F401  (zlib before paddle)
-from pipeline import REPO_ROOT, exportdir, tracking
-from pipeline.config import DEFAULT_CONFIG, Config, ConfigError, load_config
+import core  # noqa: F401  (zlib before paddle)
+from core import REPO_ROOT, exportdir, tracking
+from core.config import DEFAULT_CONFIG, Config, ConfigError, load_config
 from training.checkpoints import COMPLETE_MARKER
 
 
@@ -51,14 +51,13 @@ class Selection:
         return path if (path / COMPLETE_MARKER).is_file() else None
 
 
-def run(experiment: str = "", metric: str = "", run_id: str = "", config_path: str | None = None,
+def run(base: Config, experiment: str = "", metric: str = "", run_id: str = "",
         overrides: list[str] | tuple[str, ...] = ()) -> dict:
     """Select, fetch, build, publish. The export settings are the source run's config with `overrides` on top (e.g.
-    `export.exports_dir=...` on the machine that exports); `config_path` only names the experiment, metric and
-    tracking URI to select from."""
+    `export.exports_dir=...` on the machine that exports); `base` (the verb's config) only names the experiment,
+    metric and tracking URI to select from."""
     quiet_libraries()
     began = time.time()
-    base = load_config(config_path or DEFAULT_CONFIG)
     uri = tracking.tracking_uri(base)
     tracking.check_reachable(uri)
     client = tracking.client(uri)
@@ -165,7 +164,6 @@ def build(chosen: Selection, config: Config, checkpoint: Path, tokenizer_dir: Pa
     import paddle
 
     from training import convert
-
     print(f"run {chosen.run_id} ({chosen.run_name}); checkpoint step {chosen.step} ({chosen.metric} "
           f"{chosen.metric_value:.5f}): {checkpoint}", flush=True)
     timings = {}
@@ -248,7 +246,6 @@ def logits_gate(model, staging: Path, config: Config) -> float:
     configurations users run (plain, as served: bit-identical kernels; IR-optimised: fused passes change the
     arithmetic slightly) and the prefill/decode cache programs step by step. The gate takes the worst."""
     from training import convert
-
     vocab, seq = model.config.vocab_size, config.training.seq_length
     full = max(convert.parity_error(model, exportdir.create_predictor(staging, ir_optim), vocab, seq)
                for ir_optim in (False, True))

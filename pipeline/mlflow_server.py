@@ -11,9 +11,9 @@ import signal
 import sys
 from pathlib import Path
 
-from pipeline import REPO_ROOT
-from pipeline.config import ConfigError
-from pipeline.processes import group_alive, log_tail, port_in_use, start_group, stop_group, wait_ready
+from core import REPO_ROOT
+from core.config import ConfigError
+from core.processes import group_alive, log_tail, port_in_use, start_group, stop_group, wait_ready
 
 SETTINGS = REPO_ROOT / "mlflow" / "server.env"
 STATE_DIR = REPO_ROOT / "mlflow" / "server"

@@ -17,8 +17,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from pipeline import REPO_ROOT, exportdir, tracking
-from pipeline.config import Config, ConfigError
+from core import REPO_ROOT, exportdir, tracking
+from core.config import Config, ConfigError
 
 _MODELS_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<version>\d+|latest)|@(?P<alias>[\w-]+))$")
 

@@ -19,7 +19,7 @@ import socket
 import time
 from pathlib import Path
 
-from pipeline.errors import ConfigError
+from core.errors import ConfigError
 
 LAUNCH_FILE = "launch.json"
 

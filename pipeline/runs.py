@@ -15,8 +15,8 @@ import os
 import socket
 import time
 
-from pipeline import tracking
-from pipeline.processes import proc_stat
+from core import tracking
+from core.processes import proc_stat
 
 
 def _start_time(pid: int) -> str | None:

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline import models, tracking
-from pipeline.config import Config, ConfigError
+from pipeline import models
+
+from core import tracking
+from core.config import Config, ConfigError
 from serving import server
 from serving.smoke import run_smoke
 from serving.state import default_state_dir, read_state
@@ -37,7 +39,7 @@ def smoke(config: Config) -> int:
 
 def samples(state: dict, max_new_tokens: int) -> str:
     """What the served model is: its eval metric and greedy continuations of the reference prompts."""
-    from pipeline import exportdir
+    from core import exportdir
     from serving.client import GenerationClient
 
     meta = exportdir.read_meta(Path(state["model_dir"]))

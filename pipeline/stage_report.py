@@ -2,7 +2,7 @@
 
 Reads the ranks' `pipeline/rank<r>.json` (training/stage_timing.py), draws the timeline from the order Paddle's
 engine reported for each stage, placed with the measured per-micro-batch forward/backward times of that stage
-(pipeline/schedules.py), logs it as `pipeline/timeline.png` + `pipeline/stages.json` and the per-stage metrics to
+(core/schedules.py), logs it as `pipeline/timeline.png` + `pipeline/stages.json` and the per-stage metrics to
 MLflow, and says which stage is the bottleneck and which `parallel.stage_layers` would even the stages out.
 
 The advice: a stage's forward splits into its decoder layers (timed by hooks) and the rest (embedding on the first
@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline import schedules
-from pipeline.layout import ParallelLayout, balanced_split
+from core import schedules
+from core.layout import ParallelLayout, balanced_split
 
 
 def stage_summary(records: list[dict]) -> list[dict]:

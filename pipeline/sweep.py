@@ -23,9 +23,11 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline import REPO_ROOT, cpu_runtime, tracking
-from pipeline.config import Config, ConfigError, load_config, parse_override
-from pipeline.layout import ParallelLayout
+from core import REPO_ROOT, tracking
+
+from core.workarounds import cpu_runtime
+from core.config import Config, ConfigError, load_config, parse_override
+from core.layout import ParallelLayout
 
 
 def grid(overrides: list[str]) -> list[list[str]]:
@@ -62,8 +64,9 @@ def _status(client, experiment: str, name: str) -> str | None:
     return found[0].info.status if found else None
 
 
-def run(config_path: str, overrides: list[str], sweep_id: str = "", parallel: int = 0) -> int:
-    sweep_id = sweep_id or f"{load_config(config_path).name}-sweep-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+def run(config: Config, config_path: str, overrides: list[str], sweep_id: str = "", parallel: int = 0) -> int:
+    """`config` is the file at `config_path` (the runs are launched with that path and each point's overrides)."""
+    sweep_id = sweep_id or f"{config.name}-sweep-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
     points, base = plan(config_path, overrides, sweep_id)
     home = (REPO_ROOT / base.training.runs_dir).resolve() / "sweeps" / sweep_id
     home.mkdir(parents=True, exist_ok=True)
@@ -148,7 +151,6 @@ def _train_all(todo, config_path, base: Config, home: Path, at_once: int, thread
 
 def _report(uri: str, experiment: str, sweep_id: str, home: Path, failed: list[str]) -> int:
     from pipeline import compare
-
     rows, out_dir = compare.compare(experiment, filter_string=f"tags.`pipeline.sweep` = '{sweep_id}'", uri=uri,
                                     out_dir=home / "report")
     print(compare.table(rows))

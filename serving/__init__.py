@@ -1,22 +1,7 @@
 """Serving stage: Paddle Serving Pipeline service for an export directory, its client, start/stop/smoke.
+Paddle Serving 0.9.0's platform workarounds are applied here, once, for everything under serving/
+(core/workarounds/paddle_serving.py)."""
+import core  # noqa: F401  (zlib before paddle)
+from core.workarounds import paddle_serving as _paddle_serving
 
-Two platform rules are applied here, once, for everything under serving/:
-- `import pipeline` loads zlib before paddle (see pipeline/__init__.py);
-- paddle_serving_server 0.9.0 imports `paddle_serving_client` at load time, which has no Python 3.11 build: the
-  stand-in in serving/compat/ is put on sys.path when the real package is absent;
-- importing paddle_serving_server.pipeline (the gRPC client too) creates PipelineServingLogs/ in the current
-  directory unless SERVING_LOG_PATH says where: clients log under the temp directory, the server (serving/server.py)
-  into its state directory.
-"""
-import importlib.util
-import os
-import sys
-import tempfile
-from pathlib import Path
-
-import pipeline  # noqa: F401
-
-COMPAT_DIR = Path(__file__).resolve().parent / "compat"
-if importlib.util.find_spec("paddle_serving_client") is None:
-    sys.path.append(str(COMPAT_DIR))
-os.environ.setdefault("SERVING_LOG_PATH", os.path.join(tempfile.gettempdir(), "paddle-serving-client"))
+_paddle_serving.apply()

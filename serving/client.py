@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     url, rpc = args.url, args.rpc
     if not url or (args.grpc and not rpc):
-        from pipeline.config import DEFAULT_CONFIG, load_config
+        from core.config import DEFAULT_CONFIG, load_config
         from serving.state import default_state_dir, read_state
 
         state = read_state(default_state_dir(load_config(DEFAULT_CONFIG)))

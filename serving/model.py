@@ -1,12 +1,12 @@
 """An export directory as serving uses it: tokenizer, lineage and generation limits around the graph
-(pipeline/exportdir.py is the format; nothing here comes from training)."""
+(core/exportdir.py is the format; nothing here comes from training)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import serving  # noqa: F401  (zlib first)
-from pipeline import exportdir
-from pipeline.tokenizer import decode, load_tokenizer
+from core import exportdir
+from core.tokenizer import decode, load_tokenizer
 from serving.generation import GenerationSettings, generate, generate_batch
 
 

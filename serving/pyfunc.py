@@ -42,7 +42,7 @@ class GenerationModel(mlflow.pyfunc.PythonModel):
     """Text generation over an export directory (kv-cache programs when the export has them)."""
 
     def load_context(self, context):
-        from pipeline import exportdir
+        from core import exportdir
         from serving.model import ExportedModel
 
         self.model = ExportedModel(context.artifacts[EXPORT_ARTIFACT])
@@ -129,8 +129,8 @@ def write_mlflow_model(export_dir: Path, pip_requirements: list[str], input_prom
     with tempfile.TemporaryDirectory(prefix="pyfunc-") as scratch:
         placeholder = Path(scratch) / "placeholder"
         placeholder.mkdir()
-        code = []  # the serving code and the vocabulary it imports (pipeline/), without bytecode caches
-        for package in ("serving", "pipeline"):
+        code = []  # the serving code and the vocabulary it imports (core/), without bytecode caches
+        for package in ("serving", "core"):
             code.append(shutil.copytree(repo / package, Path(scratch) / "code" / package,
                                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc")))
         model_dir = Path(scratch) / "model"

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import yaml
 
-from pipeline import REPO_ROOT, exportdir
-from pipeline.config import Config, ConfigError
-from pipeline.processes import group_alive, log_tail, port_in_use, start_group, stop_group, wait_ready
-from serving import COMPAT_DIR
+from core import REPO_ROOT, exportdir
+from core.config import Config, ConfigError
+from core.processes import group_alive, log_tail, port_in_use, start_group, stop_group, wait_ready
+from core.workarounds.paddle_serving import COMPAT_DIR
 from serving.client import GenerationClient
 from serving.service import op_processes, render_config
 from serving.state import clear_state, read_state, write_state

@@ -133,8 +133,7 @@ def _make_op_classes(model_dir: Path, limits: Limits, generation: str, threads: 
                 if generation == "kv_cache":
                     session = self.model.cached_session(threads)
                 else:
-                    from pipeline import exportdir
-
+                    from core import exportdir
                     predictor = exportdir.create_predictor(self.model.dir, threads=threads)
                     session = lambda ids: exportdir.predict(predictor, ids)  # noqa: E731
                 self.sessions.session = session
@@ -190,8 +189,7 @@ def _make_op_classes(model_dir: Path, limits: Limits, generation: str, threads: 
 
 def op_processes(serving_config) -> int:
     """Op workers: serving.op_concurrency, or (0) one per core this server may use."""
-    from pipeline import cpu_runtime
-
+    from core.workarounds import cpu_runtime
     return serving_config.op_concurrency or cpu_runtime.available_cores()
 
 
@@ -199,8 +197,7 @@ def predictor_threads(serving_config) -> int:
     """Math threads of each Op worker's predictors: serving.predictor_threads, or (0) an even share of the cores.
     (In thread mode too: one predictor with 2 threads measured 1164 tokens/s at 8 clients, two with 1 thread each
     1635-1803; the model's matrices are too small for OpenMP to pay.)"""
-    from pipeline import cpu_runtime
-
+    from core.workarounds import cpu_runtime
     return cpu_runtime.threads_per_process(serving_config.predictor_threads, op_processes(serving_config))
 
 
@@ -234,10 +231,11 @@ def main() -> None:
     parser.add_argument("--service-config", required=True, help="the pipeline's resolved YAML config")
     parser.add_argument("--model", required=True, help="export directory")
     args = parser.parse_args()
-    from pipeline.config import load_config
+    from core.config import load_config
 
-    from pipeline import cpu_runtime, exportdir
+    from core.workarounds import cpu_runtime
 
+    from core import exportdir
     config = load_config(args.service_config)
     model_dir = Path(args.model)
     generation = config.serving.generation

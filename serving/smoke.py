@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import serving  # noqa: F401
-from pipeline import exportdir
+from core import exportdir
 from serving.client import GenerationClient, ServingError
 from serving.generation import GenerationSettings
 from serving.model import ExportedModel

@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline import REPO_ROOT
-
+from core import REPO_ROOT
 STATE_FILE = "server.json"
 
 

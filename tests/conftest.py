@@ -2,7 +2,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import pipeline  # noqa: E402,F401  (zlib before paddle, for every test)
+import core  # noqa: E402,F401  (zlib before paddle, for every test)
 import pytest  # noqa: E402
 
 from helpers import TINY_CONFIG  # noqa: E402

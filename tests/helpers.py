@@ -6,10 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pipeline
-from pipeline import REPO_ROOT
-from pipeline.processes import free_port  # noqa: F401  (re-exported for the tests)
-from pipeline.tracking import metric_history  # noqa: F401  (re-exported for the tests)
+import core
+from core import REPO_ROOT
+from core.processes import free_port  # noqa: F401  (re-exported for the tests)
+from core.tracking import metric_history  # noqa: F401  (re-exported for the tests)
 
 TINY_CONFIG = """\
 name: t
@@ -53,14 +53,16 @@ def env_for(store_uri: str) -> dict:
     return env
 
 
-def cli(args: list[str], store_uri: str, timeout: float = 600, **popen) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=REPO_ROOT, env=env_for(store_uri),
+def cli(args: list[str], store_uri: str, timeout: float = 600, module: str = "pipeline",
+        **popen) -> subprocess.CompletedProcess:
+    """`python -m pipeline <args>` (or `-m <module>`) as `make` runs it, with its own tracking store."""
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO_ROOT, env=env_for(store_uri),
                           capture_output=True, text=True, timeout=timeout, **popen)
 
 
 def make_init_weights(config_file: Path, runs_dir: Path, out: Path) -> Path:
     """Seeded random weights of the single-device model, saved once, so every layout starts from the same point."""
-    from pipeline.config import load_config
+    from core.config import load_config
     from training.data import prepare
     from training.model import build_model
 
@@ -68,7 +70,7 @@ def make_init_weights(config_file: Path, runs_dir: Path, out: Path) -> Path:
 
     config = load_config(config_file, [f"training.runs_dir={runs_dir}"])
     prepare(config, out / "data", out / "tokenizer")
-    from pipeline.tokenizer import load_tokenizer
+    from core.tokenizer import load_tokenizer
 
     paddle.seed(1)
     model = build_model(config, load_tokenizer(out / "tokenizer"), 1, 0, pipeline=False)

@@ -9,9 +9,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_bench_harness_quick(store_uri, tmp_path):
-    from pipeline import cpu_runtime
-
-    proc = cli(["bench", "--quick", "--out", str(tmp_path)], store_uri, timeout=900)
+    from core.workarounds import cpu_runtime
+    proc = cli(["--quick", "--out", str(tmp_path)], store_uri, timeout=900, module="bench")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "bench.json").read_text())
     assert result["quick"] is True

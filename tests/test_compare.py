@@ -7,8 +7,9 @@ import time
 import pytest
 
 from helpers import cli, env_for, free_port, metric_history
-from pipeline import REPO_ROOT, mlflow_server, tracking
-from pipeline.processes import group_alive, port_in_use
+from core import REPO_ROOT, tracking
+from pipeline import mlflow_server
+from core.processes import group_alive, port_in_use
 
 pytestmark = pytest.mark.slow
 

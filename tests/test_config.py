@@ -1,9 +1,9 @@
 """The typed config: every bad input fails before anything starts, with a message naming the key."""
 import pytest
 
-from pipeline import REPO_ROOT
-from pipeline.config import DEFAULT_CONFIG, ConfigError, load_config
-from pipeline.layout import ParallelLayout
+from core import REPO_ROOT
+from core.config import DEFAULT_CONFIG, ConfigError, load_config
+from core.layout import ParallelLayout
 
 
 def write(tmp_path, text):
@@ -141,14 +141,14 @@ def test_512_gpu_layout_validates_and_describes():
     assert "world size 512" in text and "pipeline stage 15" in text
     assert sum(line.startswith("rank ") for line in text.splitlines()) == 512
     assert "rank  511 (node 63): dp 3 pp 15 sharding 0 tp 7" in text
-    from pipeline.layout import estimate_parameters
+    from core.arithmetic import parameters as estimate_parameters
 
     assert 95e9 < estimate_parameters(config) < 105e9
 
 
 def test_too_many_processes_for_this_machine(monkeypatch):
     """CPU: at most 2 processes per core (the machine's core count is pinned so the test means the same anywhere)."""
-    monkeypatch.setattr("pipeline.cpu_runtime.available_cores", lambda: 2)
+    monkeypatch.setattr("core.workarounds.cpu_runtime.available_cores", lambda: 2)
     fits = load_config(None, ["parallel.data=4", "parallel.micro_batch_size=4"])
     ParallelLayout.from_config(fits).check_fits_machine()
     config = load_config(None, ["parallel.data=8", "parallel.micro_batch_size=2"])
@@ -172,7 +172,7 @@ def test_invalid_serving_settings(overrides, message):
 def test_serving_workers_and_threads_follow_the_cores(monkeypatch):
     from serving.service import op_processes, predictor_threads, render_config
 
-    monkeypatch.setattr("pipeline.cpu_runtime.available_cores", lambda: 8)
+    monkeypatch.setattr("core.workarounds.cpu_runtime.available_cores", lambda: 8)
     config = load_config(DEFAULT_CONFIG)
     assert (op_processes(config.serving), predictor_threads(config.serving)) == (8, 1)
     config = load_config(DEFAULT_CONFIG, ["serving.op_concurrency=2"])

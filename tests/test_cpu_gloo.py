@@ -6,9 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from training import cpu_gloo
-
-
+from core.workarounds import cpu_gloo
 def test_refuses_other_paddle_versions():
     with pytest.raises(cpu_gloo.UnsupportedPaddleVersion, match="paddlepaddle 2.6.2, but paddle 3.0.0"):
         cpu_gloo.check_version("3.0.0")
@@ -17,14 +15,13 @@ def test_refuses_other_paddle_versions():
 
 def _two_ranks(out_dir):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    import pipeline  # noqa: F401
+    import core  # noqa: F401
 
     import paddle
     import paddle.distributed as dist
     from paddle.distributed.fleet.layers.mpu import mp_ops
 
-    from training import cpu_gloo
-
+    from core.workarounds import cpu_gloo
     applied = cpu_gloo.apply(timeout_s=60)
     dist.init_parallel_env()
     rank = dist.get_rank()

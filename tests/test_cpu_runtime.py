@@ -1,9 +1,9 @@
-"""CPU math runtime decisions (pipeline/cpu_runtime.py): fast, no training."""
+"""CPU math runtime decisions (core/workarounds/cpu_runtime.py): fast, no training."""
 import pytest
 
-from pipeline import cpu_runtime
-from pipeline.config import ConfigError, load_config
-from pipeline.layout import ParallelLayout
+from core.workarounds import cpu_runtime
+from core.config import ConfigError, load_config
+from core.layout import ParallelLayout
 
 
 @pytest.mark.parametrize("vendor, version, environ, expected", [
@@ -36,7 +36,7 @@ def test_threads_per_process(configured, processes, cores, expected):
 
 
 def test_threads_override_must_fit_the_cores(monkeypatch):
-    monkeypatch.setattr("pipeline.cpu_runtime.available_cores", lambda: 4)
+    monkeypatch.setattr("core.workarounds.cpu_runtime.available_cores", lambda: 4)
     ok = ParallelLayout.from_config(load_config(None, ["parallel.data=2", "parallel.micro_batch_size=8",
                                                        "parallel.cpu_threads=2"]))
     ok.check_fits_machine()
@@ -56,7 +56,7 @@ def test_compile_refused_for_model_parallel_layouts():
 
 
 def test_openmp_threads_sleep_between_ops_unless_told_otherwise():
-    from pipeline.cpu_runtime import blocktime_value
+    from core.workarounds.cpu_runtime import blocktime_value
 
     assert blocktime_value({}) == "0"
     assert blocktime_value({"KMP_BLOCKTIME": "200"}) is None  # the user's own value stays

@@ -5,11 +5,9 @@ import shutil
 import numpy as np
 import pytest
 
-from pipeline.config import ConfigError, load_config
-from pipeline import tokenizer as tokenizer_format
+from core.config import ConfigError, load_config
+from core import tokenizer as tokenizer_format
 from training import data
-
-
 def config_for(tmp_path, files, extra=(), **training):
     overrides = ["data.source=files", f"data.files={json.dumps([str(f) for f in files])}", "tokenizer.min_frequency=1",
                  "training.seq_length=8", "training.global_batch_size=2", "parallel.micro_batch_size=2"]

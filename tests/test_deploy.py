@@ -7,8 +7,7 @@ import subprocess
 import pytest
 import yaml
 
-from pipeline import REPO_ROOT
-
+from core import REPO_ROOT
 DEPLOY = REPO_ROOT / "deploy"
 SBATCH = DEPLOY / "slurm" / "train.sbatch"
 PADDLEJOB = DEPLOY / "kubernetes" / "paddlejob-train.yaml"
@@ -47,7 +46,7 @@ def test_sbatch_script_dry_runs_a_new_run_then_the_requeued_one(tmp_path):
     assert "TrainingArguments: amp_master_grad=True" in proc.stdout
     # requeued: the run directory exists on the shared storage -> the same command resumes it
     (runs / "llama-4242").mkdir(parents=True)
-    from pipeline.config import load_config
+    from core.config import load_config
 
     config = load_config(REPO_ROOT / "configs" / "llama-100b-512gpu.yaml",
                          [f"training.runs_dir={runs}", "training.run_name=llama-4242"])

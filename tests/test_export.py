@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from helpers import LAYOUTS, cli, env_for
-from pipeline import REPO_ROOT, exportdir, tracking
-
+from core import REPO_ROOT, exportdir, tracking
 pytestmark = pytest.mark.slow
 
 
@@ -62,9 +61,9 @@ def test_exported_graph_loads_in_a_fresh_process(exported, tmp_path):
     with paddle.no_grad():
         expected = model(paddle.to_tensor(ids), use_cache=False, return_dict=False)[0].numpy()
     np.save(tmp_path / "ids.npy", ids)
-    code = ("import pipeline, sys, numpy as np\n"
+    code = ("import core, sys, numpy as np\n"
             "from pathlib import Path\n"
-            "from pipeline.exportdir import create_predictor, predict\n"
+            "from core.exportdir import create_predictor, predict\n"
             "p = create_predictor(Path(sys.argv[1]))\n"
             "np.save(sys.argv[3], predict(p, np.load(sys.argv[2])))\n")
     subprocess.run([sys.executable, "-c", code, str(exported["export_dir"]), str(tmp_path / "ids.npy"),
@@ -154,7 +153,7 @@ def test_tp2pp2_checkpoint_exports_like_the_merged_single_model(exported):
     export_dir = exported["root"] / "exports" / "test-model" / version
     meta = json.loads((export_dir / "export.json").read_text())
     assert meta["source_run_id"] == run_id
-    from pipeline.exportdir import create_predictor, predict
+    from core.exportdir import create_predictor, predict
     from training.model import load_merged
 
     import paddle

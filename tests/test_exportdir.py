@@ -1,11 +1,11 @@
-"""The export-directory contract (pipeline/exportdir.py): what export writes is what serving reads. Fast, no paddle
+"""The export-directory contract (core/exportdir.py): what export writes is what serving reads. Fast, no paddle
 graph needed (a fake weights file stands in for model.pdiparams)."""
 import json
 
 import pytest
 
-from pipeline import exportdir
-from pipeline.errors import ConfigError
+from core import exportdir
+from core.errors import ConfigError
 
 META = {"registered_model_name": "m", "version": 3, "source_run_id": "r1", "checkpoint_step": 40,
         "eos_token_id": 3, "max_position_embeddings": 256, "vocab_size": 4608, "weights_sha256": ""}

@@ -1,20 +1,21 @@
-"""The import graph is a stack (README "Code"): parsed from the source of every module, lazy imports included.
+"""The import graph is a stack of packages (README "Where things live"): parsed from the source of every module,
+lazy imports included.
 
-    top      pipeline/ verbs and orchestration (__main__, train, export, serve, compare, runs, models, bench, ...)
-    stages   training/            serving/            (neither imports the other)
-    bottom   pipeline/ shared vocabulary: config, layout, errors, tracking, processes, cpu_runtime, tokenizer,
-             exportdir, schedules (imports nothing above it)
+    top      bench/ (the benchmark suite: drives the verbs)
+             pipeline/ (the verbs)
+    stages   training/                    serving/          (neither imports the other)
+    bottom   core/ (shared vocabulary, platform workarounds: imports nothing above it)
+
+A module's layer is its package's; a new package must be given a layer here (the test says so).
 """
 import ast
 from pathlib import Path
 
 import pytest
 
-from pipeline import REPO_ROOT
-
-PACKAGES = ("pipeline", "training", "serving")
-BOTTOM = {"pipeline", "pipeline.config", "pipeline.layout", "pipeline.errors", "pipeline.tracking",
-          "pipeline.processes", "pipeline.cpu_runtime", "pipeline.tokenizer", "pipeline.exportdir", "pipeline.schedules"}
+from core import REPO_ROOT
+LAYERS = {"core": 0, "training": 1, "serving": 1, "pipeline": 2, "bench": 3}
+PACKAGES = tuple(LAYERS)
 
 
 def module_name(path: Path) -> str:
@@ -23,7 +24,7 @@ def module_name(path: Path) -> str:
 
 
 def modules() -> dict[str, Path]:
-    return {module_name(p): p for pkg in PACKAGES for p in (REPO_ROOT / pkg).glob("*.py")}
+    return {module_name(p): p for pkg in PACKAGES for p in (REPO_ROOT / pkg).rglob("*.py")}
 
 
 def imports_of(path: Path, known: set[str]) -> set[str]:
@@ -39,7 +40,7 @@ def imports_of(path: Path, known: set[str]) -> set[str]:
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            # `from pipeline import tracking` imports the module pipeline.tracking
+            # `from pipeline import tracking` imports the module core.tracking
             names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
                      for a in node.names]
         else:
@@ -53,35 +54,40 @@ def graph() -> dict[str, set[str]]:
     return {name: imports_of(path, set(mods)) - {name} for name, path in mods.items()}
 
 
-def layer(name: str) -> str:
-    if name in BOTTOM:
-        return "bottom"
-    return {"pipeline": "top", "training": "training", "serving": "serving"}[name.split(".")[0]]
+def layer(name: str) -> int:
+    return LAYERS[name.split(".")[0]]
 
 
 def test_the_parser_sees_lazy_and_from_imports(tmp_path):
     source = tmp_path / "m.py"
-    source.write_text("from typing import TYPE_CHECKING\nimport pipeline\nfrom pipeline import tracking\n"
+    source.write_text("from typing import TYPE_CHECKING\nimport pipeline\nfrom core import tracking\n"
                       "def f():\n    from serving.model import ExportedModel\n"
                       "if TYPE_CHECKING:\n    from training import data\n")
-    assert imports_of(source, {"pipeline.tracking"}) == {"pipeline", "pipeline.tracking", "serving.model"}
+    assert imports_of(source, {"core.tracking"}) == {"pipeline", "core.tracking", "serving.model"}
 
 
-def test_stages_never_import_each_other():
-    wrong = [(m, i) for m, deps in graph().items() for i in deps
-             if {layer(m), layer(i)} == {"training", "serving"}]
+def test_every_package_has_a_layer():
+    packages = {p.parent.name for p in REPO_ROOT.glob("*/__init__.py")} - {"tests"}
+    assert packages == set(LAYERS), f"give each package a layer in LAYERS: {packages ^ set(LAYERS)}"
+
+
+def violations(g: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Imports that go up or sideways: allowed are imports within a package and into a lower layer."""
+    return [(m, i) for m, deps in g.items() for i in deps
+            if i.split(".")[0] != m.split(".")[0] and layer(i) >= layer(m)]
+
+
+def test_imports_only_go_down():
+    wrong = violations(graph())
     assert not wrong, wrong
 
 
-def test_stages_import_only_the_bottom_of_pipeline():
-    wrong = [(m, i) for m, deps in graph().items() for i in deps
-             if layer(m) in ("training", "serving") and layer(i) == "top"]
-    assert not wrong, wrong
-
-
-def test_bottom_imports_nothing_above_it():
-    wrong = [(m, i) for m, deps in graph().items() if layer(m) == "bottom" for i in deps if layer(i) != "bottom"]
-    assert not wrong, wrong
+def test_the_layer_rule_catches_upward_and_sideways_imports():
+    g = {"core.config": {"training.data"}, "training.data": {"serving.model", "core.layout"},
+         "serving.model": {"core.exportdir"}, "pipeline.train": {"bench.suite", "training.worker"},
+         "bench.suite": {"pipeline.plan"}}
+    assert sorted(violations(g)) == [("core.config", "training.data"), ("pipeline.train", "bench.suite"),
+                                     ("training.data", "serving.model")]
 
 
 def test_no_import_cycles():

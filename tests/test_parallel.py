@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 
 from helpers import LAYOUTS, cli, env_for, metric_history, seeded_world
-from pipeline import REPO_ROOT, tracking
-
+from core import REPO_ROOT, tracking
 pytestmark = pytest.mark.slow
 RTOL = 1e-4
 
@@ -64,7 +63,7 @@ def test_layout_matches_single_process(world, single, layout):
 
 
 def assert_stage_report(world, run, layout: str) -> None:
-    """A pipeline run records Paddle's own order per stage (equal to pipeline/schedules.py's), per-stage times in
+    """A pipeline run records Paddle's own order per stage (equal to core/schedules.py's), per-stage times in
     MLflow, the timeline PNG, and a split suggestion that covers every decoder layer."""
     stages = json.loads((world["root"] / "runs" / layout / "pipeline" / "stages.json").read_text())
     assert stages["order_matches_paddle"] is True
@@ -84,9 +83,8 @@ def assert_stage_report(world, run, layout: str) -> None:
 
 def assert_runtime_applied(run_dir: Path, processes: int, tags: dict) -> None:
     """Every rank (not only the launcher) runs with the CPU math settings: its share of the cores, MKL's AMD switch
-    exactly on AMD CPUs (pipeline/cpu_runtime.py)."""
-    from pipeline import cpu_runtime
-
+    exactly on AMD CPUs (core/workarounds/cpu_runtime.py)."""
+    from core.workarounds import cpu_runtime
     threads = str(max(1, cpu_runtime.available_cores() // processes))
     switch = "5" if cpu_runtime.cpu_vendor() == "AuthenticAMD" else "unset"
     for rank in range(processes):
@@ -124,7 +122,7 @@ def test_checkpoint_merges_into_a_single_model(world, layout):
     assert abs(merged_loss - parallel_loss) < 1e-5, (merged_loss, parallel_loss)
     if layout == "tp2-fused":  # exported unfused (PaddleNLP splits the fused weights): export's gate passes
         from pipeline import export
-        from pipeline.config import load_config
+        from core.config import load_config
 
         from training.model import is_fused
 
@@ -143,8 +141,8 @@ def test_plan_memory_estimate_matches_the_measured_peak(world):
     """`make plan`'s per-device memory model against each rank's measured peak tensor memory over the first step
     (training/callbacks.py PeakMemory); the most loaded rank is what the plan estimates."""
     from pipeline import plan
-    from pipeline.config import load_config
-    from pipeline.layout import ParallelLayout
+    from core.config import load_config
+    from core.layout import ParallelLayout
 
     runs = world["root"] / "runs"
     vocab = json.loads((world["weights"] / "config.json").read_text())["vocab_size"]
@@ -153,7 +151,7 @@ def test_plan_memory_estimate_matches_the_measured_peak(world):
         if not (runs / layout / "memory").exists():
             train(world, layout)
         config = load_config(world["config"], [*LAYOUTS[layout], f"tokenizer.max_vocab_size={vocab}"])
-        estimate = plan.memory(config, plan.of_config(config))["total"]
+        estimate = plan.memory(config, ParallelLayout.from_config(config))["total"]
         world_size = ParallelLayout.from_config(config).world_size
         records = [json.loads(p.read_text()) for p in sorted((runs / layout / "memory").glob("rank*.json"))]
         assert sorted(r["rank"] for r in records) == list(range(world_size)) and all(r["step"] == 1 for r in records)

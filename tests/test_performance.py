@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import REPO_ROOT
-from pipeline.config import ConfigError, load_config
-from pipeline.layout import ParallelLayout
+from core import REPO_ROOT
+from core.config import ConfigError, load_config
+from core.layout import ParallelLayout
 
 GPU_100B = REPO_ROOT / "configs" / "llama-100b-512gpu.yaml"
 # Every setting of the section on, in two configs (PaddleNLP allows data- or sharding-overlap, not both).
@@ -25,7 +25,7 @@ EVERYTHING_SHARDING = ["parallel.data=1", "parallel.sharding_stage=1", "parallel
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     from training.data import make_tokenizer
-    from pipeline.tokenizer import SPECIAL_TOKENS
+    from core.tokenizer import SPECIAL_TOKENS
 
     return make_tokenizer(SPECIAL_TOKENS + list("人工智能这本书"), tmp_path_factory.mktemp("tok"))
 

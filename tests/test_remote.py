@@ -8,9 +8,10 @@ import pytest
 import requests
 
 from helpers import cli, free_port
-from pipeline import mlflow_server, tracking
-from pipeline.config import ConfigError
-from pipeline.processes import group_alive, port_in_use
+from pipeline import mlflow_server
+from core import tracking
+from core.config import ConfigError
+from core.processes import group_alive, port_in_use
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +76,7 @@ def test_train_here_export_there_serve_a_registered_version(remote):
         assert stopped.returncode == 0
     # an alias resolves to the same version, already on this machine (no second download)
     from pipeline import models
-    from pipeline.config import load_config
+    from core.config import load_config
 
     client.set_registered_model_alias("remote-model", "champion", "1")
     config = load_config(None, [f"export.exports_dir={root / 'machine-c' / 'exports'}", f"tracking.tracking_uri={url}"])
@@ -97,6 +98,7 @@ def test_registration_failure_publishes_nothing(remote):
     override = f"export.exports_dir={export_root / 'exports'}"
     code = (
         "import sys, pipeline\n"
+        "from core.config import load_config\n"
         "from pipeline import mlflow_server\n"
         "from pathlib import Path\n"
         "from pipeline import export\n"
@@ -106,15 +108,14 @@ def test_registration_failure_publishes_nothing(remote):
         "    return real(*a, **k)\n"
         "export.register = stop_then_register\n"
         "try:\n"
-        "    export.run(run_id=sys.argv[1], overrides=[sys.argv[3]])\n"
+        "    export.run(load_config(), run_id=sys.argv[1], overrides=[sys.argv[3]])\n"
         "except export.ExportError as exc:\n"
         "    print('error:', exc); sys.exit(2)\n")
     import subprocess
     import sys
 
     from helpers import env_for
-    from pipeline import REPO_ROOT
-
+    from core import REPO_ROOT
     env = {**env_for(remote["url"]), "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
     proc = subprocess.run([sys.executable, "-c", code, run_id, str(remote["state_dir"]), override],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from helpers import LAYOUTS, env_for, metric_history, seeded_world
-from pipeline import REPO_ROOT, tracking
-from pipeline.processes import descendants, signal_pids
+from core import REPO_ROOT, tracking
+from core.processes import descendants, signal_pids
 
 pytestmark = pytest.mark.slow
 RTOL = 1e-4
@@ -122,7 +122,7 @@ def test_sigterm_to_make_train_saves_and_resumes_on_dp2(world):
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
     assert "layout single -> dp2" in resumed.stdout
     assert client.get_run(run_id).info.status == "FINISHED"
-    from pipeline.config import load_config
+    from core.config import load_config
 
     assert load_config(run_dir / "config.yaml").parallel.data == 2  # the new layout is the run's config now
     assert client.get_run(run_id).data.tags["pipeline.layout"] == "dp2"

@@ -1,13 +1,13 @@
-"""Pipeline schedules (pipeline/schedules.py), stage splits and their validation (pipeline/layout.py), the advice."""
+"""Pipeline schedules (core/schedules.py), stage splits and their validation (core/layout.py), the advice."""
 from __future__ import annotations
 
 import pytest
 
-from pipeline import schedules
-from pipeline.config import load_config
-from pipeline.errors import ConfigError
-from pipeline.layout import ParallelLayout, balanced_split
-from pipeline.schedules import Op
+from core import schedules
+from core.config import load_config
+from core.errors import ConfigError
+from core.layout import ParallelLayout, balanced_split
+from core.schedules import Op
 
 PP2 = "configs/tiny-pp2.yaml"
 

@@ -4,8 +4,10 @@ import time
 
 import pytest
 
-from pipeline import runs, tracking
-from pipeline.config import ConfigError
+from pipeline import runs
+
+from core import tracking
+from core.config import ConfigError
 from pipeline.models import parse_models_uri
 
 

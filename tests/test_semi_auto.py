@@ -5,12 +5,10 @@ import json
 import pytest
 
 from pipeline import train
-from pipeline.config import load_config
-from pipeline.errors import ConfigError
-from pipeline.layout import ParallelLayout
+from core.config import load_config
+from core.errors import ConfigError
+from core.layout import ParallelLayout
 from training import semi_auto
-
-
 @pytest.mark.parametrize("layer,param,expected", [
     ("llama.layers.0.self_attn.q_proj", "weight", ("R", "S1")),  # column parallel: [in, out] split on out
     ("llama.layers.0.self_attn.q_proj", "bias", ("R", "S0")),
@@ -42,4 +40,4 @@ def test_resume_of_a_semi_auto_run_is_refused_before_launch(tmp_path):
     config = load_config("configs/tiny-tp2.yaml", ["parallel.mode=semi_auto"])
     (run_dir / "config.yaml").write_text(config.to_yaml())
     with pytest.raises(ConfigError, match="cannot resume.*model.init_from=.*checkpoint-3"):
-        train.run(None, [], resume=str(run_dir))
+        train.resumed_config(str(run_dir), [])

@@ -7,8 +7,7 @@ import pytest
 import requests
 
 from helpers import cli, env_for, free_port
-from pipeline import REPO_ROOT, tracking
-
+from core import REPO_ROOT, tracking
 pytestmark = pytest.mark.slow
 
 
@@ -26,7 +25,7 @@ def server(exported):
     yield {**exported, "state": state, "state_dir": state_dir, "cli": base + overrides}
     stopped = cli(["stop", *base, *overrides], exported["uri"])
     assert stopped.returncode == 0 and "stopped" in stopped.stdout
-    from pipeline.processes import group_alive, port_in_use
+    from core.processes import group_alive, port_in_use
 
     assert not group_alive(state["pid"]), "server processes left behind"
     assert not port_in_use(state["http_port"]) and not port_in_use(state["rpc_port"])
@@ -51,7 +50,7 @@ def test_smoke_fails_when_the_served_tokens_differ_from_the_recorded_ones(server
     server answers, it fails (here: the same export with one recorded continuation altered)."""
     import shutil
 
-    from pipeline import exportdir
+    from core import exportdir
     from serving.smoke import run_smoke
 
     altered = tmp_path / "export"
@@ -186,8 +185,8 @@ def test_second_start_is_refused_while_running(server):
 def test_full_sequence_path_and_thread_mode_serve_the_same_tokens(exported, tmp_path):
     """serving.generation=full (the graph re-run for every token) with thread workers answers the reference prompts
     with the dynamic model's greedy tokens, like the default kv_cache path with batching process workers."""
-    from pipeline import exportdir
-    from pipeline.config import load_config
+    from core import exportdir
+    from core.config import load_config
     from serving import server
     from serving.client import GenerationClient
 

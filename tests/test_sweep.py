@@ -9,8 +9,8 @@ import time
 import pytest
 
 from helpers import cli, env_for
-from pipeline import REPO_ROOT, tracking
-from pipeline.config import ConfigError
+from core import REPO_ROOT, tracking
+from core.config import ConfigError
 from pipeline.sweep import grid
 
 

@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 
 from helpers import cli, metric_history
-from pipeline import tracking
-
+from core import tracking
 pytestmark = pytest.mark.slow
 
 
@@ -110,8 +109,7 @@ def test_three_runs_started_together_get_their_own_directories(tiny_config, tmp_
     import subprocess
 
     from helpers import env_for
-    from pipeline import REPO_ROOT
-
+    from core import REPO_ROOT
     runs = tmp_path / "runs"
     args = (f"training.runs_dir={runs} training.max_steps=2 training.eval_interval=2 training.save_interval=2 "
             f"data.cache_dir={tmp_path / 'cache'}")
@@ -147,7 +145,7 @@ def test_a_full_disk_during_a_save_is_diagnosed_cleaned_up_and_resumes(tiny_conf
     import time
 
     from helpers import env_for
-    from pipeline import REPO_ROOT
+    from core import REPO_ROOT
     from training.checkpoints import COMPLETE_MARKER
 
     disk = tmp_path / "disk"

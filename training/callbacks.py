@@ -12,7 +12,7 @@ from pathlib import Path
 
 from paddlenlp.trainer import TrainerCallback  # (this import resets SIGTERM: handlers are installed after it)
 
-from pipeline import tracking
+from core import tracking
 from training import progress
 from training.checkpoints import (DONE_MARKER_PREFIX, checkpoint_info, complete_checkpoints, make_durable,
                                   mark_complete, prune)

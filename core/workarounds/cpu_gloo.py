@@ -35,7 +35,7 @@ class UnsupportedPaddleVersion(RuntimeError):
 def check_version(version: str) -> None:
     if version != SUPPORTED_PADDLE:
         raise UnsupportedPaddleVersion(
-            f"training/cpu_gloo.py patches private fleet internals of paddlepaddle {SUPPORTED_PADDLE}, but paddle "
+            f"core/workarounds/cpu_gloo.py patches private fleet internals of paddlepaddle {SUPPORTED_PADDLE}, but paddle "
             f"{version} is installed; install paddlepaddle=={SUPPORTED_PADDLE} (requirements/) or train on GPU")
 
 
@@ -161,7 +161,7 @@ def _batch_send_recv_blocking(p2p_ops):
 def _interleave_sanity(self):
     """`PipelineParallelWithInterleave._check_sanity` minus `num_stages > 2`: with two stages the ring's previous and
     next stage are the same rank, which the pair-ordered p2p (5) exchanges in order; the tests check pp2 x 2
-    virtual stages against the single-process losses. The GPU path keeps Paddle's rule (pipeline/layout.py)."""
+    virtual stages against the single-process losses. The GPU path keeps Paddle's rule (core/layout.py)."""
     import paddle
 
     assert paddle.in_dynamic_mode(), "virtual pipeline stage with interleave only support eager dygraph mode"

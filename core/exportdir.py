@@ -3,7 +3,7 @@
     exports/<model>/<version>/
         model.pdmodel, model.pdiparams   static graph: feed `input_ids` int64 [batch, seq] -> logits float32
                                          [batch, seq, vocab] (paddle.jit.save; run with paddle.inference)
-        tokenizer/                       pipeline/tokenizer.py format
+        tokenizer/                       core/tokenizer.py format
         serving_server_conf.prototxt     feed/fetch description for Paddle Serving's local_predictor
         export.json                      lineage and parity metadata (REQUIRED_META at least)
         reference.json                   greedy continuations of REFERENCE_PROMPTS by the dynamic model the graph
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.errors import ConfigError
+from core.errors import ConfigError
 
 MODEL_PREFIX = "model"  # the full-sequence graph
 PREFILL_PREFIX = "prefill"  # key/value-cache generation: prompt -> last logits + caches (training/kv_cache.py)

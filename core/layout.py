@@ -8,13 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from typing import TYPE_CHECKING
-
-from pipeline import cpu_runtime, schedules
-from pipeline.errors import ConfigError, require
-
-if TYPE_CHECKING:  # (the config module imports this one to validate the layout)
-    from pipeline.config import Config
+from core import arithmetic, schedules
+from core.errors import ConfigError, require
+from core.workarounds import cpu_runtime
 
 AXES = ("data", "pipe", "sharding", "model")
 
@@ -37,18 +33,21 @@ class ParallelLayout:
     virtual_stages: int = 1
     stage_split: tuple = ()  # decoder layers per pipeline stage (resolved from parallel.stage_layers)
     mode: str = "manual"
+    recompute: bool = False
 
     @classmethod
-    def from_config(cls, config: Config) -> "ParallelLayout":
+    def from_config(cls, config) -> "ParallelLayout":
+        """The layout of a core.config.Config, checked by its own rules (core/config.py adds the rules that join it
+        to the model and the batch)."""
         p, m = config.parallel, config.model
         layout = cls(
             device=p.device, dp=p.data, tp=p.tensor, pp=p.pipeline, sharding_stage=p.sharding_stage,
             sharding_degree=p.sharding_degree, micro_batch_size=p.micro_batch_size,
             accumulation_steps=p.accumulation_steps, nnodes=p.nnodes, num_layers=m.num_layers, amp_dtype=p.amp_dtype,
             cpu_threads=p.cpu_threads, pipeline_schedule=p.schedule, virtual_stages=p.virtual_stages,
-            stage_split=resolve_stage_split(config), mode=p.mode,
+            stage_split=resolve_stage_split(config), mode=p.mode, recompute=p.recompute,
         )
-        layout._validate(config)
+        layout._validate()
         return layout
 
     # -- derived quantities -------------------------------------------------------------------------------------------
@@ -70,7 +69,7 @@ class ParallelLayout:
 
     @property
     def bubble_fraction(self) -> float:
-        """Idle fraction of a pipeline step for the schedule (pipeline/schedules.py): 1F1B (p-1)/(m+p-1),
+        """Idle fraction of a pipeline step for the schedule (core/schedules.py): 1F1B (p-1)/(m+p-1),
         interleaved over v virtual stages (p-1)/(v*m+p-1); m = micro-batches per step."""
         return schedules.analytic_bubble(self.pipeline_schedule, self.pp, self.accumulation_steps, self.virtual_stages)
 
@@ -126,7 +125,7 @@ class ParallelLayout:
             "micro_batch_size": self.micro_batch_size, "accumulation_steps": self.accumulation_steps,
             "bubble_fraction": round(self.bubble_fraction, 4), "schedule": self.schedule, "nnodes": self.nnodes,
             "virtual_stages": self.virtual_stages, "stage_layers": ",".join(map(str, self.stage_split)),
-            "mode": self.mode,
+            "mode": self.mode, "recompute": str(self.recompute).lower(),
             "amp_effective": str(self.amp_effective).lower(),
         }
 
@@ -165,15 +164,8 @@ class ParallelLayout:
         return "\n".join(lines)
 
     # -- validation ---------------------------------------------------------------------------------------------------
-    def _validate(self, config: Config) -> None:
-        m, p = config.model, config.parallel
-
+    def _validate(self) -> None:
         require(self.device in ("cpu", "gpu"), f"parallel.device: {self.device!r} is not allowed; use 'cpu' or 'gpu'")
-        for key in ("data", "tensor", "pipeline", "sharding_degree", "micro_batch_size", "accumulation_steps",
-                    "nnodes", "collective_timeout_s", "node_wait_s"):
-            require(getattr(p, key) >= 1, f"parallel.{key}: must be >= 1, got {getattr(p, key)}")
-        require(p.cpu_threads >= 0, f"parallel.cpu_threads: must be >= 0 (0 = an even share of the cores), got "
-                f"{p.cpu_threads}")
         require(self.sharding_stage in (0, 1, 2, 3), "parallel.sharding_stage: use 0 (off), 1, 2 or 3")
         require((self.sharding_stage == 0) == (self.sharding_degree == 1),
                 "parallel.sharding_degree: must be 1 when parallel.sharding_stage is 0, and >= 2 when sharding is on")
@@ -182,22 +174,8 @@ class ParallelLayout:
                 "asserts gpu/xpu); use sharding_stage 1 on CPU or parallel.device=gpu")
         require(self.amp_dtype in ("", "bfloat16", "float16"),
                 f"parallel.amp_dtype: {self.amp_dtype!r} is not allowed; use '' (fp32), 'bfloat16' or 'float16'")
-        require(p.amp_level in ("O1", "O2"), f"parallel.amp_level: {p.amp_level!r} is not allowed; use 'O1' or 'O2'")
-        tp = self.tp
-        for key, value in (("num_attention_heads", m.num_attention_heads), ("num_key_value_heads",
-                           m.num_key_value_heads), ("hidden_size", m.hidden_size),
-                           ("intermediate_size", m.intermediate_size)):
-            require(value % tp == 0, f"model.{key} ({value}) must be divisible by parallel.tensor ({tp}); "
-                    f"change one of them")
-        require(not config.training.compile or (self.tp == 1 and self.pp == 1),
-                f"training.compile: the compiled forward supports single-device models only, not tensor/pipeline "
-                f"parallel layout {self.name}; set training.compile=false")
         self._validate_schedule()
         self._validate_mode()
-        require(self.global_batch_size == config.training.global_batch_size,
-                f"training.global_batch_size ({config.training.global_batch_size}) must equal parallel.micro_batch_size "
-                f"({self.micro_batch_size}) x parallel.accumulation_steps ({self.accumulation_steps}) x parallel.data "
-                f"({self.dp}) x parallel.sharding_degree ({self.sharding_degree}) = {self.global_batch_size}")
         require(self.world_size % self.nnodes == 0,
                 f"parallel.nnodes ({self.nnodes}) must divide the world size {self.world_size}")
 
@@ -217,7 +195,7 @@ class ParallelLayout:
         # Paddle 2.6.2 (fleet/model.py) picks the interleaved engine for m >= 2p and the F-then-B engine for
         # p <= m < 2p, and both engines assert p > 2 and an even split of layers over p*v chunks.
         require(v >= 2, f"parallel.virtual_stages: the {name} schedule needs >= 2 model chunks per stage, got {v}")
-        # On CPU, training/cpu_gloo.py lifts the engine's p > 2 assertion (two stages verified there).
+        # On CPU, core/workarounds/cpu_gloo.py lifts the engine's p > 2 assertion (two stages verified there).
         require(p > 2 or (self.device == "cpu" and name == "interleaved-1F1B"), f"parallel.schedule={name}: Paddle "
                 f"2.6.2's {name} engine needs parallel.pipeline > 2 on GPU (\"virtual pipeline must run under pp "
                 f"degree > 2\"), got {p}; use 1F1B or more stages")
@@ -266,7 +244,7 @@ class ParallelLayout:
                     "(an even share)")
 
 
-def resolve_stage_split(config: Config) -> tuple:
+def resolve_stage_split(config) -> tuple:
     """parallel.stage_layers -> decoder layers per stage: uniform, balanced by parameter count, or as listed."""
     p, layers, spec = config.parallel.pipeline, config.model.num_layers, config.parallel.stage_layers
     if isinstance(spec, list):
@@ -282,10 +260,9 @@ def resolve_stage_split(config: Config) -> tuple:
         require(layers % p == 0, f"model.num_layers ({layers}) must be divisible by parallel.pipeline ({p}) for "
                 "parallel.stage_layers=uniform; or list the layers per stage, e.g. parallel.stage_layers=[3, 1]")
         return (layers // p,) * p
-    m = config.model
-    per_layer = (estimate_parameters(config) - 2 * config.tokenizer.max_vocab_size * m.hidden_size) // layers
-    embedding = config.tokenizer.max_vocab_size * m.hidden_size
-    return balanced_split([per_layer] * layers, p, first=embedding, last=embedding + m.hidden_size)
+    per_layer = arithmetic.layer_parameters(config.model)
+    embedding = arithmetic.embedding_parameters(config)
+    return balanced_split([per_layer] * layers, p, first=embedding, last=embedding + config.model.hidden_size)
 
 
 def balanced_split(costs: list[float], stages: int, first: float = 0.0, last: float = 0.0) -> tuple:
@@ -314,13 +291,3 @@ def balanced_split(costs: list[float], stages: int, first: float = 0.0, last: fl
         return result
 
     return solve(0, 0)[2]
-
-
-def estimate_parameters(config: Config) -> int:
-    """Llama weights for the config, with the vocabulary at its configured maximum (embedding + untied LM head)."""
-    m = config.model
-    kv_dim = m.hidden_size * m.num_key_value_heads // m.num_attention_heads
-    attention = 2 * m.hidden_size * m.hidden_size + 2 * m.hidden_size * kv_dim
-    mlp = 3 * m.hidden_size * m.intermediate_size
-    return m.num_layers * (attention + mlp + 2 * m.hidden_size) + 2 * config.tokenizer.max_vocab_size * m.hidden_size \
-        + m.hidden_size

@@ -1,6 +1,6 @@
 """`make bench`: the benchmark suite. Every figure is measured in this run and every ratio uses this run's numbers.
 
-1. CPU runtime (pipeline/bench_train.py): the default config's training tokens/s, MFU against the matmul peak
+1. CPU runtime (bench/training_speed.py): the default config's training tokens/s, MFU against the matmul peak
    measured in the same process, and the project's step against a bare Paddle loop, for each runtime setting (as
    before issue 12, + threads, + MKL's AMD switch, + compiled forward), fresh processes, interleaved rounds;
 2. parallel scaling: tokens/s of every CPU layout (dp2, tp2, pp2, pp2 interleaved, sharding1x2, tp2pp2, dp2tp2,
@@ -10,7 +10,7 @@
 3. pipeline overhead: our training step (tracking, checkpoints, eval) against a bare PaddleNLP Trainer; the
    training loop's pause per checkpoint with asynchronous and synchronous writes (interleaved runs);
 4. export: wall time of its stages;
-5. serving (pipeline/bench_serving.py): per-token decode time after short and long prompts, served tokens/s at
+5. serving (bench/serving_load.py): per-token decode time after short and long prompts, served tokens/s at
    1-8 concurrent clients, HTTP / gRPC overhead over in process, for the kv_cache and the full-sequence paths.
 Writes reports/bench/bench.json and bench.md (or --out) and logs them as a run of the MLflow experiment `bench`.
 """
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline import REPO_ROOT, exportdir, tracking
-from pipeline.config import DEFAULT_CONFIG
+from core import REPO_ROOT, exportdir, tracking
+from core.config import DEFAULT_CONFIG
 
 # Model FLOPs per trained token: 6 N (forward + backward of every weight) + 12 L h s (attention scores and values,
 # forward + backward; L layers, h hidden size, s sequence length) -- the PaLM-appendix estimate.
@@ -60,10 +60,10 @@ def train_run(name: str, overrides: list[str], out: Path, uri: str) -> dict:
 
 
 def runtime_trials(out: Path, repeats: int, steps: int, quick: bool) -> dict:
-    """CPU runtime settings (issue 12) on the default config: each setting of bench_train.SETTINGS in a fresh process,
+    """CPU runtime settings (issue 12) on the default config: each setting of bench/training_speed.py SETTINGS in a fresh process,
     the settings interleaved (rotated each round) `repeats` times; median and min-max of every figure."""
-    from pipeline.bench_train import SETTINGS
-    from pipeline.config import load_config
+    from bench.training_speed import SETTINGS
+    from core.config import load_config
     from training.data import prepare
 
     run_dir = out / "runtime-run"
@@ -80,7 +80,7 @@ def runtime_trials(out: Path, repeats: int, steps: int, quick: bool) -> dict:
             env = {k: v for k, v in os.environ.items()
                    if k not in ("MKL_DEBUG_CPU_TYPE", "PIPELINE_MKL_VERSION", "KMP_BLOCKTIME")}
             env.update(SETTINGS[name][0], PYTHONPATH=str(REPO_ROOT))
-            proc = subprocess.run([sys.executable, "-m", "pipeline.bench_train", "--run-dir", str(run_dir),
+            proc = subprocess.run([sys.executable, "-m", "bench.training_speed", "--run-dir", str(run_dir),
                                    "--setting", name, "--steps", str(steps), "--scratch", str(out / "scratch")],
                                   cwd=REPO_ROOT, env=env, capture_output=True, text=True)
             line = next((l for l in proc.stdout.splitlines() if l.startswith("TRIAL ")), None)
@@ -107,14 +107,14 @@ def spread(values: list[float]) -> dict:
 def bare_trainer_step_time(run_dir: Path, steps: int) -> float:
     """The same model, data and batch with a plain PaddleNLP Trainer: no eval, no checkpoints, no tracking."""
     code = f"""
-import pipeline, json, sys
+import core, json, sys
 from pathlib import Path
 import paddle
-from pipeline.config import load_config
-from pipeline.layout import ParallelLayout
+from core.config import load_config
+from core.layout import ParallelLayout
 from paddlenlp.data import default_data_collator
 from paddlenlp.trainer import Trainer, TrainingArguments
-from pipeline.tokenizer import load_tokenizer
+from core.tokenizer import load_tokenizer
 from training.data import BlockDataset
 from training.model import build_model
 run_dir = Path({str(run_dir)!r})
@@ -168,9 +168,8 @@ def run(quick: bool = False, out: Path | None = None) -> dict:
     meta = _export(single["run_id"], uri)
     results["export"] = {"wall_s": time.perf_counter() - t0, **meta["timings_s"],
                          "parity_max_abs_error": meta["parity_max_abs_error"]}
-    from pipeline import bench_serving
-
-    results["serving"] = bench_serving.run(Path(meta["export_dir"]), out, quick)
+    from bench import serving_load
+    results["serving"] = serving_load.run(Path(meta["export_dir"]), out, quick)
     results.pop("runs", None)
     (out / "bench.json").write_text(json.dumps(results, indent=2))
     (out / "bench.md").write_text(markdown(results))
@@ -255,15 +254,16 @@ def plan_vs_measured(runs: dict, peak_gflops: float) -> dict:
 
     from scipy.stats import spearmanr
 
+    from core.config import load_config
+    from core.layout import ParallelLayout
     from pipeline import plan
-    from pipeline.config import load_config
 
     names = [n for n in runs if not n.endswith("-semi") and n != "pp2v2"]  # the plan models manual 1F1B layouts
 
     def estimate(name: str, utilisation: float) -> float:
         config = load_config(SMALL_CONFIG, [*BASE, *LAYOUTS[name]])
-        c = plan.of_config(config)
-        world = c.dp * c.tp * c.pp * c.sharding_degree
+        c = ParallelLayout.from_config(config)
+        world = c.world_size
         cluster = dataclasses.replace(config.cluster, gpus=world, gpus_per_node=world, utilisation=utilisation,
                                       peak_tflops=peak_gflops / 1000 / world, intra_node_gbps=LOOPBACK_GBPS,
                                       inter_node_gbps=LOOPBACK_GBPS)
@@ -378,9 +378,8 @@ def markdown(r: dict) -> str:
     lines.append(f"| export wall (load / convert / parity / MLflow model) | {e['wall_s']:.1f} s "
                  f"({e['load_s']:.1f} / {e['convert_s']:.1f} / {e['parity_s']:.1f} / {e.get('mlflow_model_s', 0):.1f} s), parity "
                  f"{e['parity_max_abs_error']:.1e} |")
-    from pipeline import bench_serving
-
-    lines += bench_serving.markdown(sv)
+    from bench import serving_load
+    lines += serving_load.markdown(sv)
     return "\n".join(lines) + "\n"
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 
-import pipeline  # noqa: F401  (zlib before paddle)
+import core  # noqa: F401  (zlib before paddle)
 import paddle  # noqa: E402
 
 

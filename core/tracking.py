@@ -6,8 +6,8 @@ import os
 import subprocess
 from pathlib import Path
 
-from pipeline import REPO_ROOT
-from pipeline.config import Config, ConfigError
+from core import REPO_ROOT
+from core.config import Config, ConfigError
 
 MLFLOW_DIR = REPO_ROOT / "mlflow"
 # MLflow 3.x refuses the plain ./mlruns file store, so the default local store is SQLite with artifacts beside it.

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline import exportdir
-from pipeline.config import DEFAULT_CONFIG, load_config
+from core import exportdir
+from core.config import DEFAULT_CONFIG, load_config
 
 SHORT, LONG = 8, 120  # prompt tokens
 CLIENTS = (1, 2, 4, 8)
@@ -55,7 +55,7 @@ def decode_per_token(model, rounds: int) -> dict:
 
 
 def served(export_dir: Path, out: Path, generation: str, model, quick: bool) -> dict:
-    from pipeline.processes import free_port
+    from core.processes import free_port
     from serving import server
     from serving.client import GenerationClient
     from serving.generation import GenerationSettings

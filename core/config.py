@@ -15,9 +15,9 @@ from typing import Any
 
 import yaml
 
-from pipeline import REPO_ROOT
-from pipeline.errors import ConfigError, require as _require
-from pipeline.layout import ParallelLayout
+from core import REPO_ROOT
+from core.errors import ConfigError, require as _require
+from core.layout import ParallelLayout
 
 # The config every verb uses when none is given (the Makefile's CONFIG default too).
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "tiny.yaml"
@@ -78,7 +78,7 @@ class TrainingConfig:
     max_eval_batches: int = 8
     seed: int = 42
     # Run the model's forward as one static program (paddle.jit.to_static, whole graph) instead of op by op.
-    # Single-device models only (parallel.tensor = parallel.pipeline = 1); see training/dy2static_fix.py.
+    # Single-device models only (parallel.tensor = parallel.pipeline = 1); see core/workarounds/dy2static_fix.py.
     compile: bool = False
     runs_dir: str = "runs"
     run_name: str = ""  # default: <config name>-<UTC timestamp>
@@ -97,7 +97,7 @@ class TrainingConfig:
 
 @dataclass
 class ParallelConfig:
-    """The hybrid-parallel layout; `pipeline.layout.ParallelLayout` derives and validates everything from it."""
+    """The hybrid-parallel layout; `core.layout.ParallelLayout` derives and validates everything from it."""
 
     device: str = "cpu"  # cpu | gpu
     data: int = 1
@@ -118,7 +118,7 @@ class ParallelConfig:
     cpu_threads: int = 0
     # Seconds a rank may wait on a collective before the job is declared hung (gloo / NCCL timeout).
     collective_timeout_s: int = 120
-    # Pipeline schedule (pipeline/schedules.py): 1F1B | interleaved-1F1B (with virtual_stages >= 2 model chunks per
+    # Pipeline schedule (core/schedules.py): 1F1B | interleaved-1F1B (with virtual_stages >= 2 model chunks per
     # device: smaller bubble) | FThenB (GPipe order; GPU only).
     schedule: str = "1F1B"
     virtual_stages: int = 1
@@ -355,6 +355,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     if path:
         data = _read_yaml(Path(path))
         data.setdefault("name", Path(path).stem)
+    return _from_data(data, overrides)
+
+
+def with_overrides(config: Config, overrides: list[str] | tuple[str, ...]) -> Config:
+    """A loaded config with `key=value` overrides on top, validated (the YAML is not read again)."""
+    return _from_data(config.to_dict(), overrides)
+
+
+def _from_data(data: dict, overrides) -> Config:
     for text in overrides:
         _apply_override(data, *parse_override(text))
     config = _build(Config, data, "")
@@ -363,7 +372,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Value checks (the parallel layout has its own, in pipeline/layout.py).
+# Value checks (the parallel layout's own rules are in core/layout.py; the rules joining it to the rest, here).
 
 def _one_of(key: str, value: Any, allowed: tuple) -> None:
     _require(value in allowed, f"{key}: {value!r} is not allowed; use one of {', '.join(map(repr, allowed))}")
@@ -381,8 +390,32 @@ def validate(config: Config) -> None:
     _validate_tracking_and_export(config.tracking, config.export)
     _validate_serving(config.serving)
     _validate_cluster(config.cluster)
-    ParallelLayout.from_config(config)  # the layout rules live with the layout
+    checked_layout(config)
     _validate_performance(config.performance, config.parallel)
+
+
+def checked_layout(config: Config) -> ParallelLayout:
+    """The config's parallel layout, checked by the layout's own rules (core/layout.py) and by the rules that join
+    it to the model and the batch (here)."""
+    p, m = config.parallel, config.model
+    for key in ("data", "tensor", "pipeline", "sharding_degree", "micro_batch_size", "accumulation_steps",
+                "nnodes", "collective_timeout_s", "node_wait_s"):
+        _require(getattr(p, key) >= 1, f"parallel.{key}: must be >= 1, got {getattr(p, key)}")
+    _require(p.cpu_threads >= 0, f"parallel.cpu_threads: must be >= 0 (0 = an even share of the cores), got "
+             f"{p.cpu_threads}")
+    _require(p.amp_level in ("O1", "O2"), f"parallel.amp_level: {p.amp_level!r} is not allowed; use 'O1' or 'O2'")
+    layout = ParallelLayout.from_config(config)
+    for key in ("num_attention_heads", "num_key_value_heads", "hidden_size", "intermediate_size"):
+        _require(getattr(m, key) % layout.tp == 0, f"model.{key} ({getattr(m, key)}) must be divisible by "
+                 f"parallel.tensor ({layout.tp}); change one of them")
+    _require(not config.training.compile or (layout.tp == 1 and layout.pp == 1),
+             f"training.compile: the compiled forward supports single-device models only, not tensor/pipeline "
+             f"parallel layout {layout.name}; set training.compile=false")
+    _require(layout.global_batch_size == config.training.global_batch_size,
+             f"training.global_batch_size ({config.training.global_batch_size}) must equal parallel.micro_batch_size "
+             f"({layout.micro_batch_size}) x parallel.accumulation_steps ({layout.accumulation_steps}) x parallel.data "
+             f"({layout.dp}) x parallel.sharding_degree ({layout.sharding_degree}) = {layout.global_batch_size}")
+    return layout
 
 
 def _validate_model(m: ModelConfig) -> None:

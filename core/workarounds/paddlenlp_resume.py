@@ -83,7 +83,7 @@ def apply() -> None:
     from paddlenlp.trainer.plugins import unified_checkpoint as uc
 
     if not paddlenlp.__version__.startswith(FIXED_VERSION):
-        raise RuntimeError(f"training/paddlenlp_resume.py fixes PaddleNLP {FIXED_VERSION}, found "
+        raise RuntimeError(f"core/workarounds/paddlenlp_resume.py fixes PaddleNLP {FIXED_VERSION}, found "
                            f"{paddlenlp.__version__}: check whether the single-card loaders still read one shard")
     uc.load_single_card_checkpoint = load_single_card_checkpoint
     uc.load_single_card_optimizer = load_single_card_optimizer

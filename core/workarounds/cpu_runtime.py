@@ -6,7 +6,7 @@ Two facts about Paddle 2.6.2's CPU build (measured on these machines, see README
    kernels: fp32 matmul on 2 threads ~34 GFLOP/s, ~120 GFLOP/s with `MKL_DEBUG_CPU_TYPE=5` (use the AVX2 kernels),
    an undocumented switch MKL reads at its first dispatch and honours up to 2020.0 (removed in 2020.1). On Intel CPUs
    the switch is harmful (an AVX-512 Xeon: 174 -> 104 GFLOP/s on one thread), so it is set only on AMD. It must be in
-   the environment before MKL's first call: `prepare_process()` runs from `pipeline/__init__.py`, the module every
+   the environment before MKL's first call: `prepare_process()` runs from `core/__init__.py`, the module every
    entry point imports before paddle (the same place as the zlib rule), and child processes inherit it.
    `PIPELINE_MKL_AMD_FIX=off` leaves the environment alone (for before/after benchmarks); a value of
    `MKL_DEBUG_CPU_TYPE` the user set is never overridden.

@@ -1,7 +1,7 @@
 """One training-speed trial of `make bench`, in its own process (the CPU runtime settings must be in place before
 paddle loads, so each setting needs a fresh process).
 
-    python -m pipeline.bench_train --run-dir <a prepared run> --setting <name> --steps N
+    python -m bench.training_speed --run-dir <a prepared run> --setting <name> --steps N
 
 Measures, under one setting, on the run's model and data (the batch of its config):
 - matmul peak: best fp32 matmul rate at a few sizes (the ceiling for MFU);
@@ -47,20 +47,13 @@ def matmul_peak(sizes=(512, 1024, 2048), repeats: int = 5) -> float:
     return best
 
 
-def flops_per_token(model, config) -> float:
-    """6 N + 12 L h s (PaLM appendix): N = weights without the embedding table, forward + backward."""
-    weights = sum(int(p.size) for n, p in model.named_parameters() if "embed_tokens" not in n)
-    m = config.model
-    return 6 * weights + 12 * m.num_layers * m.hidden_size * config.training.seq_length
-
-
 def project_step_times(config, run_dir: Path, steps: int, scratch: Path) -> list[float]:
     import paddle
     from paddlenlp.data import default_data_collator
     from paddlenlp.trainer import TrainerCallback
 
-    from pipeline.layout import ParallelLayout
-    from pipeline.tokenizer import load_tokenizer
+    from core.layout import ParallelLayout
+    from core.tokenizer import load_tokenizer
     from training.data import BlockDataset
     from training.model import build_model
     from training.worker import make_trainer, prepare_model, training_arguments
@@ -87,7 +80,7 @@ def bare_step_times(config, run_dir: Path, steps: int) -> list[float]:
     import numpy as np
     import paddle
 
-    from pipeline.tokenizer import load_tokenizer
+    from core.tokenizer import load_tokenizer
     from training.model import build_model
     from training.worker import prepare_model
 
@@ -117,9 +110,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--scratch", required=True)
     args = parser.parse_args(argv)
-    from pipeline import cpu_runtime
-    from pipeline.config import load_config
-    from pipeline.layout import ParallelLayout
+    from core.workarounds import cpu_runtime
+    from core.config import load_config
+    from core.layout import ParallelLayout
 
     run_dir = Path(args.run_dir)
     micro = load_config(run_dir / "config.yaml").parallel.micro_batch_size
@@ -136,10 +129,10 @@ def main(argv: list[str] | None = None) -> None:
     peak = matmul_peak()
     ours = project_step_times(config, run_dir, args.steps, Path(args.scratch))
     bare = bare_step_times(config, run_dir, max(6, args.steps // 2))
-    from pipeline.tokenizer import load_tokenizer
-    from training.model import build_model
+    from core import arithmetic
+    from core.tokenizer import load_tokenizer, model_vocab_size
 
-    fpt = flops_per_token(build_model(config, load_tokenizer(run_dir / "tokenizer"), 1, 0, pipeline=False), config)
+    fpt = arithmetic.flops_per_token(config, model_vocab_size(load_tokenizer(run_dir / "tokenizer")))
     tokens = config.parallel.micro_batch_size * config.training.seq_length
     import numpy as np
 

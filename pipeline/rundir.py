@@ -1,0 +1,90 @@
+"""Run directories: `runs/<name>/` holds a run's resolved config, tokenizer, packed data, checkpoints, logs and the
+link to its MLflow run. Claimed atomically (runs started together never share one), prepared completely or not at
+all, and found again by path or MLflow run id for a resume."""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from core import REPO_ROOT, tracking
+from core.config import Config, ConfigError
+from pipeline.supervise import stop_signal_handler
+
+
+def find(resume: str, uri: str) -> Path:
+    """A run directory, or an MLflow run id whose run recorded one."""
+    if Path(resume).is_dir():
+        return Path(resume).resolve()
+    try:
+        run = tracking.client(uri).get_run(resume)
+    except Exception:  # noqa: BLE001  (MLflow raises several types for an unknown id)
+        raise ConfigError(f"RESUME={resume}: neither a run directory nor a known MLflow run id") from None
+    run_dir = run.data.tags.get(tracking.TAG_RUN_DIR)
+    if not run_dir or not Path(run_dir).is_dir():
+        raise ConfigError(f"RESUME={resume}: MLflow run has no run directory on this machine ({run_dir})")
+    return Path(run_dir)
+
+
+def runs_root(config: Config) -> Path:
+    return (REPO_ROOT / config.training.runs_dir).resolve()
+
+
+def claim(config: Config) -> Path:
+    """A new, empty run directory, claimed atomically (mkdir): runs started at the same moment never share one.
+    Default names are `<config>-<UTC time>`, with `-2`, `-3`, ... when that second's name is taken."""
+    root = runs_root(config)
+    root.mkdir(parents=True, exist_ok=True)
+    if config.training.run_name:
+        try:
+            (root / config.training.run_name).mkdir()
+        except FileExistsError:
+            raise ConfigError(f"training.run_name={config.training.run_name!r} is taken: {root / config.training.run_name}"
+                              f" holds another run; pick another training.run_name (or leave it empty for a "
+                              f"generated one)") from None
+        return root / config.training.run_name
+    base = f"{config.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    for n in range(1, 10_000):
+        run_dir = root / (base if n == 1 else f"{base}-{n}")
+        try:
+            run_dir.mkdir()
+            return run_dir
+        except FileExistsError:
+            continue
+    raise ConfigError(f"could not find a free run name {base}-<n> under {root}")
+
+
+def create(config: Config) -> Path:
+    """Create runs/<name>/ with the resolved config, tokenizer and packed data; nothing is left if this fails."""
+    run_dir = claim(config)
+    try:
+        (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
+        from training.data import STATS_FILE, cache_entry, load_cached, prepare, store_cached
+
+        t0 = time.time()
+        data_dir, tokenizer_dir = run_dir / "data", run_dir / "tokenizer"
+        entry = cache_entry(config)
+        data = load_cached(entry, data_dir, tokenizer_dir) if entry else None
+        cached = data is not None
+        if not cached:
+            import paddlenlp  # noqa: F401  (the tokenizer needs it; its import resets SIGTERM to the default action,
+            stop_signal_handler()  # so re-arm: a SIGTERM during data preparation still removes the half-made run)
+            from paddlenlp.utils.log import logger
+
+            logger.set_level("WARNING")  # ("tokenizer config file saved in ...": the data line below says it all)
+
+            data = prepare(config, data_dir, tokenizer_dir)
+            (data_dir / STATS_FILE).write_text(json.dumps(asdict(data), indent=2))
+            if entry:
+                store_cached(entry, data_dir, tokenizer_dir)
+        print(f"data: {data.train_documents} train / {data.validation_documents} validation documents -> "
+              f"{data.train_blocks} / {data.validation_blocks} blocks of {config.training.seq_length} tokens; "
+              f"vocabulary {data.vocab_size} (model {data.model_vocab_size}), validation unknown rate "
+              f"{data.unknown_rate:.4f}; {time.time() - t0:.1f}s" + (f" (from the cache {entry})" if cached else ""),
+              flush=True)
+    except BaseException:
+        shutil.rmtree(run_dir, ignore_errors=True)  # nothing half-written is left behind
+        raise
+    return run_dir
