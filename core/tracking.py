@@ -36,6 +36,12 @@ def is_local(uri: str) -> bool:
     return uri.startswith("sqlite:")
 
 
+def local_artifact_root(uri: str) -> Path:
+    """`artifacts/` beside a local SQLite store's file (a store elsewhere keeps its artifacts with it)."""
+    path = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else ""
+    return Path(path).resolve().parent / "artifacts" if path and path != ":memory:" else LOCAL_ARTIFACTS
+
+
 def client(uri: str):
     import mlflow
 
@@ -77,8 +83,8 @@ def experiment_id(mlflow_client, name: str, uri: str) -> str:
     experiment = mlflow_client.get_experiment_by_name(name)
     if experiment is not None:
         return experiment.experiment_id
-    # Local store: artifacts under mlflow/artifacts; a server decides its own artifact root.
-    location = (LOCAL_ARTIFACTS / name).as_uri() if is_local(uri) else None
+    # Local store: artifacts beside the database (mlflow/artifacts for the default store); a server decides its own.
+    location = (local_artifact_root(uri) / name).as_uri() if is_local(uri) else None
     try:
         return mlflow_client.create_experiment(name, artifact_location=location)
     except Exception:  # noqa: BLE001  (runs started together: another one created it a moment ago)

@@ -90,7 +90,8 @@ def parse_request(fields: dict, limits: Limits) -> tuple[str, GenerationSettings
 
 
 def _make_op_classes(model_dir: Path, limits: Limits, generation: str, threads: int):
-    import numpy as np
+    """The Paddle Serving classes of the service, built here because paddle_serving_server is imported only in the
+    server process (serving/__init__.py applies its workarounds first)."""
     from paddle_serving_server.pipeline import RequestOp
     from paddle_serving_server.web_service import Op, WebService
 
@@ -105,86 +106,95 @@ def _make_op_classes(model_dir: Path, limits: Limits, generation: str, threads: 
                 return {}, request.logid, BAD_REQUEST, str(exc)
             return super().unpack_request_package(request)
 
-    class GenerateOp(Op):
-        """preprocess (per request): validate, tokenize, pad to a fixed width so that Paddle Serving's auto-batching
-        can stack requests; process (per batch): generate for every request of the batch at once; postprocess (per
-        request): decode and add the lineage.
-
-        The Op loads the export's programs itself, one session per worker thread or process (paddle.inference
-        predictors are not thread-safe, and on CPU builds `Predictor.run()` holds the GIL, so only processes run
-        inference in parallel). Paddle Serving calls `process()` only for Ops it built a client for from
-        `local_service_conf.model_config`, which would load one more predictor per worker from "the first *.pdmodel"
-        of the directory: the two overrides below declare the Op as serving without that client."""
-
-        def init_from_dict(self, conf):
-            super().init_from_dict(conf)
-            self.with_serving = True
-
-        def init_client(self, client_config, server_endpoints):
-            return None
-
-        def init_op(self):
-            self.model = ExportedModel(model_dir)
-            self.sessions = threading.local()
-
-        def _session(self):
-            session = getattr(self.sessions, "session", None)
-            if session is None:
-                if generation == "kv_cache":
-                    session = self.model.cached_session(threads)
-                else:
-                    from core import exportdir
-                    predictor = exportdir.create_predictor(self.model.dir, threads=threads)
-                    session = lambda ids: exportdir.predict(predictor, ids)  # noqa: E731
-                self.sessions.session = session
-            return session
-
-        def preprocess(self, input_dicts, data_id, log_id):
-            ((_, fields),) = input_dicts.items()
-            try:
-                prompt, settings = parse_request(dict(fields), limits)
-                ids = self.model.encode(prompt)
-                if len(ids) > limits.max_prompt_chars:
-                    raise RequestError(f"prompt is {len(ids)} tokens; the limit is {limits.max_prompt_chars}")
-            except RequestError as exc:
-                return None, False, BAD_REQUEST, str(exc)
-            padded = np.full((1, limits.max_prompt_chars), -1, dtype="int64")
-            padded[0, :len(ids)] = ids
-            feed = {"prompt_ids": padded,  # (first key: Paddle Serving counts a request's rows by it)
-                    "settings": np.asarray([[settings.max_new_tokens, settings.top_k, settings.seed]], "int64"),
-                    "temperature": np.asarray([settings.temperature], dtype="float64")}
-            return feed, False, None, ""
-
-        def process(self, feed_batch, typical_logid=0):
-            feed = feed_batch[0]  # the requests of the batch, stacked along axis 0
-            prompts = [[int(i) for i in row if i >= 0] for row in feed["prompt_ids"]]
-            settings = [GenerationSettings(int(m), float(t), int(k), int(s))
-                        for (m, k, s), t in zip(feed["settings"], feed["temperature"])]
-            try:
-                session = self._session()
-                if generation == "kv_cache":
-                    outputs = self.model.generate_batch(session, prompts, settings)
-                else:
-                    outputs = [self.model.generate(session, p, s) for p, s in zip(prompts, settings)]
-            except Exception as exc:  # noqa: BLE001  (reported to the client; the server keeps serving)
-                return None, INTERNAL_ERROR, f"generation failed: {exc.__class__.__name__}: {exc}"
-            # One row per request: the Pipeline slices every output by the request's rows.
-            ids = np.full((len(outputs), max(1, max(map(len, outputs)))), -1, dtype="int64")
-            for row, out in enumerate(outputs):
-                ids[row, :len(out)] = out
-            return {"token_ids": ids, "batch_size": np.full((len(outputs),), len(outputs), dtype="int64")}, 0, ""
-
-        def postprocess(self, input_dicts, fetch_dict, data_id, log_id):
-            ids = [int(i) for i in fetch_dict["token_ids"][0] if i >= 0]
-            return {"text": self.model.decode(ids), "token_ids": json.dumps(ids),
-                    "batch_size": str(int(fetch_dict["batch_size"][0])), **self.model.lineage()}, None, ""
+    settings = {"model_dir": model_dir, "limits": limits, "generation": generation, "threads": threads}
+    generate_op = type("GenerateOp", (GenerateMethods, Op), settings)
 
     class GenerateService(WebService):
         def get_pipeline_response(self, read_op):
             # The DAG is found from the response op back through input_ops: our request op replaces `read_op`.
-            return GenerateOp(name=self.name, input_ops=[UniqueKeysRequestOp()])
+            return generate_op(name=self.name, input_ops=[UniqueKeysRequestOp()])
 
     return GenerateService
+
+
+class GenerateMethods:
+    """preprocess (per request): validate, tokenize, pad to a fixed width so that Paddle Serving's auto-batching
+    can stack requests; process (per batch): generate for every request of the batch at once; postprocess (per
+    request): decode and add the lineage.
+
+    Mixed in before Paddle Serving's Op by `_make_op_classes`, with the export directory, request limits,
+    generation mode and threads per session as class attributes. The Op loads the export's programs itself, one
+    session per worker thread or process (paddle.inference predictors are not thread-safe, and on CPU builds
+    `Predictor.run()` holds the GIL, so only processes run inference in parallel). Paddle Serving calls `process()` only for Ops it built a client for from
+    `local_service_conf.model_config`, which would load one more predictor per worker from "the first *.pdmodel"
+    of the directory: the two overrides below declare the Op as serving without that client."""
+
+    def init_from_dict(self, conf):
+        super().init_from_dict(conf)
+        self.with_serving = True
+
+    def init_client(self, client_config, server_endpoints):
+        return None
+
+    def init_op(self):
+        self.model = ExportedModel(self.model_dir)
+        self.sessions = threading.local()
+
+    def _session(self):
+        session = getattr(self.sessions, "session", None)
+        if session is None:
+            if self.generation == "kv_cache":
+                session = self.model.cached_session(self.threads)
+            else:
+                from core import exportdir
+                predictor = exportdir.create_predictor(self.model.dir, threads=self.threads)
+                session = lambda ids: exportdir.predict(predictor, ids)  # noqa: E731
+            self.sessions.session = session
+        return session
+
+    def preprocess(self, input_dicts, data_id, log_id):
+        import numpy as np
+
+        ((_, fields),) = input_dicts.items()
+        try:
+            prompt, settings = parse_request(dict(fields), self.limits)
+            ids = self.model.encode(prompt)
+            if len(ids) > self.limits.max_prompt_chars:
+                raise RequestError(f"prompt is {len(ids)} tokens; the limit is {self.limits.max_prompt_chars}")
+        except RequestError as exc:
+            return None, False, BAD_REQUEST, str(exc)
+        padded = np.full((1, self.limits.max_prompt_chars), -1, dtype="int64")
+        padded[0, :len(ids)] = ids
+        feed = {"prompt_ids": padded,  # (first key: Paddle Serving counts a request's rows by it)
+                "settings": np.asarray([[settings.max_new_tokens, settings.top_k, settings.seed]], "int64"),
+                "temperature": np.asarray([settings.temperature], dtype="float64")}
+        return feed, False, None, ""
+
+    def process(self, feed_batch, typical_logid=0):
+        import numpy as np
+
+        feed = feed_batch[0]  # the requests of the batch, stacked along axis 0
+        prompts = [[int(i) for i in row if i >= 0] for row in feed["prompt_ids"]]
+        settings = [GenerationSettings(int(m), float(t), int(k), int(s))
+                    for (m, k, s), t in zip(feed["settings"], feed["temperature"])]
+        try:
+            session = self._session()
+            if self.generation == "kv_cache":
+                outputs = self.model.generate_batch(session, prompts, settings)
+            else:
+                outputs = [self.model.generate(session, p, s) for p, s in zip(prompts, settings)]
+        except Exception as exc:  # noqa: BLE001  (reported to the client; the server keeps serving)
+            return None, INTERNAL_ERROR, f"generation failed: {exc.__class__.__name__}: {exc}"
+        # One row per request: the Pipeline slices every output by the request's rows.
+        ids = np.full((len(outputs), max(1, max(map(len, outputs)))), -1, dtype="int64")
+        for row, out in enumerate(outputs):
+            ids[row, :len(out)] = out
+        return {"token_ids": ids, "batch_size": np.full((len(outputs),), len(outputs), dtype="int64")}, 0, ""
+
+    def postprocess(self, input_dicts, fetch_dict, data_id, log_id):
+        ids = [int(i) for i in fetch_dict["token_ids"][0] if i >= 0]
+        return {"text": self.model.decode(ids), "token_ids": json.dumps(ids),
+                "batch_size": str(int(fetch_dict["batch_size"][0])), **self.model.lineage()}, None, ""
 
 
 def op_processes(serving_config) -> int:

@@ -1,11 +1,31 @@
+"""The test pyramid: tests/unit/ (logic, no training or servers: `make test-fast`, under a minute) and
+tests/integration/ (real training launches, real MLflow stores and servers, real Paddle Serving: marked `slow`).
+
+Tests never write into the repository or the user's home: the whole session gets a home of its own (data cache,
+PaddleNLP's home, matplotlib's config), and every MLflow store is a temporary one with its artifacts beside it.
+"""
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+_HOME = tempfile.mkdtemp(prefix="pipeline-tests-home-")
+os.environ.update(HOME=_HOME, XDG_CACHE_HOME=os.path.join(_HOME, ".cache"), PPNLP_HOME=os.path.join(_HOME, ".paddlenlp"),
+                  MPLCONFIGDIR=os.path.join(_HOME, ".config", "matplotlib"))
+os.environ.pop("MLFLOW_TRACKING_URI", None)  # (each test names its own store)
 import core  # noqa: E402,F401  (zlib before paddle, for every test)
 import pytest  # noqa: E402
 
 from helpers import TINY_CONFIG  # noqa: E402
+
+INTEGRATION = Path(__file__).resolve().parent / "integration"
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if INTEGRATION in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture

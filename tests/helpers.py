@@ -86,3 +86,26 @@ def seeded_world(root: Path) -> dict:
     weights = make_init_weights(config, root / "runs", root / "init")
     return {"root": root, "config": config, "weights": weights, "runs": root / "runs",
             "uri": f"sqlite:///{root / 'mlflow.db'}"}
+
+
+def progress_events(run_dir: Path) -> list[dict]:
+    """Rank 0's events (training/progress.py): start, log (step, loss), eval, save, note."""
+    import json
+
+    from training.progress import PROGRESS_FILE
+
+    path = Path(run_dir) / PROGRESS_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(errors="replace").splitlines() if line.endswith("}")]
+
+
+def wait_for_event(run_dir: Path, condition, proc: subprocess.Popen, what: str, timeout_s: float = 240) -> None:
+    """Until some progress event satisfies `condition`; fails if the process ends or `timeout_s` passes first."""
+    import time
+
+    deadline = time.time() + timeout_s
+    while not any(condition(e) for e in progress_events(run_dir)):
+        assert proc.poll() is None, f"training ended (exit code {proc.returncode}) while waiting for {what}"
+        assert time.time() < deadline, f"no {what} within {timeout_s:g}s"
+        time.sleep(0.1)

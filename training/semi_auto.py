@@ -18,6 +18,8 @@ not resume: pipeline/train.py refuses RESUME for it before launch.
 """
 from __future__ import annotations
 
+import os
+
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW = ("o_proj", "down_proj")
 VOCAB = ("embed_tokens", "lm_head")
@@ -85,64 +87,72 @@ def make_trainer(mesh, **kwargs):
     PaddleNLP 2.8.1 ships an `AutoTrainer` for this, but it calls `ProcessMesh.get_rank_by_dim_and_process_id`,
     which Paddle 2.6.2 lacks. So the ordinary Trainer runs as if on one process (no fleet wrapping: the distributed
     tensors carry the communication), every rank reads the same global batch, and the batch becomes a tensor
-    sharded over "dp" just before the forward."""
-    import os
-
-    import paddle
-    import paddle.distributed as dist
-    from paddle.io import DistributedBatchSampler
+    sharded over "dp" just before the forward (SemiAutoMethods)."""
     from paddlenlp.trainer import Trainer
 
-    class SemiAutoTrainer(Trainer):
-        def _wrap_model(self, model, training=True):
-            return model
+    return type("SemiAutoTrainer", (SemiAutoMethods, Trainer), {"mesh": mesh})(**kwargs)
 
-        def _sampler(self, dataset, batch_size):
-            # One global order for every rank (and every layout: training/worker.py make_trainer).
-            return DistributedBatchSampler(dataset, batch_size=batch_size, shuffle=True, num_replicas=1, rank=0,
-                                           drop_last=self.args.dataloader_drop_last)
 
-        def _get_train_sampler(self):
-            return self._sampler(self.train_dataset, self.args.per_device_train_batch_size)
+class SemiAutoMethods:
+    """What the semi-automatic mode changes in PaddleNLP's Trainer (mixed in before it by make_trainer)."""
 
-        def _get_eval_sampler(self, eval_dataset):
-            return DistributedBatchSampler(eval_dataset, batch_size=self.args.per_device_eval_batch_size,
-                                           shuffle=False, num_replicas=1, rank=0)
+    mesh = None
 
-        def compute_loss(self, model, inputs, return_outputs=False):
-            sharded = {k: dist.shard_tensor(v, mesh, [dist.Shard(0), dist.Replicate()]) for k, v in inputs.items()}
-            return super().compute_loss(model, sharded, return_outputs)
+    def _wrap_model(self, model, training=True):
+        return model
 
-        def _save_checkpoint(self, model, metrics=None):
-            self._full_state = full_state_dict(self.model)  # a collective: every rank, before rank 0 saves
-            try:
-                super()._save_checkpoint(model, metrics)
-            finally:
-                self._full_state = None
+    def _sampler(self, dataset, batch_size):
+        from paddle.io import DistributedBatchSampler
 
-        def _save(self, output_dir=None, state_dict=None, merge_tensor_parallel=False):
-            # The full tensors as an ordinary PaddleNLP model (what export reads); Trainer's own _save would
-            # paddle.save the distributed tensors, which it cannot.
-            output_dir = output_dir or self.args.output_dir
-            if self.args.should_save:
-                os.makedirs(output_dir, exist_ok=True)
-                self.model.save_pretrained(output_dir, state_dict=self._full_state, safe_serialization=True)
+        # One global order for every rank (and every layout: training/worker.py make_trainer).
+        return DistributedBatchSampler(dataset, batch_size=batch_size, shuffle=True, num_replicas=1, rank=0,
+                                       drop_last=self.args.dataloader_drop_last)
 
-        def training_step(self, model, inputs):
-            model.train()
+    def _get_train_sampler(self):
+        return self._sampler(self.train_dataset, self.args.per_device_train_batch_size)
+
+    def _get_eval_sampler(self, eval_dataset):
+        from paddle.io import DistributedBatchSampler
+
+        return DistributedBatchSampler(eval_dataset, batch_size=self.args.per_device_eval_batch_size,
+                                       shuffle=False, num_replicas=1, rank=0)
+
+    def compute_loss(self, model, inputs, return_outputs=False):
+        import paddle.distributed as dist
+
+        sharded = {k: dist.shard_tensor(v, self.mesh, [dist.Shard(0), dist.Replicate()]) for k, v in inputs.items()}
+        return super().compute_loss(model, sharded, return_outputs)
+
+    def _save_checkpoint(self, model, metrics=None):
+        self._full_state = full_state_dict(self.model)  # a collective: every rank, before rank 0 saves
+        try:
+            super()._save_checkpoint(model, metrics)
+        finally:
+            self._full_state = None
+
+    def _save(self, output_dir=None, state_dict=None, merge_tensor_parallel=False):
+        # The full tensors as an ordinary PaddleNLP model (what export reads); Trainer's own _save would
+        # paddle.save the distributed tensors, which it cannot.
+        output_dir = output_dir or self.args.output_dir
+        if self.args.should_save:
+            os.makedirs(output_dir, exist_ok=True)
+            self.model.save_pretrained(output_dir, state_dict=self._full_state, safe_serialization=True)
+
+    def training_step(self, model, inputs):
+        model.train()
+        loss = self.compute_loss(model, self._prepare_inputs(inputs))
+        if self.args.gradient_accumulation_steps > 1:
+            loss = loss / self.args.gradient_accumulation_steps
+        loss.backward()
+        return loss._local_value().detach()
+
+    def _nested_gather(self, tensors):
+        return tensors  # every rank evaluated the same batches (gathering would double count, then truncate)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        import paddle
+
+        model.eval()
+        with paddle.no_grad():
             loss = self.compute_loss(model, self._prepare_inputs(inputs))
-            if self.args.gradient_accumulation_steps > 1:
-                loss = loss / self.args.gradient_accumulation_steps
-            loss.backward()
-            return loss._local_value().detach()
-
-        def _nested_gather(self, tensors):
-            return tensors  # every rank evaluated the same batches (gathering would double count, then truncate)
-
-        def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-            model.eval()
-            with paddle.no_grad():
-                loss = self.compute_loss(model, self._prepare_inputs(inputs))
-            return loss._local_value().detach(), None, None
-
-    return SemiAutoTrainer(**kwargs)
+        return loss._local_value().detach(), None, None

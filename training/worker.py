@@ -15,7 +15,7 @@ if __package__ in (None, ""):  # started as a script by paddle.distributed.launc
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import core  # noqa: E402,F401  (loads zlib before paddle: see core/__init__.py)
-from core.config import load_config  # noqa: E402
+from core.config import Config, load_config  # noqa: E402
 from core.layout import ParallelLayout  # noqa: E402
 
 
@@ -166,12 +166,42 @@ def main(argv: list[str] | None = None) -> None:
     pending = Path(args.pending_config) if args.pending_config else None
     config = load_config(pending or run_dir / "config.yaml")
     layout = ParallelLayout.from_config(config)
+    set_up_process(config, layout)
 
+    from paddlenlp.data import default_data_collator
+
+    from core.tokenizer import load_tokenizer
+    from training.callbacks import GracefulStop
+    from training.checkpoints import STOPPED_MARKER
+    from training.data import BlockDataset
+
+    # (after the paddlenlp import, which resets SIGTERM to the default action)
+    graceful_stop = GracefulStop(run_dir / STOPPED_MARKER)
+    train_args = training_arguments(config, layout, run_dir / "checkpoints")
+    model, new_trainer = model_and_trainer_class(config, layout, train_args, load_tokenizer(run_dir / "tokenizer"))
+    train_data = BlockDataset(run_dir / "data" / "train.npy")
+    trainer = new_trainer(
+        model=model,
+        args=train_args,
+        train_dataset=train_data,
+        eval_dataset=BlockDataset(run_dir / "data" / "validation.npy"),
+        data_collator=default_data_collator,  # blocks are already fixed-length: no padding
+        callbacks=callbacks(config, layout, run_dir, pending, graceful_stop, train_args.process_index == 0,
+                            len(train_data)),
+    )
+    trainer.train(resume_from_checkpoint=args.resume_from or None)
+    if getattr(trainer, "stage_timer", None) is not None:
+        trainer.stage_timer.write(run_dir)
+
+
+def set_up_process(config: Config, layout: ParallelLayout) -> None:
+    """Device, CPU threads, the world size check and the platform workarounds this process needs."""
     import paddle
 
     paddle.set_device(layout.device)
     if layout.device == "cpu":
         from core.workarounds import cpu_runtime
+
         threads = layout.threads_per_rank()
         cpu_runtime.apply_threads(threads)
         print("cpu runtime: " + " ".join(f"{k}={v}" for k, v in cpu_runtime.describe(threads).items()), flush=True)
@@ -180,32 +210,29 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"launched with {world} processes but the layout {layout.name} needs {layout.world_size}")
     if layout.device == "cpu" and world > 1:
         from core.workarounds import cpu_gloo
+
         cpu_gloo.apply(timeout_s=config.parallel.collective_timeout_s)
-
-    from paddlenlp.data import default_data_collator
-    from training.callbacks import (CheckpointCompleteCallback, FinalStepCallback, GracefulStop, MlflowLogger,
-                                    PeakMemory, PromoteConfig)
-
-    from training.checkpoints import STOPPED_MARKER
-
-    # (after the paddlenlp import, which resets SIGTERM to the default action)
-    graceful_stop = GracefulStop(run_dir / STOPPED_MARKER)
     if world == 1:
         from core.workarounds import paddlenlp_resume
+
         paddlenlp_resume.apply()  # a checkpoint of any layout resumes on one process
-    from core.tokenizer import load_tokenizer
-    from training.data import BlockDataset
+
+
+def model_and_trainer_class(config: Config, layout: ParallelLayout, train_args, tokenizer):
+    """This rank's model (its tensor/pipeline part, or the whole model placed on the semi-auto mesh) and the
+    Trainer constructor that fits it."""
+    import paddle
+
     from training.model import build_model
 
-    train_args = training_arguments(config, layout, run_dir / "checkpoints")
-    tokenizer = load_tokenizer(run_dir / "tokenizer")
     paddle.seed(config.training.seed)
     if layout.mode == "semi_auto":
         from training import semi_auto
+
         # The whole model on every rank (same seed or weights), then each weight placed on the [dp, mp] mesh.
-        model = semi_auto.shard_model(build_model(config, tokenizer, 1, 0, pipeline=False),
-                                       semi_auto.mesh_2d(layout.dp, layout.tp))
-        new_trainer = functools.partial(semi_auto.make_trainer, semi_auto.mesh_2d(layout.dp, layout.tp))
+        mesh = semi_auto.mesh_2d(layout.dp, layout.tp)
+        model = semi_auto.shard_model(build_model(config, tokenizer, 1, 0, pipeline=False), mesh)
+        new_trainer = functools.partial(semi_auto.make_trainer, mesh)
     else:
         model = build_model(config, tokenizer, layout.tp, train_args.tensor_parallel_rank, pipeline=layout.pp > 1)
         new_trainer = functools.partial(make_trainer, device=layout.device)
@@ -216,41 +243,41 @@ def main(argv: list[str] | None = None) -> None:
         from paddlenlp.transformers import register_sequence_parallel_allreduce_hooks
 
         register_sequence_parallel_allreduce_hooks(model, layout.accumulation_steps, False)
+    return model, new_trainer
+
+
+def callbacks(config: Config, layout: ParallelLayout, run_dir: Path, pending: Path | None, graceful_stop,
+              first_process: bool, train_blocks: int) -> list:
+    """Stop on a signal (`graceful_stop`), promote a resume's config, measure memory, mark checkpoints complete (and prune, upload), and on the first
+    process: MLflow records and the console's progress events."""
+    from training.callbacks import (CheckpointCompleteCallback, FinalStepCallback, MlflowLogger, PeakMemory,
+                                    PromoteConfig)
 
     mlflow_logger = None
     run_id = os.environ.get("PIPELINE_MLFLOW_RUN_ID")
-    if run_id and train_args.process_index == 0:
+    if run_id and first_process:
         from core import tracking
+
         mlflow_logger = MlflowLogger(tracking.client(os.environ["MLFLOW_TRACKING_URI"]), run_id,
                                      config.training.seq_length, run_dir)
     writer = None
     if async_writes(config, layout):
         from training import async_checkpoint
+
         async_checkpoint.apply()
         writer = async_checkpoint.writer()
-    callbacks = [FinalStepCallback(), graceful_stop, PromoteConfig(pending, run_dir / "config.yaml"),
-                 PeakMemory(run_dir, layout.device),
-                 CheckpointCompleteCallback(mlflow_logger, config.tracking.checkpoint_artifacts, config.export.metric,
-                                            config.training.keep_checkpoints, writer)]
+    found = [FinalStepCallback(), graceful_stop, PromoteConfig(pending, run_dir / "config.yaml"),
+             PeakMemory(run_dir, layout.device),
+             CheckpointCompleteCallback(mlflow_logger, config.tracking.checkpoint_artifacts, config.export.metric,
+                                        config.training.keep_checkpoints, writer)]
     if mlflow_logger:
-        callbacks.append(mlflow_logger)
-    train_data = BlockDataset(run_dir / "data" / "train.npy")
-    if train_args.process_index == 0:
+        found.append(mlflow_logger)
+    if first_process:
         from training.progress import progress_callback
 
-        callbacks.append(progress_callback(run_dir, config.training.seq_length, config.training.global_batch_size,
-                                           len(train_data)))
-    trainer = new_trainer(
-        model=model,
-        args=train_args,
-        train_dataset=train_data,
-        eval_dataset=BlockDataset(run_dir / "data" / "validation.npy"),
-        data_collator=default_data_collator,  # blocks are already fixed-length: no padding
-        callbacks=callbacks,
-    )
-    trainer.train(resume_from_checkpoint=args.resume_from or None)
-    if getattr(trainer, "stage_timer", None) is not None:
-        trainer.stage_timer.write(run_dir)
+        found.append(progress_callback(run_dir, config.training.seq_length, config.training.global_batch_size,
+                                       train_blocks))
+    return found
 
 
 if __name__ == "__main__":

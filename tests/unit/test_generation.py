@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from serving.generation import GenerationSettings, generate, generate_batch
-from serving.service import Limits, RequestError, parse_request
+from serving.service import Limits, RequestError, check_unique_keys, parse_request
 
 VOCAB = 12  # ids 0..9 usable, 10..11 padding rows of the embedding
 EOS, PAD = 3, 0
@@ -168,3 +168,9 @@ def test_finished_requests_leave_the_batch_and_limits_hold():
     assert batch([[5] * 6, [5] * 8], [GenerationSettings(max_new_tokens=10)] * 2, max_length=8) == \
         [generate(full_forward, [5] * 6, GenerationSettings(max_new_tokens=10), EOS, [PAD], 10, 8), []]
     assert batch([[5] * 8], [GenerationSettings()], max_length=8) == [[]]
+
+
+def test_repeated_request_keys_are_refused():
+    check_unique_keys(["prompt", "max_new_tokens"])
+    with pytest.raises(RequestError, match=r"sent more than once: prompt$"):
+        check_unique_keys(["prompt", "seed", "prompt", "prompt"])

@@ -1,5 +1,5 @@
-"""Unit tests of the seams' logic: buffered MLflow records, checkpoint upload choice, run liveness, registry URIs,
-repeated request keys. (Fast: no training, no server.)"""
+"""Tracking logic without a server: buffered MLflow records in order, what a failure keeps, checkpoint upload
+choice, run liveness, and where a local store keeps its artifacts. (Fast: no training, no server.)"""
 import time
 
 import pytest
@@ -7,8 +7,6 @@ import pytest
 from pipeline import runs
 
 from core import tracking
-from core.config import ConfigError
-from pipeline.models import parse_models_uri
 
 
 class RecordingClient:
@@ -105,24 +103,7 @@ def test_run_liveness():
     assert state == "stale" and "400s" in why
 
 
-@pytest.mark.parametrize("uri, expected", [
-    ("models:/tiny-zh-llama/3", ("tiny-zh-llama", "3", None)),
-    ("models:/tiny-zh-llama/latest", ("tiny-zh-llama", "latest", None)),
-    ("models:/tiny-zh-llama@champion", ("tiny-zh-llama", None, "champion")),
-])
-def test_models_uris(uri, expected):
-    assert parse_models_uri(uri) == expected
-
-
-@pytest.mark.parametrize("uri", ["models:/", "models:/name", "models:/name/v3", "models:/a/b/c", "models:/x@"])
-def test_bad_models_uris(uri):
-    with pytest.raises(ConfigError, match="expected models:/<name>/<version>"):
-        parse_models_uri(uri)
-
-
-def test_repeated_request_keys_are_refused():
-    from serving.service import RequestError, check_unique_keys
-
-    check_unique_keys(["prompt", "max_new_tokens"])
-    with pytest.raises(RequestError, match=r"sent more than once: prompt$"):
-        check_unique_keys(["prompt", "seed", "prompt", "prompt"])
+def test_a_local_store_keeps_its_artifacts_beside_its_database(tmp_path):
+    """Tests and users with their own store never write into the repository's mlflow/artifacts."""
+    assert tracking.local_artifact_root(f"sqlite:///{tmp_path / 'm.db'}") == tmp_path.resolve() / "artifacts"
+    assert tracking.local_artifact_root(f"sqlite:///{tracking.LOCAL_STORE}") == tracking.LOCAL_ARTIFACTS

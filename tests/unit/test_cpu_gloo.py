@@ -14,7 +14,7 @@ def test_refuses_other_paddle_versions():
 
 
 def _two_ranks(out_dir):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository (a spawned process)
     import core  # noqa: F401
 
     import paddle

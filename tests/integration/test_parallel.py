@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import LAYOUTS, cli, env_for, metric_history, seeded_world
+from helpers import LAYOUTS, cli, env_for, metric_history, seeded_world, wait_for_event
 from core import REPO_ROOT, tracking
 pytestmark = pytest.mark.slow
 RTOL = 1e-4
@@ -161,26 +161,23 @@ def test_plan_memory_estimate_matches_the_measured_peak(world):
 
 
 def test_a_killed_rank_fails_the_job(world):
-    """SIGKILL one rank mid-run: the job exits non-zero within bounded time, names the rank, run is FAILED."""
-    runs = world["root"] / "runs"
+    """SIGKILL one rank mid-run: the job exits non-zero within a time bounded by the collective timeout (without it,
+    the surviving rank waits in its all-reduce forever), names the rank, run is FAILED."""
+    runs, timeout_s = world["root"] / "runs", 10
     cmd = [sys.executable, "-m", "pipeline", "train", "--config", str(world["config"]), f"training.runs_dir={runs}",
            "training.run_name=victim", *LAYOUTS["dp2"], "training.max_steps=5000", "training.eval_interval=5000",
-           "training.save_interval=5000", "parallel.collective_timeout_s=10"]
+           "training.save_interval=5000", f"parallel.collective_timeout_s={timeout_s}"]
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env_for(world["uri"]), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        log0 = runs / "victim" / "logs" / "workerlog.0"
-        deadline = time.time() + 240
-        while not (log0.exists() and "global_step: 2," in log0.read_text(errors="replace")):
-            assert proc.poll() is None and time.time() < deadline, "training did not start"
-            time.sleep(0.2)
+        wait_for_event(runs / "victim", lambda e: e["kind"] == "log" and e["step"] >= 2, proc, "step 2")
         victim = next(pid for pid in map(int, subprocess.run(["pgrep", "-f", "training/worker.py"],
                                                              capture_output=True, text=True).stdout.split())
                       if f"PADDLE_TRAINER_ID=1\0" in Path(f"/proc/{pid}/environ").read_text(errors="replace")
                       and str(runs / "victim") in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"))
         killed_at = time.time()
         os.kill(victim, signal.SIGKILL)
-        _, stderr = proc.communicate(timeout=300)
+        _, stderr = proc.communicate(timeout=30 * timeout_s)  # (a hang: caught here)
         elapsed = time.time() - killed_at
     finally:
         if proc.poll() is None:
@@ -188,7 +185,8 @@ def test_a_killed_rank_fails_the_job(world):
     assert proc.returncode != 0
     assert "training failed: rank 1" in stderr, stderr[-2000:]
     assert "rank 1 stopped without an error of its own: killed from outside" in stderr and f"RESUME={runs / 'victim'}" in stderr
-    assert elapsed < 40, elapsed  # bounded by parallel.collective_timeout_s=10, not by the test's timeout
+    # the timeout, then the launcher's clean-up and the report: a few timeouts' worth on a loaded machine, never 30
+    assert elapsed < 6 * timeout_s, elapsed
     run_id = json.loads((runs / "victim" / "mlflow_run.json").read_text())["run_id"]
     client = tracking.client(world["uri"])
     run = client.get_run(run_id)

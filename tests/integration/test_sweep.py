@@ -1,5 +1,5 @@
 """`make sweep`: a 2 x 2 grid of real training runs, interrupted and continued (finished runs are not retrained),
-ending with the comparison of its runs; and the grid and its refusals as logic."""
+ending with the comparison of its runs (the grid as logic: tests/unit/test_sweep_grid.py)."""
 import json
 import signal
 import subprocess
@@ -11,16 +11,6 @@ import pytest
 from helpers import cli, env_for
 from core import REPO_ROOT, tracking
 from core.config import ConfigError
-from pipeline.sweep import grid
-
-
-def test_grid_is_every_combination():
-    assert grid(["a.b=1,2", "c.d=x", "e.f=[3,1]", "g.h=0.1,0.2"]) == [
-        ["a.b=1", "c.d=x", "e.f=[3,1]", "g.h=0.1"], ["a.b=1", "c.d=x", "e.f=[3,1]", "g.h=0.2"],
-        ["a.b=2", "c.d=x", "e.f=[3,1]", "g.h=0.1"], ["a.b=2", "c.d=x", "e.f=[3,1]", "g.h=0.2"]]
-    assert grid([]) == [[]]
-    with pytest.raises(ConfigError, match="an empty value"):
-        grid(["a.b=1,"])
 
 
 @pytest.mark.slow
