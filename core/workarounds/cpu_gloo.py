@@ -2,7 +2,7 @@
 
 Why this exists: fleet's tensor and pipeline parallel in Paddle 2.6.2 assume NCCL/GPU in six places. No maintained
 library fixes them, so each patch below replaces exactly one such spot with the equivalent gloo call, numbered as in
-the list of blockers (see README "Hybrid parallel on CPU"):
+the list of blockers (see docs/training.md "Hybrid parallel on CPU"):
 
   1. tensor-parallel input broadcast (`broadcast_input_data`) asserts the place is gpu/xpu/custom;
   2. `ProcessGroupGloo` lacks the `*_on_calc_stream` methods fleet calls (NCCL-only API);

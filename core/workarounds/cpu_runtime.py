@@ -1,6 +1,6 @@
 """CPU math runtime: MKL's CPU-vendor check and the intra-op thread count. Platform workaround module.
 
-Two facts about Paddle 2.6.2's CPU build (measured on these machines, see README "Platform notes"):
+Two facts about Paddle 2.6.2's CPU build (measured on these machines, see docs/platform-notes.md):
 
 1. It bundles MKL 2019.0.5 (`paddle/libs/libmklml_intel.so`). On AMD CPUs MKL's dispatcher chooses its generic
    kernels: fp32 matmul on 2 threads ~34 GFLOP/s, ~120 GFLOP/s with `MKL_DEBUG_CPU_TYPE=5` (use the AVX2 kernels),

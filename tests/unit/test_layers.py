@@ -1,4 +1,4 @@
-"""The import graph is a stack of packages (README "Where things live"): parsed from the source of every module,
+"""The import graph is a stack of packages (docs/architecture.md): parsed from the source of every module,
 lazy imports included.
 
     top      bench/ (the benchmark suite: drives the verbs)
