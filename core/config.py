@@ -177,24 +177,33 @@ class ExportConfig:
 
 @dataclass
 class ServingConfig:
+    """The endpoint (serving/): Paddle Serving's HTTP and gRPC, the OpenAI-compatible + health routes, metrics; one
+    generation worker process batching requests between decode steps (docs/serving.md)."""
+
     service_name: str = "generate"
     http_port: int = 18180
     rpc_port: int = 18181
-    # kv_cache: prefill + decode programs, requests batched; full: re-run the full-sequence graph for every token
+    api_port: int = 18182  # /v1/completions, /v1/models, /health/live, /health/ready
+    metrics_port: int = 18183  # Prometheus /metrics
+    host: str = "127.0.0.1"  # where the api and metrics ports listen (Paddle Serving's own ports: every interface)
+    # kv_cache: prefill + decode programs, continuous batching; full: re-run the full-sequence graph for every token
     generation: str = "kv_cache"
-    # Op workers, each with its own predictors: processes or threads; op_concurrency 0 = one per core. On CPU builds
-    # Predictor.run() holds the GIL, so threads overlap only the Python around inference. Measured on 2 cores,
-    # 8 clients: processes + batching 1443-1499 generated tokens/s (2.8x one client), threads without batching
-    # 1369 (2.0x). Threads with batching measured faster (1874) but requests that reach Paddle Serving 0.9.0 while
-    # its Op threads start hang for good, so that combination is refused.
-    op_mode: str = "process"
-    op_concurrency: int = 0
-    predictor_threads: int = 0  # math threads per predictor; 0 = the cores / op workers
-    # Requests arriving within batch_timeout_ms of each other are generated together, up to batch_size at a time
-    # (a lone request waits that long for company; batch_size 1 = lowest latency, less throughput under load).
-    batch_size: int = 4
-    batch_timeout_ms: int = 2
-    rpc_workers: int = 4
+    # continuous: requests join the running batch between decode steps; static: a batch is formed only when nothing
+    # runs (the old behaviour, for comparison)
+    scheduler: str = "continuous"
+    # generation worker processes, each with its own predictors and scheduler; 0 = one per core
+    workers: int = 0
+    max_batch_size: int = 16  # sequences decoded together by one worker
+    max_batch_tokens: int = 0  # cache positions of the running batch (sequences x width); 0 = max_batch_size x model length
+    max_queue: int = 32  # per worker, requests waiting beyond its running batch; one more is refused (busy, 8003)
+    request_timeout_s: float = 30.0  # deadline of each request (err_no 8004); 64 new tokens take ~0.1-1 s here
+    drain_grace_s: float = 20.0  # SIGTERM / make stop: requests in flight get this long to finish
+    max_worker_restarts: int = 5  # a worker that dies more often than this within restart_window_s is fatal
+    restart_window_s: float = 60.0
+    # math threads of each worker's predictors; 0 = an even share of the cores. 1 by default: the tiny model's
+    # matrices are too small for OpenMP (in process, batch 8: 1 thread ~1,970 generated tokens/s, 2 threads ~950)
+    predictor_threads: int = 1
+    rpc_workers: int = 0  # Paddle Serving's gRPC threads; 0 = one per request in flight (+4)
     max_prompt_chars: int = 128
     max_new_tokens_limit: int = 64
     default_max_new_tokens: int = 16
@@ -484,20 +493,17 @@ def _validate_tracking_and_export(tracking: TrackingConfig, export: ExportConfig
 
 def _validate_serving(s: ServingConfig) -> None:
     _require(s.service_name.isidentifier(), f"serving.service_name: {s.service_name!r} must be a plain identifier")
-    for key in ("http_port", "rpc_port"):
+    ports = ("http_port", "rpc_port", "api_port", "metrics_port")
+    for key in ports:
         _require(1024 <= getattr(s, key) <= 65535, f"serving.{key}: must be a port in 1024..65535")
-    _require(s.http_port != s.rpc_port, "serving.http_port and serving.rpc_port must differ")
+    _require(len({getattr(s, key) for key in ports}) == len(ports),
+             f"serving.{', serving.'.join(ports)}: must all differ")
     _one_of("serving.generation", s.generation, ("kv_cache", "full"))
-    _one_of("serving.op_mode", s.op_mode, ("process", "thread"))
-    _require(s.op_concurrency >= 0, "serving.op_concurrency: must be >= 0 (0 = one worker per core)")
-    _require(s.op_mode == "process" or s.batch_size == 1,
-             "serving.op_mode=thread needs serving.batch_size=1: with auto-batching, Paddle Serving 0.9.0's thread "
-             "workers hang on requests that arrive while they start; use serving.op_mode=process to batch")
-    _require(s.predictor_threads >= 0, "serving.predictor_threads: must be >= 0 (0 = derived from the cores)")
-    _require(s.batch_timeout_ms >= 1, "serving.batch_timeout_ms: must be >= 1 (Paddle Serving waits for a full batch "
-             "without a timeout); use serving.batch_size=1 for no batching")
-    for key in ("batch_size", "rpc_workers", "max_prompt_chars", "max_new_tokens_limit", "max_request_bytes",
-                "start_timeout_s"):
+    _one_of("serving.scheduler", s.scheduler, ("continuous", "static"))
+    for key in ("workers", "predictor_threads", "rpc_workers", "max_queue", "max_batch_tokens", "max_worker_restarts"):
+        _require(getattr(s, key) >= 0, f"serving.{key}: must be >= 0")
+    for key in ("max_batch_size", "max_prompt_chars", "max_new_tokens_limit", "max_request_bytes", "start_timeout_s",
+                "request_timeout_s", "drain_grace_s", "restart_window_s"):
         _positive(f"serving.{key}", getattr(s, key))
     _require(1 <= s.default_max_new_tokens <= s.max_new_tokens_limit,
              "serving.default_max_new_tokens: must be in 1..serving.max_new_tokens_limit")

@@ -61,8 +61,10 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", default=None, help=config_help)
     serve.add_argument("--model", default="", help="export directory, models:/<name>/<version>, models:/<name>@<alias> "
                                                     "or models:/<name>/latest (default: the newest registered version)")
+    serve.add_argument("--foreground", action="store_true", help="run the server as this process (containers, "
+                                                                 "supervisors): its exit code, its signals")
     serve.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. serving.http_port=18280")
-    for verb, text in (("stop", "stop the running endpoint (whole process group)"),
+    for verb, text in (("stop", "drain and stop the running endpoint (SIGTERM, then its whole process group)"),
                        ("smoke", "real HTTP/gRPC calls against the running endpoint")):
         v = sub.add_parser(verb, help=text)
         v.add_argument("--config", default=None, help=config_help)
@@ -112,7 +114,9 @@ def _serve_verb(name: str):
     def verb(config: Config, args) -> int:
         from pipeline import serve
 
-        return serve.serve(config, args.model) if name == "serve" else getattr(serve, name)(config)
+        if name == "serve":
+            return serve.serve(config, args.model, args.foreground)
+        return getattr(serve, name)(config)
 
     return verb
 

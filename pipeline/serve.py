@@ -9,16 +9,30 @@ from core import tracking
 from core.config import Config, ConfigError
 from serving import server
 from serving.smoke import run_smoke
-from serving.state import default_state_dir, read_state
+from serving.state import default_state_dir, read_state, read_worker
 
 
-def serve(config: Config, model: str) -> int:
-    """MODEL: an export directory or models:/<name>/<version|latest> / models:/<name>@<alias> (pipeline/models.py)."""
+def serve(config: Config, model: str, foreground: bool = False) -> int:
+    """MODEL: an export directory or models:/<name>/<version|latest> / models:/<name>@<alias> (pipeline/models.py).
+    In the background (returns once ready), or `foreground` (a container's main process: never returns)."""
     state_dir = default_state_dir(config)
-    state = server.start(config, models.resolve(config, model), state_dir)
-    print(f"serving {state['model_dir']} (ready in {state['ready_after_s']}s, pid {state['pid']})\n"
-          f"HTTP: {state['http_url']}\ngRPC: {state['rpc_address']}\nlogs: {state_dir}")
+    model_dir = models.resolve(config, model)
+    if foreground:
+        print(f"serving {model_dir} in the foreground; ready when {_api(config)}/health/ready answers 200", flush=True)
+        server.run_foreground(config, model_dir, state_dir)
+    state = server.start(config, model_dir, state_dir)
+    workers = read_worker(state_dir).get("workers", [])
+    print(f"serving {state['model_dir']} (ready in {state['ready_after_s']}s, pid {state['pid']}; generation workers: "
+          + ", ".join(f"pid {w['pid']} ({w['rss_mb']:.0f} MB)" for w in workers) + ")\n"
+          f"HTTP: {state['http_url']}\ngRPC: {state['rpc_address']}\n"
+          f"OpenAI-compatible: {state['openai_base_url']} (completions, models)\n"
+          f"health: {state['api_url']}/health/live, {state['api_url']}/health/ready\n"
+          f"metrics: {state['metrics_url']}\nlogs: {state_dir}")
     return 0
+
+
+def _api(config: Config) -> str:
+    return f"http://{config.serving.host}:{config.serving.api_port}"
 
 
 def stop(config: Config) -> int:

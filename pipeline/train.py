@@ -230,7 +230,7 @@ def header(launch: Launch, tracked: TrackedRun) -> str:
     run_dir = launch.run_dir
     changed = ""
     if tracked.previous_layout not in (None, launch.layout.name):
-        changed = f"\n  resumed on another layout: {tracked.previous_layout} -> {launch.layout.name}"
+        changed = f"\n  layout {tracked.previous_layout} -> {launch.layout.name} (resumed on another layout)"
     return (f"run {run_dir.name}: {run_dir}\n  MLflow run {tracked.run_id}: {tracked.web_link()}\n"
             f"  the ranks' output (PaddleNLP's logs): {nodes.log_dir(run_dir, launch.layout.nnodes)}/{changed}")
 

@@ -33,6 +33,22 @@ def choose(logits_row: np.ndarray, settings: GenerationSettings, rng, banned_ids
     logits[banned_ids] = -np.inf
     if settings.temperature <= 0:
         return int(np.argmax(logits))
+    return _sample(logits, settings, rng, usable_vocab)
+
+
+def choose_rows(logits: np.ndarray, settings: list[GenerationSettings], rngs: list, banned_ids: list[int],
+                usable_vocab: int) -> list[int]:
+    """`choose` for every row of a batch's logits [B, V], with the same result per row (the masking is done once for
+    the batch, and greedy rows share one argmax; sampled rows draw from their own generators as `choose` does)."""
+    masked = np.array(logits, dtype="float64")
+    masked[:, usable_vocab:] = -np.inf
+    masked[:, banned_ids] = -np.inf
+    greedy = masked.argmax(axis=1)
+    return [int(greedy[r]) if s.temperature <= 0 else _sample(masked[r], s, rng, usable_vocab)
+            for r, (s, rng) in enumerate(zip(settings, rngs))]
+
+
+def _sample(logits: np.ndarray, settings: GenerationSettings, rng, usable_vocab: int) -> int:
     logits = logits / settings.temperature
     if settings.top_k > 0:
         cutoff = np.sort(logits)[-min(settings.top_k, usable_vocab)]

@@ -1,27 +1,42 @@
-"""The Paddle Serving Pipeline service: text generation with an exported model.
+"""The server process: Paddle Serving's Pipeline (HTTP + gRPC), the OpenAI-compatible and health routes
+(serving/api.py) and the metrics port (serving/metrics.py), all in front of one generation worker process
+(serving/worker.py, managed by serving/dispatch.py).
 
 Request  (HTTP `POST /<service>/prediction`, or gRPC PipelineClient): key/value lists of strings,
     prompt (required), max_new_tokens, temperature (0 = greedy, the default), top_k (0 = off), seed
 Response: err_no 0 and key/value lists: text, token_ids (JSON list), model_name, model_version, source_run_id,
-    checkpoint_step, batch_size (how many requests were generated together with this one). A bad request gets err_no != 0 with a message saying what was wrong; the server stays up.
+    checkpoint_step, batch_size (the largest batch the request was decoded in). Errors: err_no 8001 bad request,
+    8002 internal, 8003 busy, 8004 deadline exceeded, 8005 the worker died (retry), 8006 unavailable (starting or
+    shutting down), with a message; the server stays up.
 
-Run by `pipeline serve` as `python -m serving.service --config <rendered config.yml> --model <export dir>`.
+The Op runs as threads (one per request in flight) that hand requests to the worker and wait: the worker batches
+them between decode steps (serving/engine.py), which Paddle Serving's own batching cannot (it hands an Op a whole
+batch). SIGTERM drains: readiness goes false, new requests are refused, those in flight finish within
+`serving.drain_grace_s`, then the process exits 0.
+
+Run by `make serve` as `python -m serving.service --config <rendered config.yml> --service-config <yaml> --model
+<export dir> --state-dir <dir>`.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import serving  # noqa: F401  (zlib first; paddle_serving_client stand-in)
 from serving.generation import GenerationSettings
-from serving.model import ExportedModel, RequestError
+from serving.dispatch import CODES, Dispatcher, ServingError
+from serving.model import RequestError
 
 # Application error codes, returned as err_no (Paddle Serving's own codes are below 1000 or negative).
-BAD_REQUEST = 8001
-INTERNAL_ERROR = 8002
+BAD_REQUEST = CODES["bad_request"]
+INTERNAL_ERROR = CODES["internal"]
 FIELDS = ("prompt", "max_new_tokens", "temperature", "top_k", "seed")
 
 
@@ -89,7 +104,7 @@ def parse_request(fields: dict, limits: Limits) -> tuple[str, GenerationSettings
     return prompt, settings
 
 
-def _make_op_classes(model_dir: Path, limits: Limits, generation: str, threads: int):
+def _make_op_classes(dispatcher: Dispatcher, limits: Limits, metrics):
     """The Paddle Serving classes of the service, built here because paddle_serving_server is imported only in the
     server process (serving/__init__.py applies its workarounds first)."""
     from paddle_serving_server.pipeline import RequestOp
@@ -106,8 +121,8 @@ def _make_op_classes(model_dir: Path, limits: Limits, generation: str, threads: 
                 return {}, request.logid, BAD_REQUEST, str(exc)
             return super().unpack_request_package(request)
 
-    settings = {"model_dir": model_dir, "limits": limits, "generation": generation, "threads": threads}
-    generate_op = type("GenerateOp", (GenerateMethods, Op), settings)
+    generate_op = type("GenerateOp", (GenerateMethods, Op), {"dispatcher": dispatcher, "limits": limits,
+                                                              "metrics": metrics})
 
     class GenerateService(WebService):
         def get_pipeline_response(self, read_op):
@@ -118,16 +133,14 @@ def _make_op_classes(model_dir: Path, limits: Limits, generation: str, threads: 
 
 
 class GenerateMethods:
-    """preprocess (per request): validate, tokenize, pad to a fixed width so that Paddle Serving's auto-batching
-    can stack requests; process (per batch): generate for every request of the batch at once; postprocess (per
-    request): decode and add the lineage.
+    """preprocess: validate the request; process: hand it to the generation worker and wait for its answer (or its
+    error: busy, deadline, worker died); postprocess: the answer's fields and the model's lineage. Mixed in before
+    Paddle Serving's Op by `_make_op_classes`, with the dispatcher, limits and metrics as class attributes.
 
-    Mixed in before Paddle Serving's Op by `_make_op_classes`, with the export directory, request limits,
-    generation mode and threads per session as class attributes. The Op loads the export's programs itself, one
-    session per worker thread or process (paddle.inference predictors are not thread-safe, and on CPU builds
-    `Predictor.run()` holds the GIL, so only processes run inference in parallel). Paddle Serving calls `process()` only for Ops it built a client for from
-    `local_service_conf.model_config`, which would load one more predictor per worker from "the first *.pdmodel"
-    of the directory: the two overrides below declare the Op as serving without that client."""
+    Paddle Serving calls `process()` only for Ops it built a client for from `local_service_conf.model_config`;
+    the two overrides below declare the Op as serving without one (the worker process holds the model)."""
+
+    dispatcher = limits = metrics = None
 
     def init_from_dict(self, conf):
         super().init_from_dict(conf)
@@ -136,100 +149,77 @@ class GenerateMethods:
     def init_client(self, client_config, server_endpoints):
         return None
 
-    def init_op(self):
-        self.model = ExportedModel(self.model_dir)
-        self.sessions = threading.local()
-
-    def _session(self):
-        session = getattr(self.sessions, "session", None)
-        if session is None:
-            if self.generation == "kv_cache":
-                session = self.model.cached_session(self.threads)
-            else:
-                from core import exportdir
-                predictor = exportdir.create_predictor(self.model.dir, threads=self.threads)
-                session = lambda ids: exportdir.predict(predictor, ids)  # noqa: E731
-            self.sessions.session = session
-        return session
-
     def preprocess(self, input_dicts, data_id, log_id):
-        import numpy as np
-
         ((_, fields),) = input_dicts.items()
         try:
-            prompt, settings = parse_request(dict(fields), self.limits)
-            ids = self.model.encode(prompt)
-            if len(ids) > self.limits.max_prompt_chars:
-                raise RequestError(f"prompt is {len(ids)} tokens; the limit is {self.limits.max_prompt_chars}")
+            request = parse_request(dict(fields), self.limits)
         except RequestError as exc:
+            self.metrics.refused("paddle_serving", "bad_request")
             return None, False, BAD_REQUEST, str(exc)
-        padded = np.full((1, self.limits.max_prompt_chars), -1, dtype="int64")
-        padded[0, :len(ids)] = ids
-        feed = {"prompt_ids": padded,  # (first key: Paddle Serving counts a request's rows by it)
-                "settings": np.asarray([[settings.max_new_tokens, settings.top_k, settings.seed]], "int64"),
-                "temperature": np.asarray([settings.temperature], dtype="float64")}
-        return feed, False, None, ""
+        return {"request": (time.monotonic(), *request)}, False, None, ""
 
     def process(self, feed_batch, typical_logid=0):
-        import numpy as np
-
-        feed = feed_batch[0]  # the requests of the batch, stacked along axis 0
-        prompts = [[int(i) for i in row if i >= 0] for row in feed["prompt_ids"]]
-        settings = [GenerationSettings(int(m), float(t), int(k), int(s))
-                    for (m, k, s), t in zip(feed["settings"], feed["temperature"])]
+        arrived, prompt, settings = feed_batch[0]["request"]
         try:
-            session = self._session()
-            if self.generation == "kv_cache":
-                outputs = self.model.generate_batch(session, prompts, settings)
-            else:
-                outputs = [self.model.generate(session, p, s) for p, s in zip(prompts, settings)]
+            result = self.dispatcher.generate(prompt, settings)
+        except ServingError as exc:
+            self.metrics.refused("paddle_serving", exc.kind)
+            return None, exc.code, exc.message
         except Exception as exc:  # noqa: BLE001  (reported to the client; the server keeps serving)
+            self.metrics.refused("paddle_serving", "internal")
             return None, INTERNAL_ERROR, f"generation failed: {exc.__class__.__name__}: {exc}"
-        # One row per request: the Pipeline slices every output by the request's rows.
-        ids = np.full((len(outputs), max(1, max(map(len, outputs)))), -1, dtype="int64")
-        for row, out in enumerate(outputs):
-            ids[row, :len(out)] = out
-        return {"token_ids": ids, "batch_size": np.full((len(outputs),), len(outputs), dtype="int64")}, 0, ""
+        self.metrics.answered("paddle_serving", arrived, result)
+        return {"result": [result]}, 0, ""  # (a list: Paddle Serving slices each output by the request's rows)
 
     def postprocess(self, input_dicts, fetch_dict, data_id, log_id):
-        ids = [int(i) for i in fetch_dict["token_ids"][0] if i >= 0]
-        return {"text": self.model.decode(ids), "token_ids": json.dumps(ids),
-                "batch_size": str(int(fetch_dict["batch_size"][0])), **self.model.lineage()}, None, ""
+        result = fetch_dict["result"][0]
+        return {"text": result["text"], "token_ids": json.dumps(result["token_ids"]),
+                "batch_size": str(result["batch_size"]), **lineage(self.dispatcher.meta)}, None, ""
 
 
-def op_processes(serving_config) -> int:
-    """Op workers: serving.op_concurrency, or (0) one per core this server may use."""
+def lineage(meta: dict) -> dict[str, str]:
+    return {"model_name": meta["registered_model_name"], "model_version": str(meta["version"]),
+            "source_run_id": meta["source_run_id"], "checkpoint_step": str(meta["checkpoint_step"])}
+
+
+def workers(serving_config) -> int:
+    """Generation worker processes: serving.workers, or (0) one per core this server may use."""
     from core.workarounds import cpu_runtime
-    return serving_config.op_concurrency or cpu_runtime.available_cores()
+
+    return serving_config.workers or cpu_runtime.available_cores()
+
+
+def capacity(serving_config) -> int:
+    """Requests in flight at most: each worker's running batch and queue."""
+    return workers(serving_config) * (serving_config.max_batch_size + serving_config.max_queue)
 
 
 def predictor_threads(serving_config) -> int:
-    """Math threads of each Op worker's predictors: serving.predictor_threads, or (0) an even share of the cores.
-    (In thread mode too: one predictor with 2 threads measured 1164 tokens/s at 8 clients, two with 1 thread each
-    1635-1803; the model's matrices are too small for OpenMP to pay.)"""
+    """Math threads of each worker's predictors: serving.predictor_threads, or (0) an even share of the cores."""
     from core.workarounds import cpu_runtime
-    return cpu_runtime.threads_per_process(serving_config.predictor_threads, op_processes(serving_config))
+
+    return cpu_runtime.threads_per_process(serving_config.predictor_threads, workers(serving_config))
 
 
 def render_config(config) -> dict:
-    """Paddle Serving's config.yml, from the typed config (ports, workers, concurrency, batching)."""
+    """Paddle Serving's config.yml, from the typed config: thread Ops, one per request in flight (plus a few, so that
+    one more request reaches the busy check instead of queueing inside Paddle Serving), no auto-batching."""
     s = config.serving
+    threads = capacity(s) + 4
     return {
-        "worker_num": s.rpc_workers,
-        "build_dag_each_worker": False,  # (True would switch auto-batching off)
+        "worker_num": s.rpc_workers or threads,  # gRPC threads: fewer would queue requests unseen
+        "build_dag_each_worker": False,
         "rpc_port": s.rpc_port,
         "http_port": s.http_port,
-        "dag": {"is_thread_op": s.op_mode == "thread", "retry": 1, "use_profile": False,
-                "tracer": {"interval_s": -1}},
+        "dag": {"is_thread_op": True, "retry": 1, "use_profile": False, "tracer": {"interval_s": -1}},
         "op": {
             s.service_name: {
-                "concurrency": op_processes(s),
+                "concurrency": threads,
                 "timeout": -1,
                 "retry": 1,
-                # requests that arrive within batch_timeout_ms of each other are generated together
-                "batch_size": s.batch_size,
-                "auto_batching_timeout": s.batch_timeout_ms if s.batch_size > 1 else -1,
-                "local_service_conf": {},  # no model or client type: the Op loads its programs (see GenerateOp)
+                "batch_size": 1,  # (the worker batches; Paddle Serving's auto-batching would only add a wait)
+                "auto_batching_timeout": -1,
+                "local_service_conf": {},  # no model or client type: the worker process holds the model
             }
         },
     }
@@ -240,30 +230,53 @@ def main() -> None:
     parser.add_argument("--config", required=True, help="rendered Paddle Serving config.yml")
     parser.add_argument("--service-config", required=True, help="the pipeline's resolved YAML config")
     parser.add_argument("--model", required=True, help="export directory")
+    parser.add_argument("--state-dir", required=True, help="where worker.json is kept")
     args = parser.parse_args()
-    from core.config import load_config
-
-    from core.workarounds import cpu_runtime
-
     from core import exportdir
+    from core.config import load_config
+    from serving.api import ApiServer
+    from serving.metrics import ServingMetrics
+
     config = load_config(args.service_config)
+    s = config.serving
     model_dir = Path(args.model)
-    generation = config.serving.generation
-    if generation == "kv_cache" and not exportdir.has_cache_programs(model_dir):
-        print(f"{model_dir} has no cache programs (exported before they existed): serving the full-sequence graph",
-              flush=True)
-        generation = "full"
-    threads = predictor_threads(config.serving)
-    service_cls = _make_op_classes(model_dir, Limits.from_config(config.serving), generation, threads)
-    if config.serving.op_mode == "thread":
-        # Thread workers would otherwise import paddle in their own threads while Paddle Serving forks its gRPC
-        # gateway from this one. paddle's import runs os.popen (paddle/base/core.py avx_supported); a fork at that
-        # moment keeps the popen's exec-status pipe open in the gateway process, and the worker waits on it forever
-        # (seen with py-spy: the server never answered). Imported here, before any worker thread or fork.
-        ExportedModel(model_dir)
-    service = service_cls(name=config.serving.service_name)
+    metrics = ServingMetrics()
+    metrics.serve(s.metrics_port, s.host)
+    dispatcher = Dispatcher(s, model_dir, predictor_threads(s), workers(s), metrics, Path(args.state_dir),
+                            on_fatal=_exit_fatal)
+    dispatcher.meta = exportdir.read_meta(model_dir)
+    dispatcher.start()
+    limits = Limits.from_config(s)
+    ApiServer(dispatcher, limits, dispatcher.meta, metrics).start(s.host, s.api_port)
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=_drain, args=(dispatcher, s.drain_grace_s),
+                                                              daemon=True).start())
+    service = _make_op_classes(dispatcher, limits, metrics)(name=s.service_name)
     service.prepare_pipeline_config(args.config)
     service.run_service()
+
+
+def _drain(dispatcher: Dispatcher, grace_s: float) -> None:
+    """SIGTERM: readiness false at once, new requests refused, those in flight finish (up to grace_s); then this
+    process and its children (the worker, Paddle Serving's HTTP gateway) end, with exit code 0."""
+    print(f"SIGTERM: draining {dispatcher.in_flight} request(s) in flight (up to {grace_s:g}s)", flush=True)
+    finished = dispatcher.drain(grace_s)
+    print("drained: all requests in flight were answered" if finished else
+          f"drain grace period over: {dispatcher.in_flight} request(s) cut off", flush=True)
+    _end_children()
+    os._exit(0)
+
+
+def _exit_fatal(reason: str) -> None:
+    print(f"fatal: {reason}; the server exits (exit code 3) so that its supervisor can restart it", file=sys.stderr,
+          flush=True)
+    _end_children()
+    os._exit(3)
+
+
+def _end_children() -> None:
+    from core.processes import descendants, signal_pids
+
+    signal_pids(descendants(os.getpid()), signal.SIGKILL)
 
 
 if __name__ == "__main__":

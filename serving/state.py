@@ -1,5 +1,5 @@
-"""Where a running endpoint records itself: `<state dir>/server.json` (pid, ports, URLs, model). Read by the server
-verbs, the client's command line and smoke."""
+"""Where a running endpoint records itself: `<state dir>/server.json` (pid, ports, URLs, model) and `worker.json` (its
+generation worker). Read by the server verbs, the client's command line and smoke."""
 from __future__ import annotations
 
 import json
@@ -25,3 +25,15 @@ def write_state(state_dir: Path, state: dict) -> None:
 def clear_state(state_dir: Path) -> None:
     for name in (STATE_FILE, "ProcessInfo.json"):
         (state_dir / name).unlink(missing_ok=True)
+
+
+WORKER_FILE = "worker.json"
+
+
+def read_worker(state_dir: Path) -> dict:
+    """The current generation worker (serving/dispatch.py writes it each time one is ready): pid, load time, memory,
+    restarts so far. {} before the first is ready."""
+    try:
+        return json.loads((Path(state_dir) / WORKER_FILE).read_text())
+    except (OSError, ValueError):
+        return {}

@@ -158,28 +158,30 @@ def test_too_many_processes_for_this_machine(monkeypatch):
 
 @pytest.mark.parametrize("overrides, message", [
     (["serving.generation=beam"], "serving.generation: 'beam' is not allowed"),
-    (["serving.op_mode=thread"], "serving.op_mode=thread needs serving.batch_size=1"),
-    (["serving.batch_timeout_ms=0"], "serving.batch_timeout_ms: must be >= 1"),
-    (["serving.batch_size=0"], "serving.batch_size: must be > 0"),
-    (["serving.op_concurrency=-1"], "serving.op_concurrency: must be >= 0"),
+    (["serving.scheduler=fifo"], "serving.scheduler: 'fifo' is not allowed"),
+    (["serving.max_batch_size=0"], "serving.max_batch_size: must be > 0"),
+    (["serving.max_queue=-1"], "serving.max_queue: must be >= 0"),
+    (["serving.request_timeout_s=0"], "serving.request_timeout_s: must be > 0"),
+    (["serving.api_port=18180"], "must all differ"),
+    (["serving.metrics_port=80"], "serving.metrics_port: must be a port in 1024..65535"),
 ])
 def test_invalid_serving_settings(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_config(DEFAULT_CONFIG, overrides)
-    load_config(DEFAULT_CONFIG, ["serving.op_mode=thread", "serving.batch_size=1"])  # the allowed thread setting
 
 
-def test_serving_workers_and_threads_follow_the_cores(monkeypatch):
-    from serving.service import op_processes, predictor_threads, render_config
+def test_serving_workers_threads_and_paddle_serving_threads(monkeypatch):
+    """Workers follow the cores (one per core, one math thread each by default); Paddle Serving gets one thread per
+    request in flight (+4), thread Ops and no auto-batching of its own (the workers batch)."""
+    from serving.service import capacity, predictor_threads, render_config, workers
 
     monkeypatch.setattr("core.workarounds.cpu_runtime.available_cores", lambda: 8)
     config = load_config(DEFAULT_CONFIG)
-    assert (op_processes(config.serving), predictor_threads(config.serving)) == (8, 1)
-    config = load_config(DEFAULT_CONFIG, ["serving.op_concurrency=2"])
-    assert (op_processes(config.serving), predictor_threads(config.serving)) == (2, 4)
+    assert (workers(config.serving), predictor_threads(config.serving)) == (8, 1)
+    config = load_config(DEFAULT_CONFIG, ["serving.workers=2", "serving.predictor_threads=0", "serving.max_queue=4",
+                                          "serving.max_batch_size=8"])
+    assert (workers(config.serving), predictor_threads(config.serving), capacity(config.serving)) == (2, 4, 24)
     rendered = render_config(config)
     op = rendered["op"]["generate"]
-    assert rendered["dag"]["is_thread_op"] is False and op["concurrency"] == 2
-    assert (op["batch_size"], op["auto_batching_timeout"]) == (4, 2)
-    single = render_config(load_config(DEFAULT_CONFIG, ["serving.batch_size=1"]))["op"]["generate"]
-    assert single["auto_batching_timeout"] == -1
+    assert rendered["dag"]["is_thread_op"] is True and op["concurrency"] == rendered["worker_num"] == 28
+    assert (op["batch_size"], op["auto_batching_timeout"]) == (1, -1)

@@ -174,3 +174,19 @@ def test_repeated_request_keys_are_refused():
     check_unique_keys(["prompt", "max_new_tokens"])
     with pytest.raises(RequestError, match=r"sent more than once: prompt$"):
         check_unique_keys(["prompt", "seed", "prompt", "prompt"])
+
+
+def test_choosing_for_a_batch_equals_choosing_row_by_row():
+    from serving.generation import choose, choose_rows
+
+    logits = np.random.default_rng(0).normal(size=(6, VOCAB)).astype("float32")
+    settings = [GenerationSettings(), GenerationSettings(temperature=1.0, seed=3),
+                GenerationSettings(temperature=0.7, top_k=3, seed=4), GenerationSettings(temperature=2.0, seed=5),
+                GenerationSettings(), GenerationSettings(temperature=0.5, top_k=1, seed=6)]
+    for _ in range(5):  # (several draws: the generators advance identically)
+        rows = [np.random.default_rng(s.seed) for s in settings]
+        alone = [np.random.default_rng(s.seed) for s in settings]
+        for _ in range(4):
+            batched = choose_rows(logits, settings, rows, [PAD], usable_vocab=10)
+            assert batched == [choose(logits[r], s, alone[r], [PAD], 10) for r, s in enumerate(settings)]
+            assert PAD not in batched and max(batched) < 10

@@ -1,0 +1,206 @@
+"""Continuous batching over the key/value-cache programs: requests join the running batch between decode steps.
+
+The Scheduler is pure logic around two functions (the exported prefill and decode programs, or any functions with
+their signatures: serving/generation.py), so it is tested with a hand-made model. Each `step()`:
+
+1. drops waiting requests whose deadline passed and cancelled ones;
+2. admits waiting requests while the batch has room (`max_batch_size` sequences, `max_batch_tokens` cache
+   positions); with `policy="static"` only when nothing is running (batches formed once, for comparison);
+3. prefills the admitted requests together (left-padded, masked), picks their first tokens and merges their caches
+   into the running batch (the narrower cache is left-padded with masked positions);
+4. runs one decode step for the whole running batch; finished requests (end token, max_new_tokens, the model's
+   maximum length) leave the batch at once, and columns no running sequence needs any more are trimmed.
+
+Every sequence keeps its own positions, attention mask and seeded sampler, so its tokens do not depend on what it was
+batched with or when it joined (tests/unit/test_engine.py; served: tests/integration/test_serving.py).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from serving.generation import GenerationSettings, budget, choose_rows
+
+
+@dataclass
+class Job:
+    id: int
+    prompt_ids: list[int]
+    settings: GenerationSettings
+    deadline: float = float("inf")  # time.monotonic() after which it is refused / given up
+    received: float = field(default_factory=time.monotonic)
+    new: list[int] = field(default_factory=list)
+    first_token_at: float | None = None
+    peak_batch: int = 0  # the largest batch it was decoded in
+    budget: int = 0
+    rng: object = None
+    pending: int | None = None  # the token chosen last, fed to the next decode step
+
+
+@dataclass
+class Outcome:
+    job: Job
+    status: str  # "done" | "deadline" | "cancelled"
+
+
+class Scheduler:
+    def __init__(self, prefill, decode, eos_id: int, banned_ids: list[int], usable_vocab: int, max_length: int,
+                 pad_id: int = 0, max_batch_size: int = 16, max_batch_tokens: int = 0, policy: str = "continuous"):
+        self.prefill, self.decode = prefill, decode
+        self.eos_id, self.banned_ids, self.usable_vocab = eos_id, banned_ids, usable_vocab
+        self.max_length, self.pad_id, self.policy = max_length, pad_id, policy
+        self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens or max_batch_size * max_length
+        self.waiting: deque[Job] = deque()
+        self.running: list[Job] = []
+        self.cancelled: set[int] = set()
+        self.keys = self.values = self.mask = self.lengths = None
+
+    # -- the queue ------------------------------------------------------------------------------------------------
+    def add(self, job: Job) -> None:
+        job.budget = budget(len(job.prompt_ids), job.settings, self.max_length)
+        job.rng = np.random.default_rng(job.settings.seed)
+        self.waiting.append(job)
+
+    def cancel(self, job_id: int) -> None:
+        self.cancelled.add(job_id)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    # -- one iteration ----------------------------------------------------------------------------------------------
+    def step(self, now: float | None = None) -> list[Outcome]:
+        now = time.monotonic() if now is None else now
+        out = self._drop_waiting(now) + self._drop_running()
+        admitted = self._admit()
+        if admitted:
+            out += self._prefill(admitted, now)
+        if self.running:
+            out += self._decode_step()
+        return out
+
+    def _drop_waiting(self, now: float) -> list[Outcome]:
+        out, keep = [], deque()
+        for job in self.waiting:
+            if job.id in self.cancelled:
+                self.cancelled.discard(job.id)
+                out.append(Outcome(job, "cancelled"))
+            elif job.deadline <= now:
+                out.append(Outcome(job, "deadline"))
+            else:
+                keep.append(job)
+        self.waiting = keep
+        return out
+
+    def _drop_running(self) -> list[Outcome]:
+        gone = [r for r, job in enumerate(self.running) if job.id in self.cancelled]
+        if not gone:
+            return []
+        out = [Outcome(self.running[r], "cancelled") for r in gone]
+        self.cancelled -= {self.running[r].id for r in gone}
+        self._keep([r for r in range(len(self.running)) if r not in gone])
+        return out
+
+    def _admit(self) -> list[Job]:
+        if self.policy == "static" and self.running:
+            return []
+        admitted: list[Job] = []
+        width = self.mask.shape[1] if self.running else 0
+        while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
+            job = self.waiting[0]
+            rows = len(self.running) + len(admitted) + 1
+            if admitted and rows * max(width, len(job.prompt_ids)) > self.max_batch_tokens:
+                break
+            admitted.append(self.waiting.popleft())
+            width = max(width, len(job.prompt_ids))
+        return admitted
+
+    def _prefill(self, jobs: list[Job], now: float) -> list[Outcome]:
+        out = [Outcome(job, "done") for job in jobs if job.budget <= 0]  # (a prompt at the model's maximum length)
+        jobs = [job for job in jobs if job.budget > 0]
+        if not jobs:
+            return out
+        width = max(len(job.prompt_ids) for job in jobs)
+        ids = np.full((len(jobs), width), self.pad_id, dtype="int64")
+        mask = np.zeros((len(jobs), width), dtype="float32")
+        positions = np.zeros((len(jobs), width), dtype="int64")
+        for r, job in enumerate(jobs):
+            n = len(job.prompt_ids)
+            ids[r, width - n:], mask[r, width - n:], positions[r, width - n:] = job.prompt_ids, 1.0, np.arange(n)
+        logits, keys, values = self.prefill(ids, positions, mask)
+        lengths = np.array([len(job.prompt_ids) for job in jobs], dtype="int64")
+        joined = time.monotonic()
+        for job in jobs:
+            job.first_token_at, job.peak_batch = joined, max(job.peak_batch, len(jobs))
+        self._choose(jobs, logits)
+        self._merge(jobs, keys, values, mask, lengths)
+        return out + self._finish_done()
+
+    def _decode_step(self) -> list[Outcome]:
+        for job in self.running:
+            job.peak_batch = max(job.peak_batch, len(self.running))
+        tokens = np.asarray([job.pending for job in self.running], dtype="int64")[:, None]
+        self.mask = np.concatenate([self.mask, np.ones((len(self.running), 1), dtype="float32")], axis=1)
+        logits, self.keys, self.values = self.decode(tokens, self.lengths[:, None].copy(), self.mask, self.keys,
+                                                     self.values)
+        self.lengths = self.lengths + 1
+        self._choose(self.running, logits)
+        return self._finish_done()
+
+    # -- helpers ------------------------------------------------------------------------------------------------------
+    def _choose(self, jobs: list[Job], logits) -> None:
+        tokens = choose_rows(logits, [job.settings for job in jobs], [job.rng for job in jobs], self.banned_ids,
+                             self.usable_vocab)
+        for job, token in zip(jobs, tokens):
+            job.new.append(token)
+            job.pending = token
+
+    def _finished(self, job: Job) -> bool:
+        return job.new[-1] == self.eos_id or len(job.new) >= job.budget
+
+    def _finish_done(self) -> list[Outcome]:
+        done = [r for r, job in enumerate(self.running) if self._finished(job)]
+        if not done:
+            return []
+        out = [Outcome(self.running[r], "done") for r in done]
+        self._keep([r for r in range(len(self.running)) if r not in done])
+        return out
+
+    def _merge(self, jobs: list[Job], keys, values, mask, lengths) -> None:
+        """Join new sequences' caches to the running batch's, left-padding the narrower with masked columns."""
+        if not self.running:
+            self.running, self.keys, self.values, self.mask, self.lengths = list(jobs), keys, values, mask, lengths
+            return
+        width = max(self.mask.shape[1], mask.shape[1])
+        pad = lambda a, axis: _left_pad(a, width, axis)  # noqa: E731
+        self.keys = np.concatenate([pad(self.keys, 3), pad(keys, 3)], axis=1)
+        self.values = np.concatenate([pad(self.values, 3), pad(values, 3)], axis=1)
+        self.mask = np.concatenate([pad(self.mask, 1), pad(mask, 1)], axis=0)
+        self.lengths = np.concatenate([self.lengths, lengths])
+        self.running += jobs
+
+    def _keep(self, rows: list[int]) -> None:
+        self.running = [self.running[r] for r in rows]
+        if not rows:
+            self.keys = self.values = self.mask = self.lengths = None
+            return
+        self.keys, self.values = self.keys[:, rows], self.values[:, rows]
+        self.mask, self.lengths = self.mask[rows], self.lengths[rows]
+        used = np.flatnonzero(self.mask.any(axis=0))
+        start = int(used[0]) if len(used) else 0
+        if start:  # columns masked for every remaining sequence: no longer needed
+            self.keys, self.values, self.mask = self.keys[:, :, :, start:], self.values[:, :, :, start:], \
+                self.mask[:, start:]
+
+
+def _left_pad(array: np.ndarray, width: int, axis: int) -> np.ndarray:
+    missing = width - array.shape[axis]
+    if missing <= 0:
+        return array
+    spec = [(0, 0)] * array.ndim
+    spec[axis] = (missing, 0)
+    return np.pad(array, spec)

@@ -1,0 +1,158 @@
+"""The generation worker: one process that owns the model's predictors and the continuous-batching scheduler.
+
+    python -m serving.worker --model <export dir> --fd <socket fd> [--threads N] [--max-batch-size N] ...
+
+Started (and restarted, if it dies) by the server process (serving/dispatch.py), which talks to it over a socket:
+it sends ("generate", id, prompt, settings, deadline) / ("cancel", id) / ("stop",) and receives ("ready", info),
+("done", id, result), ("error", id, kind, message) and ("state", waiting, running). The worker tokenizes, schedules
+(serving/engine.py), generates and decodes; it exits when the server's end of the socket closes (the server is gone).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import resource
+import threading
+import time
+from multiprocessing.connection import Connection
+
+import serving  # noqa: F401  (zlib first)
+from core import exportdir
+from serving.engine import Job, Scheduler
+from serving.generation import GenerationSettings
+from serving.model import ExportedModel, RequestError
+
+WARM_UP_PROMPT = "你好"
+
+
+def full_sequence_session(forward):
+    """(prefill, decode) over the full-sequence graph, for exports made before the cache programs existed: the
+    "cache" holds the token ids and every step re-runs the whole sequence (slow, exact)."""
+    import numpy as np
+
+    def last_logits(rows):
+        return np.stack([np.asarray(forward(np.asarray([row], dtype="int64")))[0, -1] for row in rows])
+
+    def prefill(ids, positions, mask):
+        cache = np.where(mask == 1, ids, -1)[None, :, None, :, None]
+        return last_logits([r[m == 1].tolist() for r, m in zip(ids, mask)]), cache, cache
+
+    def decode(ids, positions, mask, keys, values):
+        cache = np.concatenate([keys, ids[None, :, None, :, None]], axis=3)
+        rows = [[int(t) for t, m in zip(cache[0, b, 0, :, 0], mask[b]) if m == 1] for b in range(len(ids))]
+        return last_logits(rows), cache, cache
+
+    return prefill, decode
+
+
+def build_scheduler(model: ExportedModel, threads: int, generation: str, **options) -> Scheduler:
+    if generation == "kv_cache" and exportdir.has_cache_programs(model.dir):
+        prefill, decode = model.cached_session(threads)
+    else:  # (an old export, or serving.generation: full)
+        predictor = exportdir.create_predictor(model.dir, threads=threads)
+        prefill, decode = full_sequence_session(lambda ids: exportdir.predict(predictor, ids))
+    return Scheduler(prefill, decode, model.eos_id, model.banned_ids, len(model.tokenizer), model.max_length,
+                     pad_id=model.tokenizer.pad_token_id, **options)
+
+
+class Worker:
+    def __init__(self, conn: Connection, model: ExportedModel, scheduler: Scheduler):
+        self.conn, self.model, self.scheduler = conn, model, scheduler
+        self.inbox: queue.Queue = queue.Queue()
+        self.send_lock = threading.Lock()
+        self.state = (0, 0)
+
+    def send(self, *message) -> None:
+        with self.send_lock:
+            self.conn.send(message)
+
+    def receive(self) -> None:
+        """Messages from the server; its end closing means the server is gone: so is this worker."""
+        try:
+            while True:
+                self.inbox.put(self.conn.recv())
+        except (EOFError, OSError):
+            os._exit(0)
+
+    def warm_up(self) -> float:
+        """A tiny generation through the whole path: the worker is ready only if it succeeds."""
+        t0 = time.monotonic()
+        self.scheduler.add(Job(-1, self.model.encode(WARM_UP_PROMPT), GenerationSettings(max_new_tokens=2)))
+        while not self.scheduler.idle:
+            self.scheduler.step()
+        return time.monotonic() - t0
+
+    def run(self) -> None:
+        while True:
+            try:  # (idle: wait for work; busy: take what arrived and go on decoding)
+                messages = [self.inbox.get() if self.scheduler.idle else self.inbox.get_nowait()]
+            except queue.Empty:
+                messages = []
+            while not self.inbox.empty():
+                messages.append(self.inbox.get_nowait())
+            for message in messages:
+                if message[0] == "stop":
+                    return
+                self.handle(message)
+            if not self.scheduler.idle:
+                for outcome in self.scheduler.step():
+                    self.report(outcome)
+            state = (len(self.scheduler.waiting), len(self.scheduler.running))
+            if state != self.state:
+                self.state = state
+                self.send("state", *state)
+
+    def handle(self, message) -> None:
+        if message[0] == "cancel":
+            self.scheduler.cancel(message[1])
+            return
+        _, job_id, prompt, settings, deadline = message
+        try:
+            ids = self.model.encode(prompt)
+        except RequestError as exc:
+            self.send("error", job_id, "bad_request", str(exc))
+            return
+        self.scheduler.add(Job(job_id, ids, settings, deadline=deadline))
+
+    def report(self, outcome) -> None:
+        job = outcome.job
+        if outcome.status == "deadline":
+            self.send("error", job.id, "deadline", "the request waited past its deadline before generation began")
+        elif outcome.status == "done":
+            finished = "stop" if job.new and job.new[-1] == self.model.eos_id else "length"
+            self.send("done", job.id, {
+                "token_ids": job.new, "text": self.model.decode(job.new), "prompt_tokens": len(job.prompt_ids),
+                "batch_size": max(1, job.peak_batch), "received": job.received, "first_token_at": job.first_token_at,
+                "finished_at": time.monotonic(), "finish_reason": finished})
+        # (cancelled: the server already answered the client)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", required=True)
+    p.add_argument("--fd", type=int, required=True)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--generation", default="kv_cache")
+    p.add_argument("--max-batch-size", type=int, default=16)
+    p.add_argument("--max-batch-tokens", type=int, default=0)
+    p.add_argument("--policy", default="continuous")
+    args = p.parse_args()
+    from core.processes import die_with_parent
+
+    die_with_parent()
+    conn = Connection(args.fd)
+    t0 = time.monotonic()
+    model = ExportedModel(args.model)
+    scheduler = build_scheduler(model, args.threads, args.generation, max_batch_size=args.max_batch_size,
+                                max_batch_tokens=args.max_batch_tokens, policy=args.policy)
+    worker = Worker(conn, model, scheduler)
+    warm_s = worker.warm_up()
+    threading.Thread(target=worker.receive, daemon=True).start()
+    worker.send("ready", {"pid": os.getpid(), "load_s": round(time.monotonic() - t0, 2), "warm_up_s": round(warm_s, 3),
+                          "rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)})
+    worker.run()
+
+
+if __name__ == "__main__":
+    main()

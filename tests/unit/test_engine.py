@@ -1,0 +1,90 @@
+"""Continuous batching (serving/engine.py) on the hand-made cache model of test_generation: answers equal each
+request alone, whenever it joins; limits, deadlines, cancellation, the static policy. Fast."""
+from test_generation import EOS, PAD, REQUESTS, ScriptedCache, batch
+
+from serving.engine import Job, Scheduler
+from serving.generation import GenerationSettings
+
+
+def scheduler(cache=None, **options):
+    cache = cache or ScriptedCache()
+    return Scheduler(cache.prefill, cache.decode, EOS, [PAD], usable_vocab=10, max_length=64, pad_id=PAD, **options)
+
+
+def drive(s: Scheduler, arrivals: dict[int, list[Job]], now=lambda step: 0.0, max_steps=200) -> dict[int, tuple]:
+    """Add each job at its step; step until idle. {job id: (status, tokens, peak batch)}."""
+    done, step = {}, 0
+    while step < max_steps and (not s.idle or any(k >= step for k in arrivals)):
+        for job in arrivals.get(step, []):
+            s.add(job)
+        for outcome in s.step(now(step)):
+            done[outcome.job.id] = (outcome.status, outcome.job.new, outcome.job.peak_batch)
+        step += 1
+    return done
+
+
+def jobs(requests, first_id=0):
+    return [Job(first_id + i, list(p), s) for i, (p, s) in enumerate(requests)]
+
+
+def test_requests_joining_mid_generation_answer_as_alone():
+    alone = [batch([p], [s])[0] for p, s in REQUESTS]
+    cache = ScriptedCache()
+    everyone = jobs(REQUESTS)  # (2 generates 12 tokens, 3 eight: the others join while they run)
+    arrivals = {0: [everyone[2]], 1: [everyone[3]], 2: everyone[:2], 4: [everyone[4]]}
+    done = drive(scheduler(cache), arrivals)
+    assert {i: d[1] for i, d in done.items()} == dict(enumerate(alone))
+    assert all(d[0] == "done" for d in done.values())
+    # they really were decoded together, joining mid-way
+    assert max(cache.decode_batches) == 4 and done[2][2] == 4 and done[0][2] == 4
+
+
+def test_batch_limit_and_the_static_policy():
+    long = ([9], [5], [7], [8], [4, 4], [7, 7], [9, 9, 9])  # (prompts that never meet the end token)
+    many = [(p, GenerationSettings(max_new_tokens=5 + i)) for i, p in enumerate(long)]
+    alone = [batch([p], [s])[0] for p, s in many]
+    cache = ScriptedCache()
+    done = drive(scheduler(cache, max_batch_size=3), {0: jobs(many)})
+    assert [done[i][1] for i in range(7)] == alone and max(cache.decode_batches) <= 3
+    static = ScriptedCache()
+    done = drive(scheduler(static, max_batch_size=8, policy="static"), {0: jobs(many[:2]), 1: jobs(many[2:], 2)})
+    assert [done[i][1] for i in range(7)] == alone
+    # static: the late arrivals waited for the first batch to finish, then ran as one batch of five
+    # (5 and 6 new tokens: 4 decode steps together, one alone for the second; then the five)
+    assert static.decode_batches[:6] == [2, 2, 2, 2, 1, 5] and max(static.decode_batches) == 5
+
+
+def test_deadline_and_cancellation_leave_the_others_exact():
+    alone = [batch([p], [s])[0] for p, s in REQUESTS]
+    s = scheduler(max_batch_size=2)
+    queued = jobs(REQUESTS)
+    queued[4].deadline = 1.5  # waits behind a full batch, so it is still waiting at step 2
+    for job in queued:
+        s.add(job)
+    done = {}
+    for step in range(100):
+        if step == 2:
+            s.cancel(2)  # running by now (0 and 1 finished at step 0)
+        for outcome in s.step(float(step)):
+            done[outcome.job.id] = (outcome.status, outcome.job.new)
+        if s.idle:
+            break
+    assert done[2][0] == "cancelled" and 0 < len(done[2][1]) < len(alone[2]) and done[4] == ("deadline", [])
+    assert {i: done[i] for i in (0, 1, 3)} == {i: ("done", alone[i]) for i in (0, 1, 3)}
+
+
+def test_the_cache_is_trimmed_to_what_running_sequences_need():
+    s = scheduler()
+    s.add(Job(0, [5] * 20, GenerationSettings(max_new_tokens=1)))
+    s.add(Job(1, [9], GenerationSettings(max_new_tokens=10)))
+    s.step()  # both prefilled (width 20); the long one finishes at once
+    assert [job.id for job in s.running] == [1]
+    assert s.mask.shape[1] == 2  # its prompt and the token just fed: the 19 padding columns are gone
+    while not s.idle:
+        s.step()
+
+
+def test_a_prompt_at_the_maximum_length_gets_nothing():
+    s = Scheduler(ScriptedCache().prefill, ScriptedCache().decode, EOS, [PAD], 10, max_length=4)
+    s.add(Job(0, [5] * 4, GenerationSettings()))
+    assert [(o.job.id, o.status, o.job.new) for o in s.step()] == [(0, "done", [])]
