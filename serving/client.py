@@ -57,9 +57,9 @@ class GenerationClient:
         return response.json()
 
     def generate(self, prompt: str, max_new_tokens: int | None = None, temperature: float | None = None,
-                 top_k: int | None = None, seed: int | None = None) -> Generation:
+                 top_k: int | None = None, seed: int | None = None, timeout_s: float | None = None) -> Generation:
         answer = self.raw_http(_fields(prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-                                       top_k=top_k, seed=seed))
+                                       top_k=top_k, seed=seed, timeout_s=timeout_s))
         if answer.get("err_no", -1) != 0:
             raise ServingError(answer.get("err_no", -1), answer.get("err_msg", ""))
         return Generation.from_fields(dict(zip(answer["key"], answer["value"])))

@@ -3,7 +3,8 @@
 (serving/worker.py, managed by serving/dispatch.py).
 
 Request  (HTTP `POST /<service>/prediction`, or gRPC PipelineClient): key/value lists of strings,
-    prompt (required), max_new_tokens, temperature (0 = greedy, the default), top_k (0 = off), seed
+    prompt (required), max_new_tokens, temperature (0 = greedy, the default), top_k (0 = off), seed, timeout_s (the
+    request's deadline, at most serving.request_timeout_s, the default)
 Response: err_no 0 and key/value lists: text, token_ids (JSON list), model_name, model_version, source_run_id,
     checkpoint_step, batch_size (the largest batch the request was decoded in). Errors: err_no 8001 bad request,
     8002 internal, 8003 busy, 8004 deadline exceeded, 8005 the worker died (retry), 8006 unavailable (starting or
@@ -37,7 +38,7 @@ from serving.model import RequestError
 # Application error codes, returned as err_no (Paddle Serving's own codes are below 1000 or negative).
 BAD_REQUEST = CODES["bad_request"]
 INTERNAL_ERROR = CODES["internal"]
-FIELDS = ("prompt", "max_new_tokens", "temperature", "top_k", "seed")
+FIELDS = ("prompt", "max_new_tokens", "temperature", "top_k", "seed", "timeout_s")
 
 
 @dataclass(frozen=True)
@@ -46,11 +47,13 @@ class Limits:
     max_new_tokens_limit: int
     default_max_new_tokens: int
     max_request_bytes: int
+    request_timeout_s: float = 30.0  # the deadline of a request that names none, and the longest one may name
 
     @classmethod
     def from_config(cls, serving_config) -> "Limits":
         return cls(serving_config.max_prompt_chars, serving_config.max_new_tokens_limit,
-                   serving_config.default_max_new_tokens, serving_config.max_request_bytes)
+                   serving_config.default_max_new_tokens, serving_config.max_request_bytes,
+                   serving_config.request_timeout_s)
 
 
 def _number(name: str, raw, kind, low, high):
@@ -74,6 +77,13 @@ def check_unique_keys(keys) -> None:
         seen.add(key)
     if repeated:
         raise RequestError(f"parameter(s) sent more than once: {', '.join(map(str, repeated))}")
+
+
+def parse_timeout(fields: dict, limits: Limits) -> float:
+    """The request's deadline in seconds: `timeout_s` if it names one (up to serving.request_timeout_s)."""
+    if "timeout_s" not in fields:
+        return limits.request_timeout_s
+    return _number("timeout_s", fields["timeout_s"], float, 0.001, limits.request_timeout_s)
 
 
 def parse_request(fields: dict, limits: Limits) -> tuple[str, GenerationSettings]:
@@ -152,16 +162,16 @@ class GenerateMethods:
     def preprocess(self, input_dicts, data_id, log_id):
         ((_, fields),) = input_dicts.items()
         try:
-            request = parse_request(dict(fields), self.limits)
+            request = (*parse_request(dict(fields), self.limits), parse_timeout(dict(fields), self.limits))
         except RequestError as exc:
             self.metrics.refused("paddle_serving", "bad_request")
             return None, False, BAD_REQUEST, str(exc)
         return {"request": (time.monotonic(), *request)}, False, None, ""
 
     def process(self, feed_batch, typical_logid=0):
-        arrived, prompt, settings = feed_batch[0]["request"]
+        arrived, prompt, settings, timeout_s = feed_batch[0]["request"]
         try:
-            result = self.dispatcher.generate(prompt, settings)
+            result = self.dispatcher.generate(prompt, settings, timeout_s)
         except ServingError as exc:
             self.metrics.refused("paddle_serving", exc.kind)
             return None, exc.code, exc.message

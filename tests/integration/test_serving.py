@@ -1,4 +1,6 @@
-"""A real Paddle Serving server on free local ports: smoke checks, bad input, clean stop."""
+"""A real server on free local ports: Paddle Serving's HTTP and gRPC, the OpenAI-compatible route (the real `openai`
+client), metrics under load, smoke checks, bad input, batching between decode steps, clean stop.
+(Faults: test_serving_faults.py.)"""
 import json
 import subprocess
 import sys
@@ -8,27 +10,40 @@ import requests
 
 from helpers import cli, env_for, free_port
 from core import REPO_ROOT, tracking
+
 pytestmark = pytest.mark.slow
+
+
+def ports() -> list[str]:
+    """Four distinct free ports for the server's http, rpc, api and metrics ports."""
+    chosen: list[int] = []
+    while len(chosen) < 4:
+        port = free_port()
+        if port not in chosen:
+            chosen.append(port)
+    return [f"serving.{key}={port}" for key, port in zip(("http_port", "rpc_port", "api_port", "metrics_port"),
+                                                          chosen)]
 
 
 @pytest.fixture(scope="module")
 def server(exported):
-    overrides = [*exported["overrides"], f"serving.http_port={free_port()}", f"serving.rpc_port={free_port()}",
-                 "serving.max_prompt_chars=20", "serving.max_new_tokens_limit=12", "serving.default_max_new_tokens=8",
-                 "serving.max_request_bytes=400"]
+    overrides = [*exported["overrides"], *ports(), "serving.max_prompt_chars=20", "serving.max_new_tokens_limit=64",
+                 "serving.default_max_new_tokens=8", "serving.max_request_bytes=400"]
     base = ["--config", str(exported["config"])]
     proc = cli(["serve", *base, "--model", str(exported["export_dir"]), *overrides], exported["uri"])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     state_dir = exported["root"] / "runs" / "serving"
     state = json.loads((state_dir / "server.json").read_text())
-    assert f"HTTP: {state['http_url']}" in proc.stdout and f"gRPC: {state['rpc_address']}" in proc.stdout
+    for line in (f"HTTP: {state['http_url']}", f"gRPC: {state['rpc_address']}", f"metrics: {state['metrics_url']}",
+                 f"OpenAI-compatible: {state['openai_base_url']}", f"health: {state['api_url']}/health/live"):
+        assert line in proc.stdout, (line, proc.stdout)
     yield {**exported, "state": state, "state_dir": state_dir, "cli": base + overrides}
     stopped = cli(["stop", *base, *overrides], exported["uri"])
     assert stopped.returncode == 0 and "stopped" in stopped.stdout
     from core.processes import group_alive, port_in_use
 
     assert not group_alive(state["pid"]), "server processes left behind"
-    assert not port_in_use(state["http_port"]) and not port_in_use(state["rpc_port"])
+    assert not any(port_in_use(state[key]) for key in ("http_port", "rpc_port", "api_port", "metrics_port"))
     assert not (state_dir / "ProcessInfo.json").exists()
 
 
@@ -100,8 +115,9 @@ def test_sampling_is_reproducible_by_seed(server):
     ({"max_new_tokens": "3"}, "missing prompt"),
     ({"prompt": "   "}, "prompt is empty"),
     ({"prompt": "很" * 21}, "the limit is 20"),
-    ({"prompt": "你好", "max_new_tokens": "0"}, "max_new_tokens must be in [1, 12]"),
-    ({"prompt": "你好", "max_new_tokens": "13"}, "max_new_tokens must be in [1, 12]"),
+    ({"prompt": "你好", "max_new_tokens": "0"}, "max_new_tokens must be in [1, 64]"),
+    ({"prompt": "你好", "max_new_tokens": "65"}, "max_new_tokens must be in [1, 64]"),
+    ({"prompt": "你好", "timeout_s": "0"}, "timeout_s must be in [0.001, 30.0]"),
     ({"prompt": "你好", "max_new_tokens": "2.5"}, "max_new_tokens must be an integer"),
     ({"prompt": "你好", "temperature": "hot"}, "temperature must be a number"),
     ({"prompt": "你好", "top_k": "-1"}, "top_k must be in"),
@@ -117,29 +133,114 @@ def test_bad_requests_get_an_error_and_the_server_stays_up(server, fields, messa
     assert client.generate("你好", max_new_tokens=2).token_ids
 
 
-def test_concurrent_requests_are_batched_and_answer_as_alone(server):
-    """Requests of mixed prompt lengths and settings, sent together, are generated in shared batches, and each gets
-    exactly what it gets alone (greedy and seeded sampling)."""
+def test_requests_joining_mid_generation_answer_as_alone(server):
+    """24 requests of mixed prompt lengths, max_new_tokens 1..64, greedy and seeded sampling, arriving while others
+    are mid-generation: each gets exactly what it gets alone, and they were decoded together."""
+    import time
     from concurrent.futures import ThreadPoolExecutor
 
     from serving.client import GenerationClient
 
-    assert server["state"]["generation"] == "kv_cache" and server["state"]["op_processes"] >= 1
-    requests_ = [("人工智能", {}), ("这本书很好看，我很喜欢", {"max_new_tokens": 3}), ("快", {"max_new_tokens": 12}),
-                 ("价格便宜质量也好", {"temperature": 1.0, "top_k": 20, "seed": 5}),
-                 ("快递很快", {"temperature": 0.8, "seed": 9})] * 4
+    assert server["state"]["scheduler"] == "continuous"
+    mixed = [("人工智能", {"max_new_tokens": 64}), ("这本书很好看，我很喜欢", {"max_new_tokens": 1}),
+             ("快", {"max_new_tokens": 40}), ("价格便宜质量也好", {"temperature": 1.0, "top_k": 20, "seed": 5}),
+             ("快递很快", {"temperature": 0.8, "seed": 9, "max_new_tokens": 64}), ("你好", {"max_new_tokens": 17})]
 
     def call(item):
         prompt, kwargs = item
         return GenerationClient(server["state"]["http_url"], timeout=60).generate(prompt, **{
             "max_new_tokens": 6, **kwargs})
 
-    alone = [call(item) for item in requests_[:5]]
+    alone = [call(item) for item in mixed]
     assert all(a.batch_size == 1 for a in alone)
-    with ThreadPoolExecutor(10) as pool:
-        together = list(pool.map(call, requests_))
+
+    def staggered(indexed):
+        time.sleep(0.01 * indexed[0])  # (arrivals spread over ~0.25 s: most join a running batch)
+        return call(indexed[1])
+
+    with ThreadPoolExecutor(24) as pool:
+        together = list(pool.map(staggered, enumerate(mixed * 4)))
     assert [r.token_ids for r in together] == [a.token_ids for a in alone] * 4
-    assert max(r.batch_size for r in together) > 1, [r.batch_size for r in together]
+    assert max(r.batch_size for r in together) > 2, [r.batch_size for r in together]
+
+
+def test_the_openai_client_works_unchanged(server):
+    """The real `openai` package against /v1: the same tokens as Paddle Serving's endpoint for a greedy request,
+    usage counts, the models list, and OpenAI-shaped errors that the client raises as its own exceptions."""
+    import openai
+
+    from serving.client import GenerationClient
+
+    client = openai.OpenAI(base_url=server["state"]["openai_base_url"], api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["test-model"]
+    served = GenerationClient(server["state"]["http_url"]).generate("人工智能", max_new_tokens=10)
+    completion = client.completions.create(model="test-model", prompt="人工智能", max_tokens=10, temperature=0)
+    assert completion.choices[0].text == served.text
+    assert completion.usage.completion_tokens == len(served.token_ids)
+    assert completion.usage.total_tokens == completion.usage.prompt_tokens + len(served.token_ids)
+    assert completion.choices[0].finish_reason in ("stop", "length")
+    seeded = [client.completions.create(model="test-model/1", prompt="这本书", max_tokens=8, temperature=1.0,
+                                        extra_body={"seed": 3, "top_k": 20}).choices[0].text for _ in range(2)]
+    assert seeded[0] == seeded[1]
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="test-model", prompt="你好", max_tokens=0)
+    assert bad.value.status_code == 400 and "max_tokens" in bad.value.body["message"]
+    assert bad.value.body["type"] == "invalid_request_error" and bad.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="你好")
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        client.completions.create(model="test-model", prompt="你好", stream=True)
+    assert client.completions.create(model="test-model", prompt="你好", max_tokens=1).usage.completion_tokens == 1
+
+
+def test_metrics_move_under_load(server):
+    """Scraped during load and after: requests, tokens and latency histograms count what happened; the running
+    batch was seen above 1."""
+    import threading
+
+    from serving.client import GenerationClient
+
+    def scrape() -> dict:
+        text = requests.get(server["state"]["metrics_url"], timeout=10).text
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line and not line.startswith("#")}
+
+    ok = 'serving_requests_total{outcome="ok",route="paddle_serving"}'
+    before, peaks, stop = scrape(), [], threading.Event()
+
+    def load():
+        client = GenerationClient(server["state"]["http_url"], timeout=60)
+        while not stop.is_set():
+            client.generate("人工智能", max_new_tokens=32, temperature=1.0, seed=1)
+
+    threads = [threading.Thread(target=load) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    try:
+        for _ in range(40):
+            peaks.append(scrape().get("serving_running_batch_size", 0.0))
+            if max(peaks) > 1:
+                break
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    after = scrape()
+    assert max(peaks) > 1, peaks
+    answered = after[ok] - before.get(ok, 0.0)
+    assert answered >= 6
+    assert after["serving_generated_tokens_total"] - before.get("serving_generated_tokens_total", 0) >= answered
+    for histogram in ("serving_time_to_first_token_seconds_count", "serving_request_duration_seconds_count"):
+        assert after[histogram] - before.get(histogram, 0.0) >= answered, histogram
+    assert after["serving_ready"] == 1 and after["serving_requests_in_flight"] == 0
+    assert after["serving_worker_restarts_total"] == 0
+
+
+def test_health_routes(server):
+    api = server["state"]["api_url"]
+    assert requests.get(f"{api}/health/live", timeout=10).json() == {"alive": True}
+    ready = requests.get(f"{api}/health/ready", timeout=10)
+    assert ready.status_code == 200 and ready.json()["ready"] is True and ready.json()["model"] == "test-model"
 
 
 def test_a_key_sent_twice_is_refused(server):
@@ -182,21 +283,19 @@ def test_second_start_is_refused_while_running(server):
     assert proc.returncode == 2 and "already running" in proc.stderr
 
 
-def test_full_sequence_path_and_thread_mode_serve_the_same_tokens(exported, tmp_path):
-    """serving.generation=full (the graph re-run for every token) with thread workers answers the reference prompts
-    with the dynamic model's greedy tokens, like the default kv_cache path with batching process workers."""
+def test_full_sequence_path_and_static_batches_serve_the_same_tokens(exported, tmp_path):
+    """serving.generation=full (the graph re-run for every token) with the static scheduler answers the reference
+    prompts with the dynamic model's greedy tokens, like the default kv_cache path with continuous batching."""
     from core import exportdir
     from core.config import load_config
     from serving import server
     from serving.client import GenerationClient
 
-    config = load_config(exported["config"], [f"serving.http_port={free_port()}", f"serving.rpc_port={free_port()}",
-                                              "serving.generation=full", "serving.op_mode=thread",
-                                              "serving.batch_size=1",
-                                              "serving.op_concurrency=2"])
+    config = load_config(exported["config"], [*ports(), "serving.generation=full", "serving.scheduler=static",
+                                              "serving.workers=1"])
     state = server.start(config, exported["export_dir"], tmp_path / "state")
     try:
-        assert (state["generation"], state["op_processes"]) == ("full", 2)
+        assert (state["generation"], state["scheduler"]) == ("full", "static")
         client = GenerationClient(state["http_url"], state["rpc_address"])
         references = exportdir.read_references(exported["export_dir"])
         for prompt, expected in references.items():

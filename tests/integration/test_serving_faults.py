@@ -1,0 +1,192 @@
+"""The server under faults, as an operator meets them: overload (busy), short deadlines, a generation worker killed
+with SIGKILL (as the out-of-memory killer would), a worker that keeps dying, SIGTERM with requests in flight.
+The server runs in the foreground (`python -m pipeline serve --foreground`, as in a container) so its exit code
+is seen."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from helpers import env_for
+from core import REPO_ROOT
+from test_serving import ports
+
+pytestmark = pytest.mark.slow
+LONG = "人工智能的发展"  # (a prompt whose continuation runs the whole max_new_tokens: no end token soon)
+
+
+def start_foreground(exported, tmp_path, *overrides):
+    runs = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "pipeline", "serve", "--foreground", "--config", str(exported["config"]),
+           "--model", str(exported["export_dir"]), f"training.runs_dir={runs}", *ports(), *overrides]
+    log = tmp_path / "server.out"
+    with open(log, "w") as out:  # (a file, not a pipe: a pipe nobody reads would block the server)
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env_for(exported["uri"]), stdout=out,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc.log = log
+    state_dir = runs / "serving"
+    deadline = time.time() + 120
+    while True:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.time() < deadline, "not ready in 120 s"
+        try:
+            state = json.loads((state_dir / "server.json").read_text())
+            if requests.get(f"{state['api_url']}/health/ready", timeout=2).status_code == 200:
+                return proc, state, state_dir
+        except (OSError, ValueError, requests.RequestException):
+            pass
+        time.sleep(0.2)
+
+
+def ask(state, prompt="你好", max_new_tokens=8, **fields) -> tuple[int, str, float]:
+    """(err_no, err_msg, seconds) of one request over Paddle Serving's HTTP."""
+    body = {"prompt": prompt, "max_new_tokens": str(max_new_tokens), **{k: str(v) for k, v in fields.items()}}
+    t0 = time.perf_counter()
+    try:
+        answer = requests.post(state["http_url"], json={"key": list(body), "value": list(body.values())},
+                               timeout=60).json()
+        return answer["err_no"], answer.get("err_msg", ""), time.perf_counter() - t0
+    except requests.RequestException as exc:
+        return -1, f"{exc.__class__.__name__}", time.perf_counter() - t0
+
+
+def worker_pids(state_dir) -> list[int]:
+    try:
+        return [w["pid"] for w in json.loads((state_dir / "worker.json").read_text())["workers"]]
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+def probe(state, route) -> int:
+    try:
+        return requests.get(f"{state['api_url']}/health/{route}", timeout=2).status_code
+    except requests.RequestException:
+        return -1
+
+
+@pytest.fixture(scope="module")
+def tight(exported, tmp_path_factory):
+    """One worker, one sequence at a time and a queue of two: overload is easy to reach."""
+    proc, state, state_dir = start_foreground(exported, tmp_path_factory.mktemp("tight"), "serving.workers=1",
+                                              "serving.max_batch_size=1", "serving.max_queue=2",
+                                              "serving.max_new_tokens_limit=64", "serving.request_timeout_s=20")
+    yield {"proc": proc, "state": state, "state_dir": state_dir}
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_overload_gets_busy_fast_and_a_short_deadline_gets_the_deadline_error(tight):
+    state = tight["state"]
+    with ThreadPoolExecutor(10) as pool:
+        answers = list(pool.map(lambda i: ask(state, LONG, 64, temperature=1.0, seed=i), range(10)))
+    busy = [a for a in answers if a[0] == 8003]
+    assert 1 <= len([a for a in answers if a[0] == 0]) <= 3 and len(busy) >= 7, answers  # capacity 1 + 2
+    assert all("server busy" in a[1] for a in busy) and max(a[2] for a in busy) < 2.0, busy
+    # a deadline shorter than the requests ahead of it: refused with the deadline error, at its deadline
+    with ThreadPoolExecutor(3) as pool:
+        ahead = [pool.submit(ask, state, LONG, 64, temperature=1.0, seed=i) for i in range(2)]
+        time.sleep(0.05)
+        late = ask(state, LONG, 64, timeout_s=0.05)
+        assert [f.result()[0] for f in ahead] == [0, 0]
+    assert late[0] == 8004 and "deadline exceeded" in late[1] and late[2] < 1.5, late
+    assert ask(state)[0] == 0  # and the server serves normally afterwards
+
+
+def test_a_killed_worker_is_replaced_and_no_request_hangs(tight):
+    """A steady trickle; SIGKILL the generation worker: the requests it held fail at once with a clear error, the
+    others are never held past their deadline, readiness is false until a new worker answers, liveness stays true,
+    requests are answered again within 15 s, and the metrics count the restart."""
+    state, state_dir = tight["state"], tight["state_dir"]
+    (victim,) = worker_pids(state_dir)
+    results, probes, stop = [], [], threading.Event()
+
+    def trickle():
+        while not stop.is_set():
+            results.append((time.monotonic(), *ask(state, "你好", 16, timeout_s=5)))
+            time.sleep(0.05)
+
+    def watch():
+        while not stop.is_set():
+            probes.append((time.monotonic(), probe(state, "live"), probe(state, "ready")))
+            time.sleep(0.1)
+
+    threads = [threading.Thread(target=trickle), threading.Thread(target=trickle), threading.Thread(target=watch)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.0)
+    killed_at = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    while time.monotonic() - killed_at < 15:
+        if any(t > killed_at + 0.5 and err == 0 and worker_pids(state_dir) not in ([], [victim])
+               for t, err, _, _ in results[-3:]):
+            break
+        time.sleep(0.2)
+    time.sleep(1.0)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    after = [(t, err, msg, s) for t, err, msg, s in results if t > killed_at]
+    assert max(s for _, _, _, s in results) < 5 + 1.0, "a request was held past its deadline"
+    failed = [(err, msg) for _, err, msg, _ in after if err != 0]
+    assert failed and all(err in (8005, 8006) for err, _ in failed), failed
+    assert any(err == 8005 and "generation worker died (killed by SIGKILL)" in msg for err, msg in failed) or \
+        any(err == 8006 for err, _ in failed)
+    recovered = [t for t, err, _, _ in after if err == 0]
+    assert recovered and recovered[0] - killed_at < 15, "no answer within 15 s of the kill"
+    assert worker_pids(state_dir) and victim not in worker_pids(state_dir)
+    assert all(live == 200 for _, live, _ in probes), probes
+    during = [ready for t, _, ready in probes if killed_at + 0.2 < t < recovered[0] - 0.5]
+    assert 503 in during and probes[-1][2] == 200, probes
+    metrics = requests.get(state["metrics_url"], timeout=10).text
+    assert "serving_worker_restarts_total 1.0" in metrics
+
+
+def test_sigterm_drains_the_requests_in_flight_then_exits_0(tight):
+    """Requests in flight complete; new ones are refused; the process exits 0 within the grace period."""
+    state, proc = tight["state"], tight["proc"]
+    with ThreadPoolExecutor(3) as pool:
+        flying = [pool.submit(ask, state, LONG, 64, temperature=1.0, seed=i) for i in range(3)]
+        time.sleep(0.1)
+        sent_at = time.monotonic()
+        os.kill(proc.pid, signal.SIGTERM)
+        time.sleep(0.1)
+        refused = ask(state)
+        ready = probe(state, "ready")
+        assert [f.result()[0] for f in flying] == [0, 0, 0]
+    assert refused[0] != 0 and ready != 200, (refused, ready)
+    assert proc.wait(timeout=30) == 0 and time.monotonic() - sent_at < 20
+    output = proc.log.read_text()
+    assert "SIGTERM: draining" in output and "drained: all requests in flight were answered" in output, output[-2000:]
+    assert "generation worker 0 died (killed by SIGKILL)" in output  # (the previous test's restart, in the log)
+
+
+def test_a_worker_that_keeps_dying_makes_the_server_exit_non_zero(exported, tmp_path):
+    proc, state, state_dir = start_foreground(exported, tmp_path, "serving.workers=1",
+                                              "serving.max_worker_restarts=2")
+    try:
+        killed = []
+        deadline = time.time() + 90
+        while proc.poll() is None and time.time() < deadline:
+            pids = [p for p in worker_pids(state_dir) if p not in killed]
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            time.sleep(0.1)
+        assert proc.wait(timeout=10) == 3 and len(killed) == 3, killed
+        output = proc.log.read_text()
+        assert "fatal: generation workers died 3 times within 60s (last: killed by SIGKILL); giving up" in output
+        assert probe(state, "live") == -1  # nothing is left answering
+        from core.processes import group_alive
+
+        assert not group_alive(proc.pid)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
