@@ -22,6 +22,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from serving.dispatch import ServingError
 from serving.generation import GenerationSettings
 
+LIVE, READY, MODELS, COMPLETIONS = "/health/live", "/health/ready", "/v1/models", "/v1/completions"
+ROUTES = {"GET": (LIVE, READY, MODELS), "POST": (COMPLETIONS,)}
 STATUS = {"bad_request": 400, "busy": 429, "deadline": 504, "worker_died": 503, "unavailable": 503, "internal": 500}
 UNSUPPORTED = {"stream": False, "n": 1, "best_of": 1, "echo": False, "logprobs": None, "suffix": None, "stop": None}
 
@@ -103,16 +105,16 @@ class ApiServer:
     # -- routes -------------------------------------------------------------------------------------------------------
     def get(self, request) -> None:
         d = self.dispatcher
-        if request.path == "/health/live":
+        if request.path == LIVE:
             alive = not d.fatal
             _reply(request, 200 if alive else 500, {"alive": alive, **({"reason": d.fatal} if d.fatal else {})})
-        elif request.path == "/health/ready":
+        elif request.path == READY:
             ready = d.ready
             reason = "" if ready else ("draining" if d.draining else d.fatal or "no generation worker is ready")
             _reply(request, 200 if ready else 503, {"ready": ready, "model": self.meta["registered_model_name"],
                                                     "version": str(self.meta["version"]), "in_flight": d.in_flight,
                                                     **({"reason": reason} if reason else {})})
-        elif request.path == "/v1/models":
+        elif request.path == MODELS:
             created = int(self.meta.get("created_at", 0) or 0)
             _reply(request, 200, {"object": "list", "data": [
                 {"id": self.meta["registered_model_name"], "object": "model", "created": created,
@@ -123,7 +125,7 @@ class ApiServer:
                                             "param": None, "code": "not_found"}})
 
     def post(self, request) -> None:
-        if request.path != "/v1/completions":
+        if request.path != COMPLETIONS:
             _reply(request, 404, {"error": {"message": f"no route POST {request.path}", "type": "invalid_request_error",
                                             "param": None, "code": "not_found"}})
             return

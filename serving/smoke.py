@@ -1,9 +1,10 @@
 """`make smoke`: real HTTP and gRPC calls against the running service, checked against the export directory.
 
-Checks: answers have err_no 0; greedy output for the reference prompts equals greedy generation in this process
-with the same exported graph (paddle.inference) and the dynamic model's greedy tokens that export recorded
-(reference.json: the served path reproduces the checkpoint it came from, with no training code needed here); a bad
-request gets err_no != 0 and the next good request succeeds; the lineage fields match the MLflow model registry.
+Checks: the liveness and readiness routes answer 200; answers have err_no 0; greedy output for the reference prompts
+equals greedy generation in this process with the same exported graph (paddle.inference) and the dynamic model's
+greedy tokens that export recorded (reference.json: the served path reproduces the checkpoint it came from, with no
+training code needed here); the OpenAI-compatible route answers the same tokens; a bad request gets err_no != 0 and
+the next good request succeeds; the lineage fields match the MLflow model registry.
 """
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ def run_smoke(state: dict, registry_client=None, log=print) -> list[str]:
             failures.append(what)
 
     client = GenerationClient(state["http_url"], state["rpc_address"], timeout=60)
+    for route in ("live", "ready"):
+        status = _status(f"{state['api_url']}/health/{route}")
+        check(status == 200, f"/health/{route} answers 200 (got {status})")
     model = ExportedModel(Path(state["model_dir"]))
     predictor = exportdir.create_predictor(model.dir)
     recorded = exportdir.read_references(model.dir)
@@ -44,6 +48,9 @@ def run_smoke(state: dict, registry_client=None, log=print) -> list[str]:
         if prompt in recorded:
             check(http.token_ids == recorded[prompt], f"{prompt!r}: served greedy == the dynamic model's greedy "
                                                       f"(recorded at export)")
+    openai_text = _completion(state, model.meta["registered_model_name"], exportdir.REFERENCE_PROMPTS[0], n)
+    check(openai_text == client.generate(exportdir.REFERENCE_PROMPTS[0], max_new_tokens=n).text,
+          "OpenAI-compatible /v1/completions == Paddle Serving's answer")
 
     try:
         client.generate("", max_new_tokens=4)
@@ -66,3 +73,23 @@ def run_smoke(state: dict, registry_client=None, log=print) -> list[str]:
         check(version.tags.get("checkpoint_step") == str(lineage.checkpoint_step),
               f"registry: checkpoint step {lineage.checkpoint_step}")
     return failures
+
+
+def _status(url: str) -> int:
+    import requests
+
+    try:
+        return requests.get(url, timeout=10).status_code
+    except requests.RequestException:
+        return -1
+
+
+def _completion(state: dict, model: str, prompt: str, max_tokens: int) -> str | None:
+    import requests
+
+    try:
+        answer = requests.post(f"{state['openai_base_url']}/completions", json={
+            "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}, timeout=60).json()
+        return answer["choices"][0]["text"]
+    except (requests.RequestException, KeyError, ValueError):
+        return None

@@ -302,3 +302,29 @@ def test_full_sequence_path_and_static_batches_serve_the_same_tokens(exported, t
             assert client.generate(prompt, max_new_tokens=exportdir.REFERENCE_NEW_TOKENS).token_ids == expected
     finally:
         assert server.stop(tmp_path / "state")
+
+
+def test_the_deployment_requests_the_memory_this_server_uses(server):
+    """deploy/kubernetes/serving.yaml's memory request covers what the running server measures: the server process,
+    its HTTP gateway, and the manifest's number of workers at the measured size of one."""
+    import yaml
+
+    from core.processes import descendants
+    from serving.state import read_worker
+
+    def rss_mb(pid: int) -> float:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return 0.0
+
+    workers = read_worker(server["state_dir"])["workers"]
+    worker_pids = {w["pid"] for w in workers}
+    others = [server["state"]["pid"]] + [p for p in descendants(server["state"]["pid"]) if p not in worker_pids]
+    deployment = next(yaml.safe_load_all((REPO_ROOT / "deploy" / "kubernetes" / "serving.yaml").read_text()))
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    manifest_workers = int(next(a.split("=")[1] for a in container["command"] if a.startswith("serving.workers=")))
+    request_mb = int(container["resources"]["requests"]["memory"].removesuffix("Mi"))
+    needed = sum(rss_mb(p) for p in others) + manifest_workers * max(rss_mb(p) for p in worker_pids)
+    assert needed < request_mb, (needed, request_mb)
+    print(f"measured {needed:.0f} MB for {manifest_workers} workers; the manifest requests {request_mb} MiB")

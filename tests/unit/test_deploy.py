@@ -82,3 +82,35 @@ def test_paddlejob_manifest_runs_the_node_script_with_the_contract(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"node 0: new run {runs}/{env['RUN_NAME']['value']}" in proc.stdout
     assert "world size 512" in proc.stdout
+
+
+SERVING = DEPLOY / "kubernetes" / "serving.yaml"
+
+
+def test_serving_manifest_matches_the_servers_cli_routes_and_ports():
+    """The Deployment runs the real `serve --foreground` command line (it parses, its config loads), its probes use
+    the server's real health routes on the api port, the Service exposes the config's four ports, and the pod's
+    grace period outlasts the drain."""
+    from pipeline.__main__ import parser, verb_config
+    from serving import api
+
+    deployment, service = yaml.safe_load_all(SERVING.read_text())
+    assert (deployment["kind"], service["kind"]) == ("Deployment", "Service")
+    pod = deployment["spec"]["template"]
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"] == pod["metadata"]["labels"]
+    container = pod["spec"]["containers"][0]
+    assert container["command"][1:3] == ["-m", "pipeline"]
+    args = parser().parse_args(container["command"][3:])
+    assert args.verb == "serve" and args.foreground and args.model.startswith("models:/")
+    config = verb_config(args)
+    s = config.serving
+    assert s.host == "0.0.0.0"  # probes and the Service reach the pod's address, not its loopback
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert named == {"http": s.http_port, "grpc": s.rpc_port, "api": s.api_port, "metrics": s.metrics_port}
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == named
+    probes = {kind: container[kind]["httpGet"] for kind in ("startupProbe", "livenessProbe", "readinessProbe")}
+    assert probes["livenessProbe"]["path"] == api.LIVE and probes["readinessProbe"]["path"] == api.READY
+    assert all(p["path"] in api.ROUTES["GET"] and p["port"] == "api" for p in probes.values())
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(s.metrics_port)
+    assert pod["spec"]["terminationGracePeriodSeconds"] > s.drain_grace_s
+    assert "MLFLOW_TRACKING_URI" in {e["name"] for e in container["env"]}  # models:/ is fetched from the registry
