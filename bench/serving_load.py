@@ -1,9 +1,13 @@
-"""Serving figures of `make bench`, both generation paths side by side (kv_cache vs full), one export:
+"""Serving figures of `make bench`: the server under 1..32 concurrent HTTP clients, continuous batching against static
+batching (`serving.scheduler`), both measured in the same run on the same export.
 
-- decode time per generated token after a short and a long prompt, in process (the cost of one more token);
-- served generated tokens/s at 1, 2, 4, 8 concurrent HTTP clients, and errors;
-- HTTP and gRPC overhead per request: p50 latency over HTTP / gRPC minus p50 in process, same request.
-Trials are repeated and interleaved (path and prompt length alternate within each round); medians and ranges.
+- in process: one request alone through the worker's scheduler (the reference for the overhead), and the scheduler's
+  own ceiling with 8 sequences kept running (closed loop, no server);
+- served, per scheduler: generated tokens/s at 1, 2, 4, 8, 16, 32 closed-loop clients (each sends its next request
+  when the last is answered), time to first token and time per output token (server-side, from every answer) p50 /
+  p99, request latency p50, errors; and the HTTP / gRPC overhead: p50 latency of one client minus p50 in process.
+The two schedulers run in alternating rounds (static, continuous, static, ...) with the server restarted for each,
+so that drift of a noisy machine falls on both; figures are the median over rounds.
 """
 from __future__ import annotations
 
@@ -13,110 +17,136 @@ from pathlib import Path
 
 import numpy as np
 
-from core import exportdir
 from core.config import DEFAULT_CONFIG, load_config
 
-SHORT, LONG = 8, 120  # prompt tokens
-CLIENTS = (1, 2, 4, 8)
+CLIENTS = (1, 2, 4, 8, 16, 32)
+PROMPTS = ("人工智能", "这本书", "快递很快，", "我们今天去", "天气不错，适合")
+NEW_TOKENS = 32
 
 
 def run(export_dir: Path, out: Path, quick: bool) -> dict:
-    from serving.model import ExportedModel
-
-    model = ExportedModel(export_dir)
-    result = {"decode_ms_per_token": decode_per_token(model, rounds=2 if quick else 7)}
-    for generation in ("kv_cache", "full"):
-        result[generation] = served(export_dir, out, generation, model, quick)
+    clients = (1, 4) if quick else CLIENTS
+    rounds, duration = (1, 1.0) if quick else (2, 6.0)
+    result = {"new_tokens": NEW_TOKENS, "clients": list(clients), "in_process": in_process(export_dir, quick)}
+    samples: dict[str, list[dict]] = {"static": [], "continuous": []}
+    for _ in range(rounds):
+        for scheduler in ("static", "continuous"):
+            samples[scheduler].append(served(export_dir, out, scheduler, clients, duration, quick))
+    for scheduler, runs in samples.items():
+        result[scheduler] = _median_of(runs, result["in_process"]["alone_p50_ms"])
+    base = result["continuous"]["load"][0]["tokens_per_s"]
+    for row in result["continuous"]["load"]:
+        row["vs_1_client"] = row["tokens_per_s"] / base if base else 0.0
     return result
 
 
-def decode_per_token(model, rounds: int) -> dict:
-    """Median time of one more token after a SHORT / LONG prompt, in process: one decode step (kv_cache) or one
-    full-sequence forward of prompt + 1 tokens (full)."""
-    cached_prefill, cached_decode = model.cached_session()
-    full = exportdir.create_predictor(model.dir)
-    rng = np.random.RandomState(0)
-    samples: dict[tuple[str, int], list[float]] = {}
-    for _ in range(rounds):
-        for length in (SHORT, LONG):
-            ids = rng.randint(5, len(model.tokenizer), size=(1, length)).astype("int64")
-            positions, mask = np.arange(length, dtype="int64")[None], np.ones((1, length), "float32")
-            _, keys, values = cached_prefill(ids, positions, mask)
-            step = (ids[:, -1:], np.array([[length]], "int64"), np.ones((1, length + 1), "float32"), keys, values)
-            longer = np.concatenate([ids, ids[:, -1:]], axis=1)
-            for name, call in (("kv_cache", lambda: cached_decode(*step)),
-                               ("full", lambda: exportdir.predict(full, longer))):
-                call()
-                samples.setdefault((name, length), []).extend(_timed(call, 5))
-    table = {f"{name}_{length}": float(np.median(v) * 1000) for (name, length), v in samples.items()}
-    for name in ("kv_cache", "full"):
-        table[f"{name}_long_vs_short"] = table[f"{name}_{LONG}"] / table[f"{name}_{SHORT}"]
-    return table
+def in_process(export_dir: Path, quick: bool) -> dict:
+    """One request alone through the scheduler, as a worker runs it; and 8 sequences kept running (closed loop)."""
+    from serving.engine import Job
+    from serving.generation import GenerationSettings
+    from serving.model import ExportedModel
+    from serving.worker import build_scheduler
+
+    config = load_config(DEFAULT_CONFIG)
+    model = ExportedModel(export_dir)
+    scheduler = build_scheduler(model, config.serving.predictor_threads or 1, "kv_cache")
+    ids = [model.encode(p) for p in PROMPTS]
+
+    def alone() -> None:
+        scheduler.add(Job(0, ids[0], GenerationSettings(max_new_tokens=NEW_TOKENS)))
+        while not scheduler.idle:
+            scheduler.step()
+
+    alone()
+    times = _timed(alone, 5 if quick else 30)
+    tokens, count, t0 = 0, 0, time.perf_counter()
+    for count in range(8):
+        scheduler.add(Job(count, ids[count % 5], GenerationSettings(NEW_TOKENS, 1.0, 0, count)))
+    while time.perf_counter() - t0 < (1.0 if quick else 4.0):
+        for outcome in scheduler.step():
+            tokens += len(outcome.job.new)
+            count += 1
+            scheduler.add(Job(count, ids[count % 5], GenerationSettings(NEW_TOKENS, 1.0, 0, count)))
+    ceiling = tokens / (time.perf_counter() - t0)
+    return {"alone_p50_ms": float(np.median(times) * 1000), "alone_tokens_per_s": NEW_TOKENS / float(np.median(times)),
+            "batch8_tokens_per_s": ceiling}
 
 
-def served(export_dir: Path, out: Path, generation: str, model, quick: bool) -> dict:
+def served(export_dir: Path, out: Path, scheduler: str, clients: tuple, duration: float, quick: bool) -> dict:
     from core.processes import free_port
     from serving import server
     from serving.client import GenerationClient
-    from serving.generation import GenerationSettings
 
-    config = load_config(DEFAULT_CONFIG, [f"serving.http_port={free_port()}", f"serving.rpc_port={free_port()}",
-                                          f"serving.generation={generation}"])
-    prompt, new_tokens, count = "这本书", 8, (6 if quick else 40)
-    settings = GenerationSettings(max_new_tokens=new_tokens)
-    ids = model.encode(prompt)
-    if generation == "kv_cache":
-        session = model.cached_session()
-        in_process = lambda: model.generate_batch(session, [ids], [settings])  # noqa: E731
-    else:
-        predictor = exportdir.create_predictor(model.dir)
-        in_process = lambda: model.generate(lambda x: exportdir.predict(predictor, x), ids, settings)  # noqa: E731
-    state_dir = out / f"serving-{generation}"
-    local = _timed(in_process, count // 2)  # half before, half after the server: the same machine conditions
+    ports = [f"serving.{key}={free_port()}" for key in ("http_port", "rpc_port", "api_port", "metrics_port")]
+    config = load_config(DEFAULT_CONFIG, [*ports, f"serving.scheduler={scheduler}"])
+    state_dir = out / f"serving-{scheduler}"
     state = server.start(config, export_dir, state_dir)
     try:
         client = GenerationClient(state["http_url"], state["rpc_address"], timeout=60)
-        http = _timed(lambda: client.generate(prompt, max_new_tokens=new_tokens), count)
-        grpc = _timed(lambda: client.generate_grpc(prompt, max_new_tokens=new_tokens), count)
-        load = [load_test(lambda: len(GenerationClient(state["http_url"], timeout=60).generate(
-            prompt, max_new_tokens=16).token_ids), n, 1.0 if quick else 8) for n in CLIENTS]
+        count = 5 if quick else 30
+        http = _timed(lambda: client.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS), count)
+        grpc = _timed(lambda: client.generate_grpc(PROMPTS[0], max_new_tokens=NEW_TOKENS), count)
+        load = [load_test(state["http_url"], n, duration) for n in clients]
     finally:
         server.stop(state_dir)
-    local += _timed(in_process, count - count // 2)
-    p50 = lambda values: float(np.median(values) * 1000)  # noqa: E731
-    base = load[0]["tokens_per_s"]
-    return {"op_processes": state.get("op_processes"), "in_process_p50_ms": p50(local),
-            "http_p50_ms": p50(http), "grpc_p50_ms": p50(grpc),
-            "http_overhead_p50_ms": p50(http) - p50(local), "grpc_overhead_p50_ms": p50(grpc) - p50(local),
-            "concurrency": [{**c, "vs_1_client": c["tokens_per_s"] / base if base else 0.0} for c in load]}
+    from serving.service import workers
+
+    return {"workers": workers(config.serving), "http_p50_ms": float(np.median(http) * 1000),
+            "grpc_p50_ms": float(np.median(grpc) * 1000), "load": load}
 
 
-def load_test(call, clients: int, duration_s: float) -> dict:
-    """`clients` threads calling `call()` (it returns the generated token count) for `duration_s`."""
-    tokens, done, errors, lock, first_error = [0], [0], [0], threading.Lock(), []
+def load_test(url: str, clients: int, duration_s: float) -> dict:
+    """`clients` closed-loop threads for `duration_s`: each sends its next request when the last is answered."""
+    from serving.client import GenerationClient, ServingError
+
+    answers, errors, lock, first_error = [], [0], threading.Lock(), []
     stop_at = time.perf_counter() + duration_s
 
-    def worker():
+    def worker(index: int) -> None:
+        client, k = GenerationClient(url, timeout=60), 0
         while time.perf_counter() < stop_at:
+            t0 = time.perf_counter()
             try:
-                n = call()
+                g = client.generate(PROMPTS[(index + k) % 5], max_new_tokens=NEW_TOKENS, temperature=1.0,
+                                    seed=index * 1000 + k)
                 with lock:
-                    done[0] += 1
-                    tokens[0] += n
-            except Exception as exc:  # noqa: BLE001  (counted, not raised: this is a load test)
+                    answers.append((len(g.token_ids), time.perf_counter() - t0, g.ttft_ms, g.tpot_ms))
+            except (ServingError, OSError) as exc:
                 with lock:
                     errors[0] += 1
                     first_error[:] = first_error or [f"{exc.__class__.__name__}: {str(exc)[:200]}"]
+            k += 1
 
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(clients)]
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     elapsed = time.perf_counter() - t0
-    return {"clients": clients, "requests": done[0], "errors": errors[0], "tokens_per_s": tokens[0] / elapsed,
-            "req_per_s": done[0] / elapsed, "first_error": first_error[0] if first_error else ""}
+    column = lambda i: np.array([a[i] for a in answers]) if answers else np.zeros(1)  # noqa: E731
+    return {"clients": clients, "requests": len(answers), "errors": errors[0],
+            "tokens_per_s": float(column(0).sum() / elapsed), "latency_p50_ms": float(np.median(column(1)) * 1000),
+            "ttft_p50_ms": float(np.percentile(column(2), 50)), "ttft_p99_ms": float(np.percentile(column(2), 99)),
+            "tpot_p50_ms": float(np.percentile(column(3), 50)), "tpot_p99_ms": float(np.percentile(column(3), 99)),
+            "first_error": first_error[0] if first_error else ""}
+
+
+def _median_of(runs: list[dict], alone_ms: float) -> dict:
+    """The median over rounds of every figure, with the HTTP / gRPC overhead over the in-process request."""
+    med = lambda values: float(np.median(values))  # noqa: E731
+    load = []
+    for i, row in enumerate(runs[0]["load"]):
+        rows = [r["load"][i] for r in runs]
+        load.append({"clients": row["clients"], "errors": sum(r["errors"] for r in rows),
+                     "requests": sum(r["requests"] for r in rows), "first_error": rows[0]["first_error"],
+                     **{k: med([r[k] for r in rows]) for k in row if k.endswith(("_s", "_ms"))},
+                     "tokens_per_s_range": [min(r["tokens_per_s"] for r in rows),
+                                            max(r["tokens_per_s"] for r in rows)]})
+    http, grpc = med([r["http_p50_ms"] for r in runs]), med([r["grpc_p50_ms"] for r in runs])
+    return {"workers": runs[0]["workers"], "http_p50_ms": http, "grpc_p50_ms": grpc,
+            "http_overhead_p50_ms": http - alone_ms,
+            "grpc_overhead_p50_ms": grpc - alone_ms, "load": load}
 
 
 def _timed(call, count: int) -> list[float]:
@@ -129,20 +159,20 @@ def _timed(call, count: int) -> list[float]:
 
 
 def markdown(sv: dict) -> list[str]:
-    d = sv["decode_ms_per_token"]
-    lines = ["", "Serving (same export; kv_cache = prefill + decode programs with batching, full = the full-sequence "
-             "graph re-run for every token):", "",
-             "| figure | kv_cache | full |", "|---|---|---|",
-             f"| ms per generated token after {SHORT} / {LONG} prompt tokens (in process) | "
-             f"{d[f'kv_cache_{SHORT}']:.2f} / {d[f'kv_cache_{LONG}']:.2f} ({d['kv_cache_long_vs_short']:.2f}x) | "
-             f"{d[f'full_{SHORT}']:.2f} / {d[f'full_{LONG}']:.2f} ({d['full_long_vs_short']:.2f}x) |"]
-    k, f = sv["kv_cache"], sv["full"]
-    for key, label in (("in_process_p50_ms", "8 new tokens p50, in process (ms)"),
-                       ("http_overhead_p50_ms", "HTTP overhead over in process, p50 (ms)"),
-                       ("grpc_overhead_p50_ms", "gRPC overhead over in process, p50 (ms)")):
-        lines.append(f"| {label} | {k[key]:.1f} | {f[key]:.1f} |")
-    for ck, cf in zip(k["concurrency"], f["concurrency"]):
-        lines.append(f"| {ck['clients']} HTTP clients: generated tokens/s (vs 1 client), errors | "
-                     f"{ck['tokens_per_s']:.0f} ({ck['vs_1_client']:.2f}x), {ck['errors']} | "
-                     f"{cf['tokens_per_s']:.0f} ({cf['vs_1_client']:.2f}x), {cf['errors']} |")
+    ip, c, s = sv["in_process"], sv["continuous"], sv["static"]
+    lines = ["", f"Serving ({sv['new_tokens']} new tokens a request, sampled; closed-loop HTTP clients; static = a "
+             "batch is formed only when nothing runs, continuous = requests join between decode steps):", "",
+             f"In process: one request alone {ip['alone_p50_ms']:.1f} ms p50 ({ip['alone_tokens_per_s']:.0f} tokens/s); "
+             f"8 sequences kept running: {ip['batch8_tokens_per_s']:.0f} tokens/s.", "",
+             f"Overhead over in process, p50: HTTP {c['http_overhead_p50_ms']:.1f} ms, gRPC "
+             f"{c['grpc_overhead_p50_ms']:.1f} ms (static: {s['http_overhead_p50_ms']:.1f} / "
+             f"{s['grpc_overhead_p50_ms']:.1f}).", "",
+             "| clients | continuous tokens/s (vs 1 client) | static tokens/s | TTFT p50 / p99 ms (cont.) | "
+             "per-token p50 / p99 ms (cont.) | TTFT p50 / p99 ms (static) | errors cont. / static |",
+             "|---|---|---|---|---|---|---|"]
+    for rc, rs in zip(c["load"], s["load"]):
+        lines.append(f"| {rc['clients']} | {rc['tokens_per_s']:.0f} ({rc.get('vs_1_client', 0):.2f}x) | "
+                     f"{rs['tokens_per_s']:.0f} | {rc['ttft_p50_ms']:.1f} / {rc['ttft_p99_ms']:.1f} | "
+                     f"{rc['tpot_p50_ms']:.2f} / {rc['tpot_p99_ms']:.2f} | {rs['ttft_p50_ms']:.1f} / "
+                     f"{rs['ttft_p99_ms']:.1f} | {rc['errors']} / {rs['errors']} |")
     return lines

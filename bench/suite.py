@@ -10,8 +10,8 @@
 3. pipeline overhead: our training step (tracking, checkpoints, eval) against a bare PaddleNLP Trainer; the
    training loop's pause per checkpoint with asynchronous and synchronous writes (interleaved runs);
 4. export: wall time of its stages;
-5. serving (bench/serving_load.py): per-token decode time after short and long prompts, served tokens/s at
-   1-8 concurrent clients, HTTP / gRPC overhead over in process, for the kv_cache and the full-sequence paths.
+5. serving (bench/serving_load.py): tokens/s, time to first token and per token at 1-32 concurrent HTTP clients,
+   continuous against static batching in alternating rounds; HTTP / gRPC overhead over in process.
 Writes reports/bench/bench.json and bench.md (or --out) and logs them as a run of the MLflow experiment `bench`.
 """
 from __future__ import annotations

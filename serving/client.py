@@ -29,13 +29,16 @@ class Generation:
     model_version: str
     source_run_id: str
     checkpoint_step: int
-    batch_size: int = 1  # requests the server generated together with this one
+    batch_size: int = 1  # the largest batch the server decoded this request in
+    ttft_ms: float = 0.0  # server-side: to the first token, and per token after it
+    tpot_ms: float = 0.0
 
     @classmethod
     def from_fields(cls, fields: dict[str, str]) -> "Generation":
         return cls(text=fields["text"], token_ids=json.loads(fields["token_ids"]), model_name=fields["model_name"],
                    model_version=fields["model_version"], source_run_id=fields["source_run_id"],
-                   checkpoint_step=int(fields["checkpoint_step"]), batch_size=int(fields.get("batch_size", 1)))
+                   checkpoint_step=int(fields["checkpoint_step"]), batch_size=int(fields.get("batch_size", 1)),
+                   ttft_ms=float(fields.get("ttft_ms", 0)), tpot_ms=float(fields.get("tpot_ms", 0)))
 
 
 def _fields(**params) -> dict[str, str]:

@@ -6,7 +6,8 @@ Request  (HTTP `POST /<service>/prediction`, or gRPC PipelineClient): key/value 
     prompt (required), max_new_tokens, temperature (0 = greedy, the default), top_k (0 = off), seed, timeout_s (the
     request's deadline, at most serving.request_timeout_s, the default)
 Response: err_no 0 and key/value lists: text, token_ids (JSON list), model_name, model_version, source_run_id,
-    checkpoint_step, batch_size (the largest batch the request was decoded in). Errors: err_no 8001 bad request,
+    checkpoint_step, batch_size (the largest batch the request was decoded in), ttft_ms and tpot_ms (time to its
+    first token since it reached the server, and per token after it). Errors: err_no 8001 bad request,
     8002 internal, 8003 busy, 8004 deadline exceeded, 8005 the worker died (retry), 8006 unavailable (starting or
     shutting down), with a message; the server stays up.
 
@@ -179,12 +180,21 @@ class GenerateMethods:
             self.metrics.refused("paddle_serving", "internal")
             return None, INTERNAL_ERROR, f"generation failed: {exc.__class__.__name__}: {exc}"
         self.metrics.answered("paddle_serving", arrived, result)
-        return {"result": [result]}, 0, ""  # (a list: Paddle Serving slices each output by the request's rows)
+        return {"result": [{**result, "arrived": arrived}]}, 0, ""  # (a list: Paddle Serving slices each output by the request's rows)
 
     def postprocess(self, input_dicts, fetch_dict, data_id, log_id):
         result = fetch_dict["result"][0]
         return {"text": result["text"], "token_ids": json.dumps(result["token_ids"]),
-                "batch_size": str(result["batch_size"]), **lineage(self.dispatcher.meta)}, None, ""
+                "batch_size": str(result["batch_size"]), **timings(result), **lineage(self.dispatcher.meta)}, None, ""
+
+
+def timings(result: dict) -> dict[str, str]:
+    """Server-side times of an answer: to its first token (from the request's arrival at the server) and per token
+    after it, in ms."""
+    tokens, first = len(result["token_ids"]), result.get("first_token_at")
+    ttft = (first - result["arrived"]) * 1000 if first else 0.0
+    tpot = (result["finished_at"] - first) * 1000 / (tokens - 1) if first and tokens > 1 else 0.0
+    return {"ttft_ms": f"{ttft:.2f}", "tpot_ms": f"{tpot:.3f}"}
 
 
 def lineage(meta: dict) -> dict[str, str]:

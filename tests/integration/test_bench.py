@@ -38,12 +38,15 @@ def test_bench_harness_quick(store_uri, tmp_path):
     assert single["estimated_step_s"] == pytest.approx(single["measured_step_s"], rel=1e-9)
     assert single["measured_step_s"] == result["scaling"]["single"]["step_time_s"]
     serving = result["serving"]
-    for path in ("kv_cache", "full"):
-        assert [c["clients"] for c in serving[path]["concurrency"]] == [1, 2, 4, 8]
-        assert all(c["errors"] == 0 and c["requests"] > 0 for c in serving[path]["concurrency"]), serving[path]
-        assert serving[path]["op_processes"] == cpu_runtime.available_cores()
-    decode = serving["decode_ms_per_token"]
-    assert set(decode) == {f"{p}_{n}" for p in ("kv_cache", "full") for n in (8, 120)} | {
-        "kv_cache_long_vs_short", "full_long_vs_short"}
+    for scheduler in ("continuous", "static"):
+        rows = serving[scheduler]["load"]
+        assert [r["clients"] for r in rows] == [1, 4]  # quick: two concurrency levels
+        assert all(r["errors"] == 0 and r["requests"] > 0 and r["tokens_per_s"] > 0 for r in rows), rows
+        assert all(0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"] and r["tpot_p50_ms"] <= r["tpot_p99_ms"] for r in rows)
+        assert serving[scheduler]["workers"] == cpu_runtime.available_cores()
+        assert serving[scheduler]["http_overhead_p50_ms"] == pytest.approx(
+            serving[scheduler]["http_p50_ms"] - serving["in_process"]["alone_p50_ms"])
+    assert serving["continuous"]["load"][0]["vs_1_client"] == 1.0
+    assert serving["in_process"]["batch8_tokens_per_s"] > 0
     report = (tmp_path / "bench.md").read_text()
-    assert "| threads+mkl+compile+passive |" in report and "| 8 HTTP clients: generated tokens/s" in report
+    assert "| threads+mkl+compile+passive |" in report and "| 4 | " in report and "Overhead over in process" in report
