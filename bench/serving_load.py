@@ -5,7 +5,8 @@ batching (`serving.scheduler`), both measured in the same run on the same export
   own ceiling with 8 sequences kept running (closed loop, no server);
 - served, per scheduler: generated tokens/s at 1, 2, 4, 8, 16, 32 closed-loop clients (each sends its next request
   when the last is answered), time to first token and time per output token (server-side, from every answer) p50 /
-  p99, request latency p50, errors; and the HTTP / gRPC overhead: p50 latency of one client minus p50 in process.
+  p99, request latency p50, errors; and the overhead of Paddle Serving's HTTP and gRPC and of the OpenAI-compatible
+  HTTP route: p50 latency of one client minus p50 in process.
 The two schedulers run in alternating rounds (static, continuous, static, ...) with the server restarted for each,
 so that drift of a noisy machine falls on both; figures are the median over rounds.
 """
@@ -16,7 +17,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+import requests
 
+from core import exportdir
 from core.config import DEFAULT_CONFIG, load_config
 
 CLIENTS = (1, 2, 4, 8, 16, 32)
@@ -86,13 +89,18 @@ def served(export_dir: Path, out: Path, scheduler: str, clients: tuple, duration
         count = 5 if quick else 30
         http = _timed(lambda: client.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS), count)
         grpc = _timed(lambda: client.generate_grpc(PROMPTS[0], max_new_tokens=NEW_TOKENS), count)
+        session, body = requests.Session(), {"model": exportdir.read_meta(export_dir)["registered_model_name"],
+                                             "prompt": PROMPTS[0], "max_tokens": NEW_TOKENS, "temperature": 0}
+        openai = _timed(lambda: session.post(f"{state['openai_base_url']}/completions", json=body,
+                                             timeout=60).raise_for_status(), count)
         load = [load_test(state["http_url"], n, duration) for n in clients]
     finally:
         server.stop(state_dir)
     from serving.service import workers
 
     return {"workers": workers(config.serving), "http_p50_ms": float(np.median(http) * 1000),
-            "grpc_p50_ms": float(np.median(grpc) * 1000), "load": load}
+            "grpc_p50_ms": float(np.median(grpc) * 1000), "openai_p50_ms": float(np.median(openai) * 1000),
+            "load": load}
 
 
 def load_test(url: str, clients: int, duration_s: float) -> dict:
@@ -144,8 +152,9 @@ def _median_of(runs: list[dict], alone_ms: float) -> dict:
                      "tokens_per_s_range": [min(r["tokens_per_s"] for r in rows),
                                             max(r["tokens_per_s"] for r in rows)]})
     http, grpc = med([r["http_p50_ms"] for r in runs]), med([r["grpc_p50_ms"] for r in runs])
-    return {"workers": runs[0]["workers"], "http_p50_ms": http, "grpc_p50_ms": grpc,
-            "http_overhead_p50_ms": http - alone_ms,
+    openai = med([r["openai_p50_ms"] for r in runs])
+    return {"workers": runs[0]["workers"], "http_p50_ms": http, "grpc_p50_ms": grpc, "openai_p50_ms": openai,
+            "http_overhead_p50_ms": http - alone_ms, "openai_overhead_p50_ms": openai - alone_ms,
             "grpc_overhead_p50_ms": grpc - alone_ms, "load": load}
 
 
@@ -164,9 +173,10 @@ def markdown(sv: dict) -> list[str]:
              "batch is formed only when nothing runs, continuous = requests join between decode steps):", "",
              f"In process: one request alone {ip['alone_p50_ms']:.1f} ms p50 ({ip['alone_tokens_per_s']:.0f} tokens/s); "
              f"8 sequences kept running: {ip['batch8_tokens_per_s']:.0f} tokens/s.", "",
-             f"Overhead over in process, p50: HTTP {c['http_overhead_p50_ms']:.1f} ms, gRPC "
-             f"{c['grpc_overhead_p50_ms']:.1f} ms (static: {s['http_overhead_p50_ms']:.1f} / "
-             f"{s['grpc_overhead_p50_ms']:.1f}).", "",
+             f"Overhead over in process, p50: Paddle Serving HTTP {c['http_overhead_p50_ms']:.1f} ms, its gRPC "
+             f"{c['grpc_overhead_p50_ms']:.1f} ms, the OpenAI-compatible HTTP route {c['openai_overhead_p50_ms']:.1f} "
+             f"ms (static: {s['http_overhead_p50_ms']:.1f} / {s['grpc_overhead_p50_ms']:.1f} / "
+             f"{s['openai_overhead_p50_ms']:.1f}).", "",
              "| clients | continuous tokens/s (vs 1 client) | static tokens/s | TTFT p50 / p99 ms (cont.) | "
              "per-token p50 / p99 ms (cont.) | TTFT p50 / p99 ms (static) | errors cont. / static |",
              "|---|---|---|---|---|---|---|"]

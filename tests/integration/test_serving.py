@@ -28,7 +28,7 @@ def ports() -> list[str]:
 @pytest.fixture(scope="module")
 def server(exported):
     overrides = [*exported["overrides"], *ports(), "serving.max_prompt_chars=20", "serving.max_new_tokens_limit=64",
-                 "serving.default_max_new_tokens=8", "serving.max_request_bytes=400"]
+                 "serving.default_max_new_tokens=8", "serving.max_request_bytes=400", "serving.max_queue=32"]
     base = ["--config", str(exported["config"])]
     proc = cli(["serve", *base, "--model", str(exported["export_dir"]), *overrides], exported["uri"])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
