@@ -67,3 +67,18 @@ def exported(trained):
     export_dir = trained["root"] / "exports" / "test-model" / "1"
     assert (export_dir / "export.json").is_file()
     return {**trained, "export_dir": export_dir, "export_stdout": proc.stdout}
+
+
+STRAYS = ("mlruns", "PipelineServingLogs", "ProcessInfo.json")
+_PRESENT_AT_START = {name for name in STRAYS if (Path(__file__).resolve().parent.parent / name).exists()}
+
+
+def pytest_sessionfinish(session):
+    """Nothing generated lands in the repository: a test that wrote there fails the session (MLflow's default
+    ./mlruns, serving's PipelineServingLogs, ...)."""
+    from core import REPO_ROOT
+
+    strays = [name for name in STRAYS if (REPO_ROOT / name).exists() and name not in _PRESENT_AT_START]
+    if strays and session.exitstatus == 0:
+        print(f"\ntests wrote into the repository: {', '.join(strays)}")
+        session.exitstatus = 1

@@ -180,7 +180,7 @@ def test_export_refusals_publish_nothing(exported, tmp_path):
     client = tracking.client(exported["uri"])
     before = _published(exported)
     # (an experiment of their own: a "best run" selection of the shared experiment must never pick these runs)
-    experiment = client.create_experiment("export-refusals")
+    experiment = client.create_experiment("export-refusals", artifact_location=(tmp_path / "artifacts").as_uri())
 
     # a finished run with no checkpoints
     empty_run = client.create_run(experiment, run_name="no-checkpoints")
@@ -198,7 +198,7 @@ def test_export_refusals_publish_nothing(exported, tmp_path):
                     "checkpoints/checkpoint-12.json")
     client.set_terminated(bad_run.info.run_id, "FINISHED")
 
-    client.create_experiment("nothing-finished")
+    client.create_experiment("nothing-finished", artifact_location=(tmp_path / "nothing").as_uri())
     cases = [
         (["--run-id", "0123456789abcdef0123456789abcdef"], "no such MLflow run"),
         (["--run-id", empty_run.info.run_id], "has no checkpoint"),
