@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import core  # noqa: F401  (zlib before paddle)
 from core.config import DEFAULT_CONFIG, Config, ConfigError, load_config
@@ -75,6 +76,7 @@ def parser() -> argparse.ArgumentParser:
     compare.add_argument("--experiment", default="")
     compare.add_argument("--metric", default="eval_loss")
     compare.add_argument("--filter", default="", help="MLflow search filter, e.g. \"params.layout.tp = '2'\"")
+    compare.add_argument("--out", default="", help="output directory (default reports/compare/<experiment>)")
     sweep = sub.add_parser("sweep", help="train a grid of overrides (key=v1,v2 ...), N at a time, then compare them")
     sweep.add_argument("--config", default=None, help=config_help)
     sweep.add_argument("--id", default="", help="continue this sweep (finished runs are not retrained)")
@@ -124,7 +126,8 @@ def _serve_verb(name: str):
 def _compare(config: Config, args) -> int:
     from pipeline import compare
 
-    return compare.run(args.experiment or config.tracking.experiment, args.metric, args.filter)
+    return compare.run(args.experiment or config.tracking.experiment, args.metric, args.filter,
+                       Path(args.out) if args.out else None)
 
 
 def _runs(config: Config, args) -> int:

@@ -84,8 +84,8 @@ def write_csv(rows: list[dict], path: Path) -> None:
         writer.writerows(rows)
 
 
-def run(experiment: str, metric: str, filter_string: str) -> int:
-    rows, out_dir = compare(experiment, metric, filter_string)
+def run(experiment: str, metric: str, filter_string: str, out_dir: Path | None = None) -> int:
+    rows, out_dir = compare(experiment, metric, filter_string, out_dir=out_dir)
     print(table(rows))
     print(f"\n{len(rows)} runs of {experiment!r} sorted by best {metric}; written: {out_dir / 'runs.md'}, "
           f"{out_dir / 'runs.csv'}, {out_dir / 'loss_curves.png'}")

@@ -69,13 +69,13 @@ def exported(trained):
     return {**trained, "export_dir": export_dir, "export_stdout": proc.stdout}
 
 
-STRAYS = ("mlruns", "PipelineServingLogs", "ProcessInfo.json")
+STRAYS = ("mlruns", "PipelineServingLogs", "ProcessInfo.json", "reports", "exports", "runs")
 _PRESENT_AT_START = {name for name in STRAYS if (Path(__file__).resolve().parent.parent / name).exists()}
 
 
 def pytest_sessionfinish(session):
     """Nothing generated lands in the repository: a test that wrote there fails the session (MLflow's default
-    ./mlruns, serving's PipelineServingLogs, ...)."""
+    ./mlruns, serving's PipelineServingLogs, the verbs' default reports/, exports/, runs/ ...)."""
     from core import REPO_ROOT
 
     strays = [name for name in STRAYS if (REPO_ROOT / name).exists() and name not in _PRESENT_AT_START]

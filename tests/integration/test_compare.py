@@ -54,8 +54,9 @@ def test_compare_cli_on_local_store(tiny_config, tmp_path, store_uri):
     proc = cli(["train", "--config", str(tiny_config), f"training.runs_dir={tmp_path / 'runs'}",
                 "training.max_steps=3", "training.eval_interval=3", "training.save_interval=3"], store_uri)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    proc = cli(["compare", "--experiment", "tests"], store_uri)
+    proc = cli(["compare", "--experiment", "tests", "--out", str(tmp_path / "report")], store_uri)
     assert proc.returncode == 0 and "1 runs of 'tests'" in proc.stdout, proc.stderr[-2000:]
+    assert (tmp_path / "report" / "runs.csv").read_text().count("\n") == 2  # the header and the run
 
 
 def test_unreachable_tracking_server_refuses_to_train(tiny_config, tmp_path):
