@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
 import resource
-import threading
 import time
 from multiprocessing.connection import Connection
 
@@ -59,21 +57,23 @@ def build_scheduler(model: ExportedModel, threads: int, generation: str, **optio
 class Worker:
     def __init__(self, conn: Connection, model: ExportedModel, scheduler: Scheduler):
         self.conn, self.model, self.scheduler = conn, model, scheduler
-        self.inbox: queue.Queue = queue.Queue()
-        self.send_lock = threading.Lock()
         self.state = (0, 0)
 
     def send(self, *message) -> None:
-        with self.send_lock:
-            self.conn.send(message)
+        self.conn.send(message)
 
-    def receive(self) -> None:
-        """Messages from the server; its end closing means the server is gone: so is this worker."""
+    def receive(self, wait: bool) -> list:
+        """The server's messages that have arrived (waiting for one when `wait`). Its end closing means the server
+        is gone: so is this worker. (Read in the loop itself, not by a thread: one hand-over less per request.)"""
+        messages = []
         try:
-            while True:
-                self.inbox.put(self.conn.recv())
+            if wait:
+                self.conn.poll(None)
+            while self.conn.poll(0):
+                messages.append(self.conn.recv())
         except (EOFError, OSError):
             os._exit(0)
+        return messages
 
     def warm_up(self) -> float:
         """A tiny generation through the whole path: the worker is ready only if it succeeds."""
@@ -85,13 +85,7 @@ class Worker:
 
     def run(self) -> None:
         while True:
-            try:  # (idle: wait for work; busy: take what arrived and go on decoding)
-                messages = [self.inbox.get() if self.scheduler.idle else self.inbox.get_nowait()]
-            except queue.Empty:
-                messages = []
-            while not self.inbox.empty():
-                messages.append(self.inbox.get_nowait())
-            for message in messages:
+            for message in self.receive(wait=self.scheduler.idle):  # (idle: wait for work; busy: go on decoding)
                 if message[0] == "stop":
                     return
                 self.handle(message)
@@ -148,7 +142,6 @@ def main() -> None:
                                 max_batch_tokens=args.max_batch_tokens, policy=args.policy)
     worker = Worker(conn, model, scheduler)
     warm_s = worker.warm_up()
-    threading.Thread(target=worker.receive, daemon=True).start()
     worker.send("ready", {"pid": os.getpid(), "load_s": round(time.monotonic() - t0, 2), "warm_up_s": round(warm_s, 3),
                           "rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)})
     worker.run()
