@@ -74,8 +74,10 @@ class WorkerHandle:
             try:
                 self._spawn()
                 self._read()
-            except Exception as exc:  # noqa: BLE001  (a worker that cannot even start counts as a death)
-                d.log(f"generation worker {self.index} failed to start: {exc.__class__.__name__}: {exc}")
+            except Exception as exc:  # noqa: BLE001  (counted as a death: the process is ended, then replaced)
+                d.log(f"generation worker {self.index} failed: {exc.__class__.__name__}: {exc}")
+                if self.proc and self.proc.poll() is None:
+                    self.proc.kill()
             if d.stopping or not d.worker_died(self):
                 return
 
@@ -211,12 +213,18 @@ class Dispatcher:
         return True
 
     def _write_worker_file(self) -> None:
-        if self.state_dir:
+        """worker.json, written whole (tmp + rename) under the lock: workers become ready at the same moment."""
+        if not self.state_dir:
+            return
+        with self.lock:
             info = {"workers": [dict(w.info, index=w.index) for w in self.workers if w.ready.is_set()],
                     "restarts": len(self.deaths)}
             tmp = self.state_dir / f".{WORKER_FILE}.tmp"
-            tmp.write_text(json.dumps(info))
-            os.replace(tmp, self.state_dir / WORKER_FILE)
+            try:
+                tmp.write_text(json.dumps(info))
+                os.replace(tmp, self.state_dir / WORKER_FILE)
+            except OSError as exc:  # (a full disk must not cost a worker)
+                self.log(f"could not write {self.state_dir / WORKER_FILE}: {exc}")
 
     def update_gauges(self) -> None:
         if not self.metrics:

@@ -236,7 +236,15 @@ def test_metrics_move_under_load(server):
     assert after["serving_worker_restarts_total"] == 0
 
 
-def test_health_routes(server):
+def test_health_routes_and_every_worker_ready(server):
+    """Both probes answer; every worker came up once (they become ready at the same moment: worker.json is written
+    by each, which once raced and cost a worker)."""
+    from core.workarounds import cpu_runtime
+    from serving.state import read_worker
+
+    workers = read_worker(server["state_dir"])
+    assert len(workers["workers"]) == cpu_runtime.available_cores() and workers["restarts"] == 0, workers
+    assert " failed: " not in (server["state_dir"] / "server.log").read_text(errors="replace")
     api = server["state"]["api_url"]
     assert requests.get(f"{api}/health/live", timeout=10).json() == {"alive": True}
     ready = requests.get(f"{api}/health/ready", timeout=10)
