@@ -6,7 +6,7 @@ batching (`serving.scheduler`), both measured in the same run on the same export
 - served, per scheduler: generated tokens/s at 1, 2, 4, 8, 16, 32 closed-loop clients (each sends its next request
   when the last is answered), time to first token and time per output token (server-side, from every answer) p50 /
   p99, request latency p50, errors; and the overhead of Paddle Serving's HTTP and gRPC and of the OpenAI-compatible
-  HTTP route: p50 latency of one client minus p50 in process.
+  HTTP route: p50 latency of one client minus p50 in process, the four timed in turn (interleaved) per round.
 The two schedulers run in alternating rounds (static, continuous, static, ...) with the server restarted for each,
 so that drift of a noisy machine falls on both; figures are the median over rounds.
 """
@@ -30,21 +30,23 @@ NEW_TOKENS = 32
 def run(export_dir: Path, out: Path, quick: bool) -> dict:
     clients = (1, 4) if quick else CLIENTS
     rounds, duration = (1, 1.0) if quick else (2, 6.0)
-    result = {"new_tokens": NEW_TOKENS, "clients": list(clients), "in_process": in_process(export_dir, quick)}
+    figures, alone = in_process(export_dir, quick)
+    result = {"new_tokens": NEW_TOKENS, "clients": list(clients), "in_process": figures}
     samples: dict[str, list[dict]] = {"static": [], "continuous": []}
     for _ in range(rounds):
         for scheduler in ("static", "continuous"):
-            samples[scheduler].append(served(export_dir, out, scheduler, clients, duration, quick))
+            samples[scheduler].append(served(export_dir, out, scheduler, clients, duration, quick, alone))
     for scheduler, runs in samples.items():
-        result[scheduler] = _median_of(runs, result["in_process"]["alone_p50_ms"])
+        result[scheduler] = _median_of(runs)
     base = result["continuous"]["load"][0]["tokens_per_s"]
     for row in result["continuous"]["load"]:
         row["vs_1_client"] = row["tokens_per_s"] / base if base else 0.0
     return result
 
 
-def in_process(export_dir: Path, quick: bool) -> dict:
-    """One request alone through the scheduler, as a worker runs it; and 8 sequences kept running (closed loop)."""
+def in_process(export_dir: Path, quick: bool):
+    """One request alone through the scheduler, as a worker runs it; and 8 sequences kept running (closed loop).
+    Returns the figures and the alone request (served() times it again, interleaved with the served requests)."""
     from serving.engine import Job
     from serving.generation import GenerationSettings
     from serving.model import ExportedModel
@@ -62,6 +64,7 @@ def in_process(export_dir: Path, quick: bool) -> dict:
 
     alone()
     times = _timed(alone, 5 if quick else 30)
+
     tokens, count, t0 = 0, 0, time.perf_counter()
     for count in range(8):
         scheduler.add(Job(count, ids[count % 5], GenerationSettings(NEW_TOKENS, 1.0, 0, count)))
@@ -72,10 +75,11 @@ def in_process(export_dir: Path, quick: bool) -> dict:
             scheduler.add(Job(count, ids[count % 5], GenerationSettings(NEW_TOKENS, 1.0, 0, count)))
     ceiling = tokens / (time.perf_counter() - t0)
     return {"alone_p50_ms": float(np.median(times) * 1000), "alone_tokens_per_s": NEW_TOKENS / float(np.median(times)),
-            "batch8_tokens_per_s": ceiling}
+            "batch8_tokens_per_s": ceiling}, alone
 
 
-def served(export_dir: Path, out: Path, scheduler: str, clients: tuple, duration: float, quick: bool) -> dict:
+def served(export_dir: Path, out: Path, scheduler: str, clients: tuple, duration: float, quick: bool,
+           alone) -> dict:
     from core.processes import free_port
     from serving import server
     from serving.client import GenerationClient
@@ -86,21 +90,24 @@ def served(export_dir: Path, out: Path, scheduler: str, clients: tuple, duration
     state = server.start(config, export_dir, state_dir)
     try:
         client = GenerationClient(state["http_url"], state["rpc_address"], timeout=60)
-        count = 5 if quick else 30
-        http = _timed(lambda: client.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS), count)
-        grpc = _timed(lambda: client.generate_grpc(PROMPTS[0], max_new_tokens=NEW_TOKENS), count)
         session, body = requests.Session(), {"model": exportdir.read_meta(export_dir)["registered_model_name"],
                                              "prompt": PROMPTS[0], "max_tokens": NEW_TOKENS, "temperature": 0}
-        openai = _timed(lambda: session.post(f"{state['openai_base_url']}/completions", json=body,
-                                             timeout=60).raise_for_status(), count)
+        trials = {"in_process": alone,
+                  "http": lambda: client.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS),
+                  "grpc": lambda: client.generate_grpc(PROMPTS[0], max_new_tokens=NEW_TOKENS),
+                  "openai": lambda: session.post(f"{state['openai_base_url']}/completions", json=body,
+                                                 timeout=60).raise_for_status()}
+        times: dict[str, list[float]] = {name: [] for name in trials}
+        for _ in range(5 if quick else 30):  # interleaved: the four see the same machine
+            for name, call in trials.items():
+                times[name] += _timed(call, 1)
         load = [load_test(state["http_url"], n, duration) for n in clients]
     finally:
         server.stop(state_dir)
     from serving.service import workers
 
-    return {"workers": workers(config.serving), "http_p50_ms": float(np.median(http) * 1000),
-            "grpc_p50_ms": float(np.median(grpc) * 1000), "openai_p50_ms": float(np.median(openai) * 1000),
-            "load": load}
+    return {"workers": workers(config.serving), "load": load,
+            **{f"{name}_p50_ms": float(np.median(values) * 1000) for name, values in times.items()}}
 
 
 def load_test(url: str, clients: int, duration_s: float) -> dict:
@@ -140,8 +147,9 @@ def load_test(url: str, clients: int, duration_s: float) -> dict:
             "first_error": first_error[0] if first_error else ""}
 
 
-def _median_of(runs: list[dict], alone_ms: float) -> dict:
-    """The median over rounds of every figure, with the HTTP / gRPC overhead over the in-process request."""
+def _median_of(runs: list[dict]) -> dict:
+    """The median over rounds of every figure, with the overhead of each route over the in-process request timed in
+    the same rounds."""
     med = lambda values: float(np.median(values))  # noqa: E731
     load = []
     for i, row in enumerate(runs[0]["load"]):
@@ -151,11 +159,10 @@ def _median_of(runs: list[dict], alone_ms: float) -> dict:
                      **{k: med([r[k] for r in rows]) for k in row if k.endswith(("_s", "_ms"))},
                      "tokens_per_s_range": [min(r["tokens_per_s"] for r in rows),
                                             max(r["tokens_per_s"] for r in rows)]})
-    http, grpc = med([r["http_p50_ms"] for r in runs]), med([r["grpc_p50_ms"] for r in runs])
-    openai = med([r["openai_p50_ms"] for r in runs])
-    return {"workers": runs[0]["workers"], "http_p50_ms": http, "grpc_p50_ms": grpc, "openai_p50_ms": openai,
-            "http_overhead_p50_ms": http - alone_ms, "openai_overhead_p50_ms": openai - alone_ms,
-            "grpc_overhead_p50_ms": grpc - alone_ms, "load": load}
+    p50 = {name: med([r[f"{name}_p50_ms"] for r in runs]) for name in ("in_process", "http", "grpc", "openai")}
+    return {"workers": runs[0]["workers"], **{f"{name}_p50_ms": v for name, v in p50.items()},
+            **{f"{name}_overhead_p50_ms": p50[name] - p50["in_process"] for name in ("http", "grpc", "openai")},
+            "load": load}
 
 
 def _timed(call, count: int) -> list[float]:

@@ -44,9 +44,9 @@ def test_bench_harness_quick(store_uri, tmp_path):
         assert all(r["errors"] == 0 and r["requests"] > 0 and r["tokens_per_s"] > 0 for r in rows), rows
         assert all(0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"] and r["tpot_p50_ms"] <= r["tpot_p99_ms"] for r in rows)
         assert serving[scheduler]["workers"] == cpu_runtime.available_cores()
-        for route in ("http", "openai"):
+        for route in ("http", "grpc", "openai"):
             assert serving[scheduler][f"{route}_overhead_p50_ms"] == pytest.approx(
-                serving[scheduler][f"{route}_p50_ms"] - serving["in_process"]["alone_p50_ms"])
+                serving[scheduler][f"{route}_p50_ms"] - serving[scheduler]["in_process_p50_ms"])
     assert serving["continuous"]["load"][0]["vs_1_client"] == 1.0
     assert serving["in_process"]["batch8_tokens_per_s"] > 0
     report = (tmp_path / "bench.md").read_text()
