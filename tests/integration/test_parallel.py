@@ -197,7 +197,7 @@ def test_a_killed_rank_fails_the_job(world):
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Multi-node: two `pipeline train` launchers on this machine acting as two nodes sharing one training.runs_dir
-# (losses equal to one process, a lost node, the requeue on one node and on two: tests/test_resume.py).
+# (losses equal to one process, a lost node, the requeue on one node and on two: tests/integration/test_resume.py).
 
 def test_a_node_without_the_shared_directory_fails_with_the_path(world):
     """Storage that is not shared: node 1 never sees node 0's run directory and says so (bounded wait)."""

@@ -1,5 +1,5 @@
 """Semi-automatic mode: weight placements, what the config refuses, and the refused resume (fast, no processes).
-The training itself is compared with single-process losses in tests/test_parallel.py (dp2, tp2, dp2 x tp2)."""
+The training itself is compared with single-process losses in tests/integration/test_parallel.py (dp2, tp2, dp2 x tp2)."""
 import json
 
 import pytest
