@@ -162,7 +162,7 @@ def run(quick: bool = False, out: Path | None = None) -> dict:
         results["pipeline_overhead"] = {"ours_step_s": ours, "bare_trainer_step_s": bare, "ratio": ours / bare,
                                         "ours_includes": "eval + checkpoint at the last step, MLflow logging"}
         print(f"[bench] step: ours {ours * 1000:.1f} ms vs bare Trainer {bare * 1000:.1f} ms", flush=True)
-    if not quick:  # (the async path's pause is asserted in tests/integration/test_resume.py; this measures it against sync)
+    if not quick:  # (tests/integration/test_resume.py asserts the async pause; this measures it against sync)
         results["checkpoints"] = checkpoint_stall(out, uri, stamp)
     t0 = time.perf_counter()
     meta = _export(single["run_id"], uri)
