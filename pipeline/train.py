@@ -83,10 +83,11 @@ def resumed_config(resume: str, overrides: list[str]) -> Config:
     run_dir = rundir.find(resume, tracking.tracking_uri())
     recorded = load_config(run_dir / "config.yaml")
     config = with_overrides(recorded, overrides)
-    if "semi_auto" in (recorded.parallel.mode, config.parallel.mode) and _latest(run_dir):
+    latest = _latest(run_dir)
+    if "semi_auto" in (recorded.parallel.mode, config.parallel.mode) and latest:
         raise ConfigError(f"RESUME={resume}: parallel.mode=semi_auto checkpoints hold the model's weights but no "
                           "optimizer state, so that run cannot resume (training/semi_auto.py); start a new run "
-                          f"with model.init_from={_latest(run_dir)} instead")
+                          f"with model.init_from={latest} instead")
     return config
 
 

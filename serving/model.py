@@ -10,6 +10,12 @@ from core.tokenizer import decode, load_tokenizer
 from serving.generation import GenerationSettings, generate, generate_batch
 
 
+def lineage(meta: dict) -> dict[str, str]:
+    """What an answer says about the model that gave it (export.json's fields, as strings)."""
+    return {"model_name": meta["registered_model_name"], "model_version": str(meta["version"]),
+            "source_run_id": meta["source_run_id"], "checkpoint_step": str(meta["checkpoint_step"])}
+
+
 class RequestError(ValueError):
     """A problem with a request; the message goes back to the client."""
 
@@ -38,10 +44,6 @@ class ExportedModel:
     def generate(self, forward, prompt_ids: list[int], settings: GenerationSettings) -> list[int]:
         return generate(forward, prompt_ids, settings, self.eos_id, self.banned_ids, len(self.tokenizer),
                         self.max_length)
-
-    def lineage(self) -> dict[str, str]:
-        return {"model_name": self.meta["registered_model_name"], "model_version": str(self.meta["version"]),
-                "source_run_id": self.meta["source_run_id"], "checkpoint_step": str(self.meta["checkpoint_step"])}
 
     def cached_session(self, threads: int = 1):
         """(prefill, decode) over this process's own predictors of the cache programs (one session per thread or

@@ -19,7 +19,7 @@ import yaml
 
 from core import REPO_ROOT, exportdir
 from core.config import Config, ConfigError
-from core.processes import group_alive, log_tail, port_in_use, start_group, stop_group, wait_ready
+from core.processes import group_alive, log_tail, port_in_use, proc_stat, start_group, stop_group, wait_ready
 from core.workarounds.paddle_serving import COMPAT_DIR
 from serving.client import GenerationClient
 from serving.service import render_config
@@ -121,11 +121,6 @@ def stop(state_dir: Path, grace_s: float | None = None) -> bool:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # (a zombie: exited, not yet reaped by a parent that is not us)
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
-    except (OSError, IndexError):
-        return False
+    """The process lives and is not a zombie (exited, not yet reaped by a parent that is not us)."""
+    fields = proc_stat(pid)
+    return fields is not None and fields[0] != "Z"

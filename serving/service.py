@@ -1,5 +1,5 @@
 """The server process: Paddle Serving's Pipeline (HTTP + gRPC), the OpenAI-compatible and health routes
-(serving/api.py) and the metrics port (serving/metrics.py), all in front of one generation worker process
+(serving/api.py) and the metrics port (serving/metrics.py), all in front of the generation worker processes
 (serving/worker.py, managed by serving/dispatch.py).
 
 Request  (HTTP `POST /<service>/prediction`, or gRPC PipelineClient): key/value lists of strings,
@@ -34,7 +34,7 @@ from pathlib import Path
 import serving  # noqa: F401  (zlib first; paddle_serving_client stand-in)
 from serving.generation import GenerationSettings
 from serving.dispatch import CODES, Dispatcher, ServingError
-from serving.model import RequestError
+from serving.model import RequestError, lineage
 
 # Application error codes, returned as err_no (Paddle Serving's own codes are below 1000 or negative).
 BAD_REQUEST = CODES["bad_request"]
@@ -180,7 +180,8 @@ class GenerateMethods:
             self.metrics.refused("paddle_serving", "internal")
             return None, INTERNAL_ERROR, f"generation failed: {exc.__class__.__name__}: {exc}"
         self.metrics.answered("paddle_serving", arrived, result)
-        return {"result": [{**result, "arrived": arrived}]}, 0, ""  # (a list: Paddle Serving slices each output by the request's rows)
+        # (a list: Paddle Serving slices each output by the request's rows)
+        return {"result": [{**result, "arrived": arrived}]}, 0, ""
 
     def postprocess(self, input_dicts, fetch_dict, data_id, log_id):
         result = fetch_dict["result"][0]
@@ -195,11 +196,6 @@ def timings(result: dict) -> dict[str, str]:
     ttft = (first - result["arrived"]) * 1000 if first else 0.0
     tpot = (result["finished_at"] - first) * 1000 / (tokens - 1) if first and tokens > 1 else 0.0
     return {"ttft_ms": f"{ttft:.2f}", "tpot_ms": f"{tpot:.3f}"}
-
-
-def lineage(meta: dict) -> dict[str, str]:
-    return {"model_name": meta["registered_model_name"], "model_version": str(meta["version"]),
-            "source_run_id": meta["source_run_id"], "checkpoint_step": str(meta["checkpoint_step"])}
 
 
 def workers(serving_config) -> int:

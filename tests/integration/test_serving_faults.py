@@ -58,10 +58,9 @@ def ask(state, prompt="你好", max_new_tokens=8, **fields) -> tuple[int, str, f
 
 
 def worker_pids(state_dir) -> list[int]:
-    try:
-        return [w["pid"] for w in json.loads((state_dir / "worker.json").read_text())["workers"]]
-    except (OSError, ValueError, KeyError):
-        return []
+    from serving.state import read_worker
+
+    return [w["pid"] for w in read_worker(state_dir).get("workers", [])]
 
 
 def probe(state, route) -> int:
