@@ -21,14 +21,17 @@ from pathlib import Path
 
 # setting -> (environment before paddle loads, config overrides)
 SPIN = {"PIPELINE_OMP_PASSIVE": "off"}  # OpenMP's default: threads spin 200 ms after each op (cpu_runtime fact 3)
+NO_OPS = {"PIPELINE_CPU_LLAMA_OPS": "off"}  # PaddleNLP's own RMSNorm / rotary / loss code (cpu_llama_ops)
 SETTINGS = {
     # as the project ran before issue 12: one math thread, MKL's own CPU detection, eager forward
-    "before": ({"PIPELINE_MKL_AMD_FIX": "off", **SPIN}, ["parallel.cpu_threads=1", "training.compile=false"]),
-    "threads": ({"PIPELINE_MKL_AMD_FIX": "off", **SPIN}, ["parallel.cpu_threads=0", "training.compile=false"]),
-    "threads+mkl": (SPIN, ["parallel.cpu_threads=0", "training.compile=false"]),
-    "threads+mkl+compile": (SPIN, ["parallel.cpu_threads=0", "training.compile=true"]),
-    # + KMP_BLOCKTIME=0, the project's default now
-    "threads+mkl+compile+passive": ({}, ["parallel.cpu_threads=0", "training.compile=true"]),
+    "before": ({"PIPELINE_MKL_AMD_FIX": "off", **SPIN, **NO_OPS}, ["parallel.cpu_threads=1", "training.compile=false"]),
+    "threads": ({"PIPELINE_MKL_AMD_FIX": "off", **SPIN, **NO_OPS}, ["parallel.cpu_threads=0", "training.compile=false"]),
+    "threads+mkl": ({**SPIN, **NO_OPS}, ["parallel.cpu_threads=0", "training.compile=false"]),
+    "threads+mkl+compile": ({**SPIN, **NO_OPS}, ["parallel.cpu_threads=0", "training.compile=true"]),
+    # + KMP_BLOCKTIME=0
+    "threads+mkl+compile+passive": (NO_OPS, ["parallel.cpu_threads=0", "training.compile=true"]),
+    # + the CPU replacements of PaddleNLP's slow Llama ops: the project's default now
+    "threads+mkl+compile+passive+ops": ({}, ["parallel.cpu_threads=0", "training.compile=true"]),
 }
 
 

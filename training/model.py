@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from core.config import Config
+from core.workarounds import cpu_llama_ops
 
 
 def llama_config(config: Config, tokenizer, tensor_parallel_degree: int = 1, tensor_parallel_rank: int = 0):
@@ -69,6 +70,8 @@ def build_model(config: Config, tokenizer, tensor_parallel_degree: int, tensor_p
 
     from core.layout import ParallelLayout
 
+    if config.parallel.device == "cpu" and config.parallel.mode == "manual":
+        cpu_llama_ops.apply()
     cls = pipeline_model_class() if pipeline else LlamaForCausalLM
     model_config = llama_config(config, tokenizer, tensor_parallel_degree, tensor_parallel_rank)
     if pipeline:
@@ -92,6 +95,7 @@ def load_merged(checkpoint_dir, dtype: str = "float32", portable: bool = True):
     portable model, or (portable=False) with the weight layout the checkpoint was trained with."""
     from paddlenlp.transformers import LlamaForCausalLM
 
+    cpu_llama_ops.apply()  # (export and evaluation run on CPU)
     overrides = PORTABLE if portable else KERNELS_OFF
     return LlamaForCausalLM.from_pretrained(str(checkpoint_dir), tensor_parallel_degree=1, tensor_parallel_rank=0,
                                             tensor_parallel_output=False, dtype=dtype, **overrides)

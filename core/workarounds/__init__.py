@@ -3,6 +3,7 @@ changes (requirements/lock.txt), this is the folder to review; each module names
 
     (this file)       zlib before paddle; warnings known to be harmless           Paddle 2.6.2
     cpu_runtime       MKL's slow path on AMD CPUs, thread counts, OpenMP spin      Paddle 2.6.2 (MKL 2023 / iomp5)
+    cpu_llama_ops     PaddleNLP's Llama on slow CPU kernels (pow, broadcasts, casts) PaddleNLP 2.8.1 / Paddle 2.6.2
     cpu_gloo          hybrid parallel (tensor/pipeline/sharding) on CPU over gloo  paddlepaddle 2.6.2 fleet
     paddlenlp_resume  resuming a multi-rank checkpoint on another layout           PaddleNLP 2.8.1
     dy2static_fix     dy2static export of PaddleNLP's Llama                        Paddle 2.6.2 / PaddleNLP 2.8.1

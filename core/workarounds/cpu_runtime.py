@@ -27,6 +27,8 @@ import importlib.util
 import os
 from pathlib import Path
 
+from core.workarounds import cpu_llama_ops
+
 MKL_SWITCH = "MKL_DEBUG_CPU_TYPE"
 FIX_ENV = "PIPELINE_MKL_AMD_FIX"
 _VERSION_ENV = "PIPELINE_MKL_VERSION"  # cache for child processes: reading it loads the 130 MB library
@@ -138,4 +140,5 @@ def describe(threads: int) -> dict[str, str]:
     """What this process runs with, for MLflow tags and logs."""
     return {"cpu_vendor": cpu_vendor() or "unknown", "mkl_version": mkl_version() or "none",
             "mkl_debug_cpu_type": os.environ.get(MKL_SWITCH, "unset"), "threads": str(threads),
-            "kmp_blocktime": os.environ.get(BLOCKTIME, "unset"), "cores": str(available_cores())}
+            "kmp_blocktime": os.environ.get(BLOCKTIME, "unset"), "cores": str(available_cores()),
+            "cpu_llama_ops": "on" if cpu_llama_ops.enabled() else "off"}

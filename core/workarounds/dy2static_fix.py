@@ -15,11 +15,19 @@ import contextlib
 import core  # noqa: F401  (zlib before paddle)
 import paddle  # noqa: E402
 
+from core.workarounds import cpu_llama_ops  # noqa: E402
+
+_SQUARE = cpu_llama_ops.enabled()  # (a plain bool: dy2static evaluates the branch below in Python)
+
 
 def _rms_norm_forward(self, hidden_states):
-    # Plain LlamaRMSNorm (no fused kernel, float32 weights) without the early returns dy2static mis-handles.
+    # Plain LlamaRMSNorm (no fused kernel, float32 weights) without the early returns dy2static mis-handles; x**2 as
+    # `square`, exact and ~100x faster on CPU than Paddle's `pow` (core/workarounds/cpu_llama_ops.py, point 1).
     hidden_states = hidden_states.astype("float32")
-    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    if _SQUARE:
+        variance = paddle.square(hidden_states).mean(-1, keepdim=True)
+    else:
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
     return paddle.rsqrt(variance + self.variance_epsilon) * hidden_states * self.weight
 
 

@@ -17,16 +17,19 @@ def test_bench_harness_quick(store_uri, tmp_path):
     for section in ("runtime", "scaling", "export", "serving"):
         assert section in result, section
     settings = result["runtime"]["settings"]
-    assert list(settings) == ["before", "threads+mkl+compile+passive"]  # quick: the two ends
+    assert list(settings) == ["before", "threads+mkl+compile+passive+ops"]  # quick: the two ends
     # each trial process really ran with its setting
     assert settings["before"]["runtime"]["threads"] == "1"
     assert settings["before"]["runtime"]["mkl_debug_cpu_type"] == "unset"
-    assert settings["threads+mkl+compile+passive"]["runtime"]["threads"] == str(cpu_runtime.available_cores())
+    assert settings["threads+mkl+compile+passive+ops"]["runtime"]["threads"] == str(cpu_runtime.available_cores())
     amd = cpu_runtime.cpu_vendor() == "AuthenticAMD"
-    assert settings["threads+mkl+compile+passive"]["runtime"]["mkl_debug_cpu_type"] == ("5" if amd else "unset")
+    assert settings["threads+mkl+compile+passive+ops"]["runtime"]["mkl_debug_cpu_type"] == ("5" if amd else "unset")
     # OpenMP threads sleep between ops (KMP_BLOCKTIME=0) in the project's setting, spin as before in "before"
     assert (settings["before"]["runtime"]["kmp_blocktime"],
-            settings["threads+mkl+compile+passive"]["runtime"]["kmp_blocktime"]) == ("unset", "0")
+            settings["threads+mkl+compile+passive+ops"]["runtime"]["kmp_blocktime"]) == ("unset", "0")
+    # PaddleNLP's own Llama ops before, the CPU replacements now (core/workarounds/cpu_llama_ops.py)
+    assert (settings["before"]["runtime"]["cpu_llama_ops"],
+            settings["threads+mkl+compile+passive+ops"]["runtime"]["cpu_llama_ops"]) == ("off", "on")
     for v in settings.values():
         assert 0 < v["mfu"]["median"] < 1
         assert v["mfu"]["min"] <= v["mfu"]["median"] <= v["mfu"]["max"]
@@ -50,4 +53,4 @@ def test_bench_harness_quick(store_uri, tmp_path):
     assert serving["continuous"]["load"][0]["vs_1_client"] == 1.0
     assert serving["in_process"]["batch8_tokens_per_s"] > 0
     report = (tmp_path / "bench.md").read_text()
-    assert "| threads+mkl+compile+passive |" in report and "| 4 | " in report and "Overhead over in process" in report
+    assert "| threads+mkl+compile+passive+ops |" in report and "| 4 | " in report and "Overhead over in process" in report
