@@ -39,7 +39,7 @@ class Progress(threading.Thread):
         self.offset = self.path.stat().st_size if self.path.exists() else 0  # (a resume appends to the file)
         self.done = threading.Event()
         self.bar = None
-        self.max_steps = self.step = self.first_step = 0
+        self.max_steps = self.step = self.first_step = self.eval_every = 0
         self.first_time = self.last_print = 0.0
         self.loss = self.eval_loss = self.tokens_per_second = None
         self.logs_seen = 0
@@ -86,6 +86,7 @@ class Progress(threading.Thread):
         if kind == "start":
             self.max_steps, self.step = event["max_steps"], event["step"]
             self.first_step, self.first_time = event["step"], event["time"]
+            self.eval_every = event.get("eval_every", 0)
             total = event["tokens_per_step"] * (self.max_steps - self.step)
             epochs = total / event["train_tokens"] if event["train_tokens"] else float("nan")
             self._say(f"training steps {self.step + 1}..{self.max_steps}: {event['tokens_per_step']:,} tokens a step, "
@@ -107,8 +108,8 @@ class Progress(threading.Thread):
                 self.eta_said = True
                 self._say(f"timed {self.step - self.first_step} steps: about {duration(self.eta())} for the "
                           f"remaining {self.max_steps - self.step:,} steps")
-            if self.bar is None and time.time() - self.last_print >= self.every_s:
-                self._line()  # (the last step's line comes with its evaluation)
+            if self.bar is None and time.time() - self.last_print >= self.every_s and not self._evaluates(self.step):
+                self._line()  # (an evaluation step's line comes with its eval loss, once)
         elif kind == "eval":
             self._advance(event)
             self.eval_loss = event["eval_loss"]
@@ -118,6 +119,10 @@ class Progress(threading.Thread):
             self._say(event["text"])
         if self.bar is not None:
             self.bar.set_postfix_str(self._fields(eta=False), refresh=True)
+
+    def _evaluates(self, step: int) -> bool:
+        """Does an eval event follow this step's log (every eval_every steps, and the last step)?"""
+        return bool(self.eval_every) and (step % self.eval_every == 0 or step == self.max_steps)
 
     def _advance(self, event: dict) -> None:
         step = event["step"]

@@ -41,6 +41,12 @@ def signature():
 class GenerationModel(mlflow.pyfunc.PythonModel):
     """Text generation over an export directory (kv-cache programs when the export has them)."""
 
+    # MLflow 3 wraps `predict` for validation from its type hints and warns ("Add type hints to the `predict`
+    # method ...") when there are none. The input here is a DataFrame, a dict or a list of dicts, checked by
+    # `_rows`/`_parse` and by the explicit signature; no type hint describes that union (`Any` draws another
+    # warning). MLflow reads this attribute in PythonModel.__init_subclass__ (its own ChatModel sets it).
+    _skip_type_hint_validation = True
+
     def load_context(self, context):
         from core import exportdir
         from serving.model import ExportedModel

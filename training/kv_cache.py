@@ -30,14 +30,16 @@ from core import exportdir  # noqa: E402
 MASKED = -1e9
 
 
+# The CPU forms of core/workarounds/cpu_llama_ops.py (same values, far fewer slow kernels): `square` for pow(x, 2),
+# and x * cos + rotate_half(x) * sin as x * cos + roll(x, D/2) * sin with the sign of rotate_half's first half in sin,
+# both tables expanded to x's shape (a same-shape multiply instead of a middle-axis broadcast).
 def _rms_norm(x, weight, eps: float):
-    variance = x.astype("float32").pow(2).mean(-1, keepdim=True)
+    variance = paddle.square(x.astype("float32")).mean(-1, keepdim=True)
     return paddle.rsqrt(variance + eps) * x * weight
 
 
-def _rotate_half(x):
-    half = x.shape[-1] // 2
-    return paddle.concat([-x[..., half:], x[..., :half]], axis=-1)
+def _rotary(x, cos, signed_sin):
+    return x * cos.expand_as(x) + paddle.roll(x, x.shape[-1] // 2, axis=-1) * signed_sin.expand_as(x)
 
 
 class CachedLlamaStep(paddle.nn.Layer):
@@ -54,7 +56,8 @@ class CachedLlamaStep(paddle.nn.Layer):
         freqs = paddle.einsum("i,j->ij", paddle.arange(cfg.max_position_embeddings, dtype="float32"), inv_freq)
         emb = paddle.concat([freqs, freqs], axis=-1)
         self.register_buffer("cos_table", emb.cos())
-        self.register_buffer("sin_table", emb.sin())
+        half = self.head_dim // 2
+        self.register_buffer("signed_sin_table", paddle.concat([-emb.sin()[:, :half], emb.sin()[:, half:]], axis=-1))
 
     def forward(self, input_ids, position_ids, key_mask, past_keys=None, past_values=None):
         llama = self.model.llama
@@ -63,7 +66,7 @@ class CachedLlamaStep(paddle.nn.Layer):
         past = paddle.shape(past_keys)[3] if self.with_past else paddle.zeros([], "int32")
         hidden = llama.embed_tokens(input_ids)
         cos = paddle.nn.functional.embedding(position_ids, self.cos_table).unsqueeze(2)  # [B, T, 1, D]
-        sin = paddle.nn.functional.embedding(position_ids, self.sin_table).unsqueeze(2)
+        sin = paddle.nn.functional.embedding(position_ids, self.signed_sin_table).unsqueeze(2)
         # additive attention bias [B, 1, T, P+T]: causal over the whole (past + new) sequence, pads masked
         query_at = paddle.arange(length, dtype="int64").unsqueeze(1) + past.astype("int64")
         key_at = paddle.arange(past.astype("int64") + length.astype("int64"), dtype="int64").unsqueeze(0)
@@ -77,8 +80,7 @@ class CachedLlamaStep(paddle.nn.Layer):
             q = attn.q_proj(x).reshape([0, 0, self.heads, self.head_dim])
             k = attn.k_proj(x).reshape([0, 0, self.kv_heads, self.head_dim])
             v = attn.v_proj(x).reshape([0, 0, self.kv_heads, self.head_dim])
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
             k, v = k.transpose([0, 2, 1, 3]), v.transpose([0, 2, 1, 3])  # [B, Hkv, T, D]
             if self.with_past:
                 k = paddle.concat([past_keys[index], k], axis=2)

@@ -42,8 +42,10 @@ def progress_callback(run_dir: Path, seq_length: int, global_batch_size: int, tr
 
         def on_train_begin(self, args, state, control, **kwargs):
             if state.is_world_process_zero:
+                steps = str(getattr(args.evaluation_strategy, "value", args.evaluation_strategy)) == "steps"
                 write(run_dir, "start", max_steps=int(state.max_steps), step=int(state.global_step),
-                      tokens_per_step=seq_length * global_batch_size, train_tokens=seq_length * train_blocks)
+                      tokens_per_step=seq_length * global_batch_size, train_tokens=seq_length * train_blocks,
+                      eval_every=int(args.eval_steps or 0) if args.do_eval and steps else 0)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if not state.is_world_process_zero or not logs:

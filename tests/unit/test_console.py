@@ -43,6 +43,19 @@ def test_plain_lines_when_not_a_terminal(tmp_path):
     assert out[-1] == "[mlflow] WARNING: logging failed"
 
 
+def test_an_evaluation_step_prints_one_line(tmp_path):
+    """Each step's log line is due (every_s=0), but step 10 is evaluated: its line waits for the eval loss."""
+    stream = io.StringIO()
+    progress = Progress(tmp_path, stream=stream, tty=False, every_s=0, poll_s=0.01)
+    progress.start()
+    _events(tmp_path, [{**RUN[0], "eval_every": 5}, *RUN[1:]])
+    progress.stop()
+    steps = [line.split()[1] for line in stream.getvalue().splitlines() if line.startswith("step ")]
+    assert steps == ["1/1000", "2/1000", "3/1000", "4/1000", "6/1000", "7/1000", "8/1000", "9/1000", "10/1000"]
+    # step 5's eval never came (a crash, say): no line for it; step 10's is the one with its eval loss
+    assert "eval_loss 7.2500" in stream.getvalue().splitlines()[-2]
+
+
 def test_a_progress_bar_on_a_terminal(tmp_path):
     out = _show(tmp_path, tty=True)
     assert "10/1000" in out and "loss 7.0000  eval_loss 7.2500  4,096 tok/s" in out
