@@ -59,6 +59,10 @@ def train_run(name: str, overrides: list[str], out: Path, uri: str) -> dict:
             "train_runtime_s": history("train_runtime")[-1], "wall_s": wall, "run_dir": str(out / "runs" / name)}
 
 
+# --quick checks the harness, not the machine: shorter sequences, and a slice of the corpus to prepare (~1 s, not ~10)
+QUICK = ["training.seq_length=32", "data.max_documents=2000"]
+
+
 def runtime_trials(out: Path, repeats: int, steps: int, quick: bool) -> dict:
     """CPU runtime settings (issue 12) on the default config: each setting of bench/training_speed.py SETTINGS in a fresh process,
     the settings interleaved (rotated each round) `repeats` times; median and min-max of every figure."""
@@ -68,7 +72,7 @@ def runtime_trials(out: Path, repeats: int, steps: int, quick: bool) -> dict:
 
     run_dir = out / "runtime-run"
     shutil.rmtree(run_dir, ignore_errors=True)
-    config = load_config(DEFAULT_CONFIG, ["training.seq_length=32"] if quick else [])
+    config = load_config(DEFAULT_CONFIG, QUICK if quick else [])
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
     prepare(config, run_dir / "data", run_dir / "tokenizer")
@@ -185,7 +189,7 @@ def _scaling(out: Path, uri: str, steps: int, stamp: str, quick: bool) -> dict:
     runs = {}
     for name, overrides in layouts.items():
         runs[name] = train_run(f"{name}-{stamp}", [*overrides, f"training.max_steps={steps}",
-                                                   *(["training.seq_length=32"] if quick else [])], out, uri)
+                                                   *(QUICK if quick else [])], out, uri)
         print(f"[bench] {name}: {runs[name]['tokens_per_s']:.0f} tok/s", flush=True)
     single = runs["single"]
     result = {"runs": runs, "scaling": {
