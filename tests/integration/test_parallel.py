@@ -131,6 +131,32 @@ def test_checkpoint_merges_into_a_single_model(world, layout):
         assert error is not None and error < 1e-5
 
 
+def test_a_tp2pp2_run_exports_like_its_merged_model(world):
+    """`make export` of a run trained with tensor x pipeline parallel (4 ranks): the export's graph computes what
+    the merged checkpoint computes (the run trained above; its config names a layout export must not need)."""
+    runs = world["root"] / "runs"
+    if not (runs / "tp2pp2" / "checkpoints" / "latest").exists():
+        train(world, "tp2pp2")
+    run_id = json.loads((runs / "tp2pp2" / "mlflow_run.json").read_text())["run_id"]
+    proc = cli(["export", "--run-id", run_id, f"export.exports_dir={world['root'] / 'exports'}",
+                "export.registered_model_name=parallel-model"], world["uri"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    export_dir = world["root"] / "exports" / "parallel-model" / "1"
+    meta = json.loads((export_dir / "export.json").read_text())
+    assert meta["source_run_id"] == run_id and Path(meta["checkpoint"]).parent.parent == runs / "tp2pp2"
+    from core.exportdir import create_predictor, predict
+    from training.model import load_merged
+
+    import paddle
+
+    model = load_merged(meta["checkpoint"])
+    model.eval()
+    ids = np.random.RandomState(0).randint(5, meta["vocab_size"], size=(3, 32)).astype("int64")
+    with paddle.no_grad():
+        expected = model(paddle.to_tensor(ids), use_cache=False, return_dict=False)[0].numpy()
+    assert np.abs(predict(create_predictor(export_dir), ids) - expected).max() < 1e-4
+
+
 # measured peak / `make plan`'s estimate must lie in this band, for every layout the plan models (manual mode).
 # Seen on this CPU: 0.71 (pp2 with a [3,1] split: the plan assumes even stages and adds the first stage's
 # activations to the last stage's logits, an upper bound) to 1.02 (tp2, where the gathered logits dominate).
