@@ -59,13 +59,9 @@ def dynamic_forward(model):
 
 
 def save_static(model, export_dir: Path) -> None:
-    import paddle
-
-    from core.workarounds import dy2static_fix
-    spec = [paddle.static.InputSpec(shape=[None, None], dtype="int64", name=exportdir.FEED_NAME)]
-    with dy2static_fix.jit_friendly_llama():
-        static = paddle.jit.to_static(logits_only(model), input_spec=spec, full_graph=True)
-        paddle.jit.save(static, str(export_dir / exportdir.MODEL_PREFIX))
+    """model.pdmodel: input_ids -> logits (training/kv_cache.py FullSequence)."""
+    from training import kv_cache
+    kv_cache.save_full_sequence(model, export_dir)
 
 
 def parity_error(model, predictor, vocab: int, seq_length: int, seed: int = 0) -> float:

@@ -1,5 +1,7 @@
-"""Generation with a key/value cache as two static programs over the weights of a PaddleNLP `LlamaForCausalLM`.
+"""The export's static programs over the weights of a PaddleNLP `LlamaForCausalLM`: generation with a key/value
+cache as two programs, and the full-sequence graph written with the same layer.
 
+    model    (input_ids [B,T]) -> logits [B,T,V]    (positions 0..T-1, no padding: FullSequence)
     prefill  (input_ids [B,T], position_ids [B,T], key_mask [B,T])
              -> logits of the last position [B,V], keys [L,B,Hkv,T,D], values [L,B,Hkv,T,D]
     decode   (input_ids [B,1], position_ids [B,1], key_mask [B,P+1], past_keys [L,B,Hkv,P,D], past_values)
@@ -43,11 +45,11 @@ def _rotary(x, cos, signed_sin):
 
 
 class CachedLlamaStep(paddle.nn.Layer):
-    def __init__(self, model, with_past: bool):
+    def __init__(self, model, with_past: bool, all_positions: bool = False):
         super().__init__()
         self.model = model
         cfg = model.config
-        self.with_past = with_past
+        self.with_past, self.all_positions = with_past, all_positions
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
@@ -98,9 +100,33 @@ class CachedLlamaStep(paddle.nn.Layer):
             mlp = layer.mlp
             x = _rms_norm(hidden, layer.post_attention_layernorm.weight, self.eps)
             hidden = hidden + mlp.down_proj(paddle.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+        if self.all_positions:  # (the full-sequence graph: logits [B, T, V])
+            return self.model.lm_head(_rms_norm(hidden, llama.norm.weight, self.eps))
         last = _rms_norm(hidden[:, -1:, :], llama.norm.weight, self.eps)
         logits = self.model.lm_head(last)[:, 0, :]
         return logits, paddle.stack(keys_out), paddle.stack(values_out)
+
+
+class FullSequence(paddle.nn.Layer):
+    """input_ids [B, T] -> logits [B, T, V]: the full-sequence graph (model.pdmodel), written with the layer of the
+    cache programs (positions 0..T-1, no padding) instead of converting PaddleNLP's own forward: dy2static of
+    LlamaModel.forward took ~5 s of an export's ~20. The export's parity gate compares it with the dynamic model."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.step = CachedLlamaStep(model, with_past=False, all_positions=True)
+
+    def forward(self, input_ids):
+        positions = paddle.zeros_like(input_ids) + paddle.arange(paddle.shape(input_ids)[1], dtype="int64")
+        return self.step(input_ids, positions, paddle.ones_like(input_ids, dtype="float32"))
+
+
+def save_full_sequence(model, export_dir: Path) -> None:
+    full = FullSequence(model)
+    full.eval()
+    spec = [paddle.static.InputSpec([None, None], "int64", exportdir.FEED_NAME)]
+    paddle.jit.save(paddle.jit.to_static(full, input_spec=spec, full_graph=True),
+                    str(export_dir / exportdir.MODEL_PREFIX))
 
 
 def save_programs(model, export_dir: Path) -> None:

@@ -6,7 +6,7 @@ changes (requirements/lock.txt), this is the folder to review; each module names
     cpu_llama_ops     PaddleNLP's Llama on slow CPU kernels (pow, broadcasts, casts) PaddleNLP 2.8.1 / Paddle 2.6.2
     cpu_gloo          hybrid parallel (tensor/pipeline/sharding) on CPU over gloo  paddlepaddle 2.6.2 fleet
     paddlenlp_resume  resuming a multi-rank checkpoint on another layout           PaddleNLP 2.8.1
-    dy2static_fix     dy2static export of PaddleNLP's Llama                        Paddle 2.6.2 / PaddleNLP 2.8.1
+    dy2static_fix     dy2static of PaddleNLP's Llama (compiled training)           Paddle 2.6.2 / PaddleNLP 2.8.1
     paddle_serving    the client package the server imports; its log directory     Paddle Serving 0.9.0
 
 zlib: libpaddle.so (Paddle 2.6.2) exports its own zlib symbols; if it is loaded first, later zlib users (grpc,

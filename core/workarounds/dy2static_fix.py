@@ -4,13 +4,11 @@ The bug: dy2static mis-transforms the early returns in `LlamaRMSNorm.forward` an
 (`NameError: __return_14`), so `paddle.jit.save` of the model fails, and `to_static(full_graph=True)` of a training
 forward fails the same way (the default SOT mode instead captures nothing on CPU: "SubgraphNum: 0").
 The fix: for the configuration this project builds (no fused kernels, no fused FFN, float32 norm weights) the two
-forwards are replaced by their plain equivalents below. Used by export (while converting) and by compiled training
-(`training.compile`, for the whole run). They are module-level functions because dy2static re-executes their source
-with the module's globals.
+forwards are replaced by their plain equivalents below, for the whole run, by compiled training (`training.compile`).
+They are module-level functions because dy2static re-executes their source with the module's globals. (Export no
+longer converts PaddleNLP's forward: its three programs come from training/kv_cache.py's own layer.)
 """
 from __future__ import annotations
-
-import contextlib
 
 import core  # noqa: F401  (zlib before paddle)
 import paddle  # noqa: E402
@@ -36,29 +34,11 @@ def _mlp_forward(self, x):
     return self.down_proj(paddle.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def apply() -> tuple:
-    """Replace the two forwards; returns what `restore` needs."""
+def apply() -> None:
+    """Replace the two forwards (for the rest of the process)."""
     from paddlenlp.transformers.llama import modeling
 
-    saved = modeling.LlamaRMSNorm.forward, modeling.LlamaMLP.forward
     modeling.LlamaRMSNorm.forward, modeling.LlamaMLP.forward = _rms_norm_forward, _mlp_forward
-    return saved
-
-
-def restore(saved: tuple) -> None:
-    from paddlenlp.transformers.llama import modeling
-
-    modeling.LlamaRMSNorm.forward, modeling.LlamaMLP.forward = saved
-
-
-@contextlib.contextmanager
-def jit_friendly_llama():
-    """The fix for the duration of a conversion (export)."""
-    saved = apply()
-    try:
-        yield
-    finally:
-        restore(saved)
 
 
 def compile_forward(model) -> None:
