@@ -28,20 +28,14 @@ import core  # noqa: F401  (zlib before paddle)
 import paddle  # noqa: E402
 
 from core import exportdir  # noqa: E402
+# (the CPU forms of PaddleNLP's norm and rotary: same values, far fewer slow kernels)
+from core.workarounds.cpu_llama_ops import normalise, rotate, signed_sin  # noqa: E402
 
 MASKED = -1e9
 
 
-# The CPU forms of core/workarounds/cpu_llama_ops.py (same values, far fewer slow kernels): `square` for pow(x, 2),
-# and x * cos + rotate_half(x) * sin as x * cos + roll(x, D/2) * sin with the sign of rotate_half's first half in sin,
-# both tables expanded to x's shape (a same-shape multiply instead of a middle-axis broadcast).
 def _rms_norm(x, weight, eps: float):
-    variance = paddle.square(x.astype("float32")).mean(-1, keepdim=True)
-    return paddle.rsqrt(variance + eps) * x * weight
-
-
-def _rotary(x, cos, signed_sin):
-    return x * cos.expand_as(x) + paddle.roll(x, x.shape[-1] // 2, axis=-1) * signed_sin.expand_as(x)
+    return normalise(x, eps) * weight
 
 
 class CachedLlamaStep(paddle.nn.Layer):
@@ -58,8 +52,7 @@ class CachedLlamaStep(paddle.nn.Layer):
         freqs = paddle.einsum("i,j->ij", paddle.arange(cfg.max_position_embeddings, dtype="float32"), inv_freq)
         emb = paddle.concat([freqs, freqs], axis=-1)
         self.register_buffer("cos_table", emb.cos())
-        half = self.head_dim // 2
-        self.register_buffer("signed_sin_table", paddle.concat([-emb.sin()[:, :half], emb.sin()[:, half:]], axis=-1))
+        self.register_buffer("signed_sin_table", signed_sin(emb.sin()))
 
     def forward(self, input_ids, position_ids, key_mask, past_keys=None, past_values=None):
         llama = self.model.llama
@@ -82,7 +75,7 @@ class CachedLlamaStep(paddle.nn.Layer):
             q = attn.q_proj(x).reshape([0, 0, self.heads, self.head_dim])
             k = attn.k_proj(x).reshape([0, 0, self.kv_heads, self.head_dim])
             v = attn.v_proj(x).reshape([0, 0, self.kv_heads, self.head_dim])
-            q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             k, v = k.transpose([0, 2, 1, 3]), v.transpose([0, 2, 1, 3])  # [B, Hkv, T, D]
             if self.with_past:
                 k = paddle.concat([past_keys[index], k], axis=2)

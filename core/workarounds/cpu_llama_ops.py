@@ -68,11 +68,28 @@ def _float32(x):
     return x if x.dtype == paddle.float32 else x.astype("float32")
 
 
-def _normalise(x, eps: float):
+def normalise(x, eps: float):
+    """RMSNorm before its weight, with `square` (1). Also the norm of compiled training (dy2static_fix) and of the
+    export's programs (training/kv_cache.py)."""
     import paddle
 
     x = x.astype("float32")  # (a copy, as PaddleNLP's: the gradient then sums in the same order, bit for bit)
     return paddle.rsqrt(paddle.square(x).mean(-1, keepdim=True) + eps) * x
+
+
+def signed_sin(sin):
+    """sin with the sign of rotate_half's first half folded in (2): rotate_half(x) * sin == roll(x, D/2) * this."""
+    import paddle
+
+    half = sin.shape[-1] // 2
+    return paddle.concat([-sin[..., :half], sin[..., half:]], axis=-1)
+
+
+def rotate(x, cos, signed_sin):
+    """x * cos + rotate_half(x) * sin (2, 3); the tables broadcast to x's shape (a head axis of 1, say)."""
+    import paddle
+
+    return x * cos.expand_as(x) + paddle.roll(x, x.shape[-1] // 2, axis=-1) * signed_sin.expand_as(x)
 
 
 def _rms_norm_forward(self, hidden_states):
@@ -83,9 +100,9 @@ def _rms_norm_forward(self, hidden_states):
         return _ORIGINAL["rms_forward"](self, hidden_states)
     if paddle.in_dynamic_mode():
         with paddle.amp.auto_cast(False):
-            hidden_states = _normalise(hidden_states, self.variance_epsilon)
+            hidden_states = normalise(hidden_states, self.variance_epsilon)
     else:
-        hidden_states = _normalise(hidden_states, self.variance_epsilon)
+        hidden_states = normalise(hidden_states, self.variance_epsilon)
     if self.weight.dtype in [paddle.float16, paddle.bfloat16]:
         hidden_states = paddle.cast(hidden_states, self.weight.dtype)
     return hidden_states * self.weight
@@ -100,15 +117,8 @@ def _apply_rotary_pos_emb(q, k, cos, sin, position_ids):
     else:
         cos, sin = cos.squeeze(axis=[0, 2]), sin.squeeze(axis=[0, 2])  # [T, D]
         cos, sin = cos[position_ids].unsqueeze(2), sin[position_ids].unsqueeze(2)  # [B, T, 1, D]
-    half = q.shape[-1] // 2
-    signed_sin = paddle.concat([-sin[..., :half], sin[..., half:]], axis=-1)
-    return _rotate(q, cos, signed_sin, half), _rotate(k, cos, signed_sin, half)
-
-
-def _rotate(x, cos, signed_sin, half: int):
-    import paddle
-
-    return x * cos.expand_as(x) + paddle.roll(x, half, axis=-1) * signed_sin.expand_as(x)
+    sin = signed_sin(sin)
+    return rotate(q, cos, sin), rotate(k, cos, sin)
 
 
 def _criterion_forward(self, prediction_scores, masked_lm_labels):

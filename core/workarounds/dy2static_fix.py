@@ -21,12 +21,12 @@ _SQUARE = cpu_llama_ops.enabled()  # (a plain bool: dy2static evaluates the bran
 def _rms_norm_forward(self, hidden_states):
     # Plain LlamaRMSNorm (no fused kernel, float32 weights) without the early returns dy2static mis-handles; x**2 as
     # `square`, exact and ~100x faster on CPU than Paddle's `pow` (core/workarounds/cpu_llama_ops.py, point 1).
-    hidden_states = hidden_states.astype("float32")
     if _SQUARE:
-        variance = paddle.square(hidden_states).mean(-1, keepdim=True)
+        normalised = cpu_llama_ops.normalise(hidden_states, self.variance_epsilon)
     else:
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-    return paddle.rsqrt(variance + self.variance_epsilon) * hidden_states * self.weight
+        hidden_states = hidden_states.astype("float32")
+        normalised = paddle.rsqrt(hidden_states.pow(2).mean(-1, keepdim=True) + self.variance_epsilon) * hidden_states
+    return normalised * self.weight
 
 
 def _mlp_forward(self, x):
