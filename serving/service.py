@@ -121,6 +121,10 @@ def _make_op_classes(dispatcher: Dispatcher, limits: Limits, metrics):
     from paddle_serving_server.pipeline import RequestOp
     from paddle_serving_server.web_service import Op, WebService
 
+    from core.workarounds.paddle_serving import server_fixes
+
+    server_fixes()  # (one Op thread woken per request, not all of them; no debug records)
+
     class UniqueKeysRequestOp(RequestOp):
         """Paddle Serving turns the request's key/value lists into a dict, so a repeated key would silently keep its
         last value; this is the documented extension point (`unpack_request_package`) to refuse it first."""

@@ -4,7 +4,20 @@
   stand-in in core/workarounds/serving_compat/ is put on sys.path when the real package is absent;
 - importing paddle_serving_server.pipeline (the gRPC client too) creates PipelineServingLogs/ in the current
   directory unless SERVING_LOG_PATH says where: clients log under the temp directory, the server (serving/server.py)
-  into its state directory.
+  into its state directory;
+- per request, the server process paid for two things it does not need (measured on a one-client loop of 1-token
+  requests, 2-core machine: 3.4 ms of server CPU per request; py-spy):
+  * its thread-mode channels (`ThreadChannel.push`) wake *every* thread waiting on the channel (`notify_all`) for
+    each item: an Op with `concurrency` N has N threads waiting on its input channel, so each request woke all of them
+    (36 by default here) to queue for the GIL and find the queue empty again (66% of the process's samples).
+    `quiet_channel_wakeups()` wakes one thread per item where that is exact: one producer, one consumer Op (all its
+    threads take any item), an unbounded queue (no producer ever waits on the condition), not
+    `channel_recv_frist_arrive`; every other case, and `stop()`, keep Paddle Serving's code;
+  * `pipeline/logger.py` sets the root logger to DEBUG, so each request built ~30 debug records that no handler
+    keeps, and wrote 5 INFO lines to PipelineServingLogs/pipeline.log (~170 bytes a request: up to 20 x 512 MB of
+    rotated files on a busy server). `quiet_pipeline_log()` sets Paddle Serving's own loggers to WARNING: its
+    warnings and errors still reach pipeline.log and pipeline.log.wf; requests are counted by serving/metrics.py.
+  `PIPELINE_SERVING_FIXES=off` leaves both as shipped (benchmarks: before/after in one run).
 """
 import importlib.util
 import os
@@ -13,9 +26,50 @@ import tempfile
 from pathlib import Path
 
 COMPAT_DIR = Path(__file__).resolve().parent / "serving_compat"
+FIXES_ENV = "PIPELINE_SERVING_FIXES"
 
 
 def apply() -> None:
     if importlib.util.find_spec("paddle_serving_client") is None and str(COMPAT_DIR) not in sys.path:
         sys.path.append(str(COMPAT_DIR))
     os.environ.setdefault("SERVING_LOG_PATH", os.path.join(tempfile.gettempdir(), "paddle-serving-client"))
+
+
+def server_fixes() -> bool:
+    """The server process's fixes (see the module's docstring); True if applied."""
+    if os.environ.get(FIXES_ENV, "on") == "off":
+        return False
+    quiet_channel_wakeups()
+    quiet_pipeline_log()
+    return True
+
+
+def quiet_pipeline_log() -> None:
+    import logging
+
+    import paddle_serving_server.pipeline.logger  # noqa: F401  (its dictConfig first, then the level over it)
+
+    logging.getLogger("paddle_serving_server").setLevel(logging.WARNING)
+
+
+def quiet_channel_wakeups() -> None:
+    """Patch paddle_serving_server's ThreadChannel.push (see the module's docstring)."""
+    from paddle_serving_server.pipeline import channel
+
+    shipped = channel.ThreadChannel.push
+    if getattr(shipped, "wakes_one", False):
+        return
+
+    def push(self, channeldata, op_name=None):
+        if (len(self._producers) != 1 or len(self._consumer_cursors) != 1 or self._channel_recv_frist_arrive
+                or self._maxsize > 0):
+            return shipped(self, channeldata, op_name)
+        with self._cv:
+            if self._stop:
+                raise channel.ChannelStopError()
+            self.put((channeldata.id, {op_name: channeldata}), timeout=0)  # (unbounded: never full)
+            self._cv.notify()
+        return True
+
+    push.wakes_one = True
+    channel.ThreadChannel.push = push
