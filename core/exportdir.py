@@ -23,7 +23,7 @@ from core.errors import ConfigError
 
 MODEL_PREFIX = "model"  # the full-sequence graph
 PREFILL_PREFIX = "prefill"  # key/value-cache generation: prompt -> last logits + caches (training/kv_cache.py)
-DECODE_PREFIX = "decode"  # one token per sequence + caches -> logits + grown caches
+DECODE_PREFIX = "decode"  # one token per sequence + each layer's cache -> logits + the token's keys/values
 FEED_NAME = "input_ids"
 META_FILE = "export.json"
 REFERENCE_FILE = "reference.json"
@@ -130,9 +130,7 @@ def create_predictor(export_dir: Path, ir_optim: bool = False, prefix: str = MOD
 def run(predictor, *inputs: np.ndarray) -> list[np.ndarray]:
     """Feed the inputs in the graph's input order; all outputs in its output order."""
     for name, value in zip(predictor.get_input_names(), inputs):
-        handle = predictor.get_input_handle(name)
-        handle.reshape(list(value.shape))
-        handle.copy_from_cpu(np.ascontiguousarray(value))
+        _feed(predictor.get_input_handle(name), value)
     predictor.run()
     return [predictor.get_output_handle(name).copy_to_cpu() for name in predictor.get_output_names()]
 
@@ -140,6 +138,46 @@ def run(predictor, *inputs: np.ndarray) -> list[np.ndarray]:
 def predict(predictor, input_ids: np.ndarray) -> np.ndarray:
     """The full-sequence graph: logits [B, T, V]."""
     return run(predictor, input_ids.astype("int64"))[0]
+
+
+def cache_session(export_dir: Path, threads: int = 1):
+    """(prefill, decode) functions over this process's own predictors of the cache programs (one session per thread
+    or process: paddle.inference predictors are not thread-safe):
+
+        prefill(ids, positions, mask) -> logits [B,V], keys [L,B,Hkv,T,D], values
+        decode(ids, positions, mask, keys [L,B,Hkv,P,D], values) -> logits [B,V], keys [L,B,Hkv,P+1,D], values
+
+    The decode program takes each layer's cache as an input of its own and returns only the new token's keys and
+    values (training/kv_cache.py); they are appended here, the one copy of the cache a step. Exports made before
+    (one stacked cache in, the grown caches out) are read too."""
+    export_dir = Path(export_dir)
+    prefill = create_predictor(export_dir, prefix=PREFILL_PREFIX, threads=threads)
+    decode = create_predictor(export_dir, prefix=DECODE_PREFIX, threads=threads)
+    names = decode.get_input_names()
+    if "past_keys" in names:  # (the earlier form)
+        return (lambda *feeds: run(prefill, *feeds)), (lambda *feeds: run(decode, *feeds))
+    layers = sum(name.startswith("past_keys_") for name in names)
+    layer_inputs = [[decode.get_input_handle(f"{kind}_{layer}") for layer in range(layers)]
+                    for kind in ("past_keys", "past_values")]
+    step_inputs = [decode.get_input_handle(name) for name in ("input_ids", "position_ids", "key_mask")]
+    outputs = [decode.get_output_handle(name) for name in decode.get_output_names()]
+
+    def decode_step(ids, positions, mask, keys, values):
+        for handle, value in zip(step_inputs, (ids, positions, mask)):
+            _feed(handle, value)
+        for handles, cache in zip(layer_inputs, (keys, values)):
+            for layer, handle in enumerate(handles):
+                _feed(handle, cache[layer])  # (cache[layer]: a contiguous view, copied once into the predictor)
+        decode.run()
+        logits, new_keys, new_values = (handle.copy_to_cpu() for handle in outputs)
+        return logits, np.concatenate([keys, new_keys], axis=3), np.concatenate([values, new_values], axis=3)
+
+    return (lambda *feeds: run(prefill, *feeds)), decode_step
+
+
+def _feed(handle, value: np.ndarray) -> None:
+    handle.reshape(list(value.shape))
+    handle.copy_from_cpu(np.ascontiguousarray(value))
 
 
 def has_cache_programs(export_dir: Path) -> bool:

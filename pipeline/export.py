@@ -249,9 +249,7 @@ def logits_gate(model, staging: Path, config: Config) -> float:
     vocab, seq = model.config.vocab_size, config.training.seq_length
     full = max(convert.parity_error(model, exportdir.create_predictor(staging, ir_optim), vocab, seq)
                for ir_optim in (False, True))
-    cached = convert.cache_parity_error(
-        model, exportdir.create_predictor(staging, prefix=exportdir.PREFILL_PREFIX),
-        exportdir.create_predictor(staging, prefix=exportdir.DECODE_PREFIX), vocab, seq)
+    cached = convert.cache_parity_error(model, *exportdir.cache_session(staging), vocab, seq)
     error, tolerance = max(full, cached), config.export.parity_tolerance
     print(f"parity: max |dynamic - paddle.inference| = {full:.3e} (full graph, shapes {convert.PARITY_SHAPES}, "
           f"ir_optim off/on), {cached:.3e} (prefill + decode, padded batch) (tolerance {tolerance:.0e})", flush=True)

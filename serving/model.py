@@ -46,11 +46,8 @@ class ExportedModel:
                         self.max_length)
 
     def cached_session(self, threads: int = 1):
-        """(prefill, decode) over this process's own predictors of the cache programs (one session per thread or
-        process: paddle.inference predictors are not thread-safe)."""
-        prefill = exportdir.create_predictor(self.dir, prefix=exportdir.PREFILL_PREFIX, threads=threads)
-        decode = exportdir.create_predictor(self.dir, prefix=exportdir.DECODE_PREFIX, threads=threads)
-        return (lambda *feeds: exportdir.run(prefill, *feeds)), (lambda *feeds: exportdir.run(decode, *feeds))
+        """(prefill, decode) over this process's own predictors of the cache programs (core/exportdir.py)."""
+        return exportdir.cache_session(self.dir, threads)
 
     def generate_batch(self, session, prompts: list[list[int]], settings: list[GenerationSettings]) -> list[list[int]]:
         prefill, decode = session

@@ -92,8 +92,9 @@ def save_cache_programs(model, export_dir: Path) -> None:
 
 
 def cache_parity_error(model, prefill, decode, vocab: int, seq_length: int, seed: int = 1) -> float:
-    """Max |dynamic - cache programs| logit difference: two rows (the second left-padded by 3), the first half of
-    the sequence through prefill, the rest one decode step at a time, each step against the full dynamic forward."""
+    """Max |dynamic - cache programs| logit difference (prefill, decode: exportdir.cache_session): two rows (the
+    second left-padded by 3), the first half of the sequence through prefill, the rest one decode step at a time,
+    each step against the full dynamic forward."""
     rng = np.random.RandomState(seed)
     length, pad = max(8, seq_length), 3
     ids = rng.randint(5, vocab, size=(2, length)).astype("int64")
@@ -103,13 +104,13 @@ def cache_parity_error(model, prefill, decode, vocab: int, seq_length: int, seed
     prompt, mask = ids[:, :half].copy(), np.ones((2, half), "float32")
     positions = np.tile(np.arange(half), (2, 1)).astype("int64")
     prompt[1, :pad], mask[1, :pad], positions[1] = 0, 0.0, np.maximum(np.arange(half) - pad, 0)
-    logits, keys, values = exportdir.run(prefill, prompt, positions, mask)
+    logits, keys, values = prefill(prompt, positions, mask)
     worst = max(float(np.abs(logits[0] - expected[0][0, half - 1]).max()),
                 float(np.abs(logits[1] - expected[1][0, half - 1 - pad]).max()))
     for t in range(half, length):
         mask = np.concatenate([mask, np.ones((2, 1), "float32")], axis=1)
         step_positions = np.array([[t], [t - pad]], dtype="int64")
-        logits, keys, values = exportdir.run(decode, ids[:, t:t + 1], step_positions, mask, keys, values)
+        logits, keys, values = decode(ids[:, t:t + 1], step_positions, mask, keys, values)
         worst = max(worst, float(np.abs(logits[0] - expected[0][0, t]).max()),
                     float(np.abs(logits[1] - expected[1][0, t - pad]).max()))
     return worst
