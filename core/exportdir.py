@@ -25,6 +25,9 @@ MODEL_PREFIX = "model"  # the full-sequence graph
 PREFILL_PREFIX = "prefill"  # key/value-cache generation: prompt -> last logits + caches (training/kv_cache.py)
 DECODE_PREFIX = "decode"  # one token per sequence + each layer's cache -> logits + the token's keys/values
 FEED_NAME = "input_ids"
+# The cache programs' other inputs (training/kv_cache.py writes them, cache_session feeds them by name).
+POSITIONS_NAME, KEY_MASK_NAME = "position_ids", "key_mask"
+PAST_KINDS = ("past_keys", "past_values")  # decode: one input per layer and kind, named past_input(kind, layer)
 META_FILE = "export.json"
 REFERENCE_FILE = "reference.json"
 TOKENIZER_DIR = "tokenizer"
@@ -140,6 +143,10 @@ def predict(predictor, input_ids: np.ndarray) -> np.ndarray:
     return run(predictor, input_ids.astype("int64"))[0]
 
 
+def past_input(kind: str, layer: int) -> str:
+    return f"{kind}_{layer}"
+
+
 def cache_session(export_dir: Path, threads: int = 1):
     """(prefill, decode) functions over this process's own predictors of the cache programs (one session per thread
     or process: paddle.inference predictors are not thread-safe):
@@ -154,12 +161,12 @@ def cache_session(export_dir: Path, threads: int = 1):
     prefill = create_predictor(export_dir, prefix=PREFILL_PREFIX, threads=threads)
     decode = create_predictor(export_dir, prefix=DECODE_PREFIX, threads=threads)
     names = decode.get_input_names()
-    if "past_keys" in names:  # (the earlier form)
+    if PAST_KINDS[0] in names:  # (the earlier form: one stacked input per kind)
         return (lambda *feeds: run(prefill, *feeds)), (lambda *feeds: run(decode, *feeds))
-    layers = sum(name.startswith("past_keys_") for name in names)
-    layer_inputs = [[decode.get_input_handle(f"{kind}_{layer}") for layer in range(layers)]
-                    for kind in ("past_keys", "past_values")]
-    step_inputs = [decode.get_input_handle(name) for name in ("input_ids", "position_ids", "key_mask")]
+    layers = sum(past_input(PAST_KINDS[0], layer) in names for layer in range(len(names)))
+    layer_inputs = [[decode.get_input_handle(past_input(kind, layer)) for layer in range(layers)]
+                    for kind in PAST_KINDS]
+    step_inputs = [decode.get_input_handle(name) for name in (FEED_NAME, POSITIONS_NAME, KEY_MASK_NAME)]
     outputs = [decode.get_output_handle(name) for name in decode.get_output_names()]
 
     def decode_step(ids, positions, mask, keys, values):

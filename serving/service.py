@@ -121,10 +121,6 @@ def _make_op_classes(dispatcher: Dispatcher, limits: Limits, metrics):
     from paddle_serving_server.pipeline import RequestOp
     from paddle_serving_server.web_service import Op, WebService
 
-    from core.workarounds.paddle_serving import server_fixes
-
-    server_fixes()  # (one Op thread woken per request, not all of them; no debug records)
-
     class UniqueKeysRequestOp(RequestOp):
         """Paddle Serving turns the request's key/value lists into a dict, so a repeated key would silently keep its
         last value; this is the documented extension point (`unpack_request_package`) to refuse it first."""
@@ -254,6 +250,7 @@ def main() -> None:
     args = parser.parse_args()
     from core import exportdir
     from core.config import load_config
+    from core.workarounds.paddle_serving import server_fixes
     from serving.api import ApiServer
     from serving.metrics import ServingMetrics
 
@@ -270,6 +267,7 @@ def main() -> None:
     ApiServer(dispatcher, limits, dispatcher.meta, metrics).start(s.host, s.api_port)
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=_drain, args=(dispatcher, s.drain_grace_s),
                                                               daemon=True).start())
+    server_fixes()  # (Paddle Serving: one Op thread woken per request, not all of them; no per-request log records)
     service = _make_op_classes(dispatcher, limits, metrics)(name=s.service_name)
     service.prepare_pipeline_config(args.config)
     service.run_service()

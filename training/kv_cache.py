@@ -152,10 +152,10 @@ def save_programs(model, export_dir: Path) -> None:
     layers, kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     ids = paddle.static.InputSpec([None, None], "int64", exportdir.FEED_NAME)
-    positions = paddle.static.InputSpec([None, None], "int64", "position_ids")
-    mask = paddle.static.InputSpec([None, None], "float32", "key_mask")
-    cache = [[paddle.static.InputSpec([None, kv_heads, None, head_dim], "float32", f"{name}_{layer}")
-              for layer in range(layers)] for name in ("past_keys", "past_values")]
+    positions = paddle.static.InputSpec([None, None], "int64", exportdir.POSITIONS_NAME)
+    mask = paddle.static.InputSpec([None, None], "float32", exportdir.KEY_MASK_NAME)
+    cache = [[paddle.static.InputSpec([None, kv_heads, None, head_dim], "float32", exportdir.past_input(kind, layer))
+              for layer in range(layers)] for kind in exportdir.PAST_KINDS]
     for prefix, with_past, spec in ((exportdir.PREFILL_PREFIX, False, [ids, positions, mask]),
                                     (exportdir.DECODE_PREFIX, True, [ids, positions, mask, *cache])):
         step = CachedLlamaStep(model, with_past)
