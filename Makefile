@@ -20,7 +20,7 @@ REAP ?=
 SWEEP ?=
 PARALLEL ?=
 
-.PHONY: setup train export serve stop smoke all compare sweep bench plan test test-fast runs mlflow-ui mlflow-server mlflow-stop clean
+.PHONY: setup data train export serve stop smoke all compare sweep bench plan test test-fast runs mlflow-ui mlflow-server mlflow-stop clean
 setup: $(STAMP)
 
 # One environment from exact pins (requirements/lock.txt, verified to install and import together) plus the Paddle
@@ -30,6 +30,10 @@ $(STAMP): requirements/lock.txt requirements/paddle-$(DEVICE).txt
 	$(VENV)/bin/pip install --disable-pip-version-check -q --no-deps -r requirements/lock.txt -r requirements/paddle-$(DEVICE).txt
 	rm -f $(VENV)/.installed-*
 	touch $@
+
+# Prepare the corpus as token shards (reused by every run with the same corpus and settings; train runs it too).
+data: $(STAMP)
+	$(PY) -m pipeline data --config $(CONFIG) $(ARGS)
 
 train: $(STAMP)
 	$(PY) -m pipeline train --config $(CONFIG) $(if $(RESUME),--resume $(RESUME)) $(if $(DRY_RUN),--dry-run) $(ARGS)

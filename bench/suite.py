@@ -68,14 +68,14 @@ def runtime_trials(out: Path, repeats: int, steps: int, quick: bool) -> dict:
     the settings interleaved (rotated each round) `repeats` times; median and min-max of every figure."""
     from bench.training_speed import SETTINGS
     from core.config import load_config
-    from training.data import prepare
+    from training.data import for_run
 
     run_dir = out / "runtime-run"
     shutil.rmtree(run_dir, ignore_errors=True)
     config = load_config(DEFAULT_CONFIG, QUICK if quick else [])
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
-    prepare(config, run_dir / "data", run_dir / "tokenizer")
+    for_run(config, run_dir, log=lambda line: None)
     # (quick: the two ends only -- the harness check, not the measurement)
     names = [list(SETTINGS)[0], list(SETTINGS)[-1]] if quick else list(SETTINGS)
     trials: dict[str, list[dict]] = {name: [] for name in names}
@@ -119,7 +119,7 @@ from core.layout import ParallelLayout
 from paddlenlp.data import default_data_collator
 from paddlenlp.trainer import Trainer, TrainingArguments
 from core.tokenizer import load_tokenizer
-from training.data import BlockDataset
+from training.data.read import train_dataset
 from training.model import build_model
 run_dir = Path({str(run_dir)!r})
 config = load_config(run_dir / "config.yaml")
@@ -130,7 +130,7 @@ args = TrainingArguments(output_dir=str(run_dir / "bare"), max_steps={steps},
     per_device_train_batch_size=config.parallel.micro_batch_size, learning_rate=config.training.learning_rate,
     logging_steps=1000, save_strategy="no", evaluation_strategy="no", report_to=["none"], disable_tqdm=True,
     device="cpu", no_cuda=True, skip_memory_metrics=True, seed=config.training.seed)
-trainer = Trainer(model=model, args=args, train_dataset=BlockDataset(run_dir / "data" / "train.npy"),
+trainer = Trainer(model=model, args=args, train_dataset=train_dataset(run_dir / "data", quiet=True),
                   data_collator=default_data_collator)
 out = trainer.train()
 print("BARE", json.dumps(out.metrics))

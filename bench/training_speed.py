@@ -57,7 +57,7 @@ def project_step_times(config, run_dir: Path, steps: int, scratch: Path) -> list
 
     from core.layout import ParallelLayout
     from core.tokenizer import load_tokenizer
-    from training.data import BlockDataset
+    from training.data.read import train_dataset
     from training.model import build_model
     from training.worker import make_trainer, prepare_model, training_arguments
 
@@ -72,7 +72,7 @@ def project_step_times(config, run_dir: Path, steps: int, scratch: Path) -> list
     args.do_eval, args.evaluation_strategy, args.save_strategy = False, "no", "no"
     paddle.seed(config.training.seed)
     model = prepare_model(config, build_model(config, load_tokenizer(run_dir / "tokenizer"), 1, 0, pipeline=False))
-    trainer = make_trainer(model=model, args=args, train_dataset=BlockDataset(run_dir / "data" / "train.npy"),
+    trainer = make_trainer(model=model, args=args, train_dataset=train_dataset(run_dir / "data", quiet=True),
                            data_collator=default_data_collator, callbacks=[StepClock()])
     trainer.train()
     return [b - a for a, b in zip(ends, ends[1:])][1:]  # the first steps include warm-up
@@ -91,8 +91,11 @@ def bare_step_times(config, run_dir: Path, steps: int) -> list[float]:
     model = prepare_model(config, build_model(config, load_tokenizer(run_dir / "tokenizer"), 1, 0, pipeline=False))
     t = config.training
     optimizer = paddle.optimizer.AdamW(t.learning_rate, parameters=model.parameters(), weight_decay=t.weight_decay)
-    blocks = np.load(run_dir / "data" / "train.npy")
+    from training.data.read import train_dataset
+
     batch = config.parallel.micro_batch_size
+    samples = train_dataset(run_dir / "data", quiet=True).samples
+    blocks = np.stack([samples[i]["text"] for i in range(min(len(samples), 64 * batch))])
     times = []
     for step in range(steps):
         block = paddle.to_tensor(blocks[(step * batch) % (len(blocks) - batch):][:batch].astype("int64"))

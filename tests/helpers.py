@@ -69,11 +69,11 @@ def make_init_weights(config_file: Path, runs_dir: Path, out: Path) -> Path:
     import paddle
 
     config = load_config(config_file, [f"training.runs_dir={runs_dir}"])
-    prepare(config, out / "data", out / "tokenizer")
+    prepared = prepare(config)
     from core.tokenizer import load_tokenizer
 
     paddle.seed(1)
-    model = build_model(config, load_tokenizer(out / "tokenizer"), 1, 0, pipeline=False)
+    model = build_model(config, load_tokenizer(prepared.path / "tokenizer"), 1, 0, pipeline=False)
     model.save_pretrained(str(out / "weights"))
     return out / "weights"
 

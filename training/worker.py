@@ -173,19 +173,19 @@ def main(argv: list[str] | None = None) -> None:
     from core.tokenizer import load_tokenizer
     from training.callbacks import GracefulStop
     from training.checkpoints import STOPPED_MARKER
-    from training.data import BlockDataset
+    from training.data.read import train_dataset, validation_dataset
 
     # (after the paddlenlp import, which resets SIGTERM to the default action)
     graceful_stop = GracefulStop(run_dir / STOPPED_MARKER)
     train_args = training_arguments(config, layout, run_dir / "checkpoints")
     model, new_trainer = model_and_trainer_class(config, layout, train_args, load_tokenizer(run_dir / "tokenizer"))
-    train_data = BlockDataset(run_dir / "data" / "train.npy")
+    train_data = train_dataset(run_dir / "data")
     trainer = new_trainer(
         model=model,
         args=train_args,
         train_dataset=train_data,
-        eval_dataset=BlockDataset(run_dir / "data" / "validation.npy"),
-        data_collator=default_data_collator,  # blocks are already fixed-length: no padding
+        eval_dataset=validation_dataset(run_dir / "data"),
+        data_collator=default_data_collator,  # samples are already fixed-length: no padding
         callbacks=callbacks(config, layout, run_dir, pending, graceful_stop, train_args.process_index == 0,
                             len(train_data)),
     )

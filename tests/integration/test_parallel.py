@@ -103,7 +103,7 @@ def test_checkpoint_merges_into_a_single_model(world, layout):
     if not (runs / layout / "checkpoints" / "latest").exists():
         train(world, layout)
     from training.checkpoints import checkpoint_info, latest_complete
-    from training.data import BlockDataset
+    from training.data.read import validation_dataset
     from training.model import load_merged
 
     import paddle
@@ -111,7 +111,7 @@ def test_checkpoint_merges_into_a_single_model(world, layout):
     checkpoint = latest_complete(runs / layout)
     model = load_merged(checkpoint)
     model.eval()
-    blocks = BlockDataset(runs / layout / "data" / "validation.npy").blocks
+    blocks = validation_dataset(runs / layout / "data").blocks
     losses = []
     with paddle.no_grad():
         for batch in np.split(blocks, len(blocks) // 8):

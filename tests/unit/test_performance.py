@@ -24,10 +24,11 @@ EVERYTHING_SHARDING = ["parallel.data=1", "parallel.sharding_stage=1", "parallel
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    from training.data import make_tokenizer
-    from core.tokenizer import SPECIAL_TOKENS
+    from core.tokenizer import SPECIAL_TOKENS, load_tokenizer, write_tokenizer
 
-    return make_tokenizer(SPECIAL_TOKENS + list("人工智能这本书"), tmp_path_factory.mktemp("tok"))
+    directory = tmp_path_factory.mktemp("tok")
+    write_tokenizer(SPECIAL_TOKENS + list("人工智能这本书"), directory)
+    return load_tokenizer(directory)
 
 
 def translate(config, tokenizer):

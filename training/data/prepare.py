@@ -1,0 +1,217 @@
+"""`make data`: corpus files -> a prepared data set (core/dataset.py), addressed by content and published by rename.
+
+    key      a hash of the corpus bytes, every setting that shapes the result and this code: a second run, or another
+             node that sees the same directory, reuses the set
+    pieces   each input file cut into pieces of at most data.shard_mb (a compressed file is one piece)
+    count    (data.max_documents only) documents per piece, so "the first N documents" is known per piece
+    vocab    character counts of the training documents, summed over pieces -> the frozen vocabulary (or the
+             tokenizer of tokenizer.path, used as it is)
+    shard    every piece tokenized into its own train/validation shard pair
+    publish  manifest.json written, the staging directory renamed into place
+
+The three passes run as tasks of one worker function (training/data/shards.py) on an engine: local processes (one per
+core by default) or Ray tasks. Each task's result is kept in the staging directory, so after a kill the next
+`make data` continues where it stopped; a lock keeps two preparations of the same key from writing at once.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+import unicodedata
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from core import REPO_ROOT, dataset
+from core.errors import ConfigError
+from core.tokenizer import EOS_TOKEN, SPECIAL_TOKENS, read_vocab, write_tokenizer
+from training.data import corpus, engines
+
+CODE = [Path(__file__).parent / name for name in ("corpus.py", "shards.py", "prepare.py")] + \
+       [REPO_ROOT / "core" / "dataset.py", REPO_ROOT / "core" / "tokenizer.py"]
+
+
+@dataclass
+class Prepared:
+    path: Path
+    manifest: dict
+    reused: bool
+    seconds: float
+
+
+def data_root(config, run_dir: Path | None = None) -> Path:
+    """Where data sets are kept: data.cache_dir, or the run directory's data/ when caching is off."""
+    if config.data.cache_dir:
+        return Path(config.data.cache_dir).expanduser().resolve()
+    if run_dir is None:
+        raise ConfigError("data.cache_dir is empty (prepare inside each run): `make data` needs a data.cache_dir")
+    return run_dir / "data"
+
+
+def content_key(config, corpora: list[corpus.Corpus]) -> str:
+    from importlib.metadata import version
+
+    d, t = config.data, config.tokenizer
+    key = hashlib.sha256(json.dumps({
+        "corpora": [{"name": c.name, "weight": c.weight, "files": [str(p) for p in c.files]} for c in corpora],
+        "text_field": d.text_field, "validation_fraction": d.validation_fraction, "max_documents": d.max_documents,
+        "split_seed": d.split_seed, "shard_mb": d.shard_mb,
+        "tokenizer": {"min_frequency": t.min_frequency, "max_vocab_size": t.max_vocab_size} if not t.path else None,
+        "tokenizers": version("tokenizers"), "format": dataset.FORMAT_VERSION}, sort_keys=True).encode())
+    for source in CODE:
+        key.update(source.read_bytes())
+    if t.path:
+        for name in ("vocab.txt", "tokenizer_config.json"):
+            if (Path(t.path) / name).is_file():
+                key.update((Path(t.path) / name).read_bytes())
+    for c in corpora:
+        for path in c.files:
+            with open(path, "rb") as f:
+                key.update(hashlib.file_digest(f, "sha256").digest())
+    return key.hexdigest()[:32]
+
+
+def prepare(config, run_dir: Path | None = None, log=print) -> Prepared:
+    """The prepared data set of `config`: found by its key, or made (and published) now."""
+    t0 = time.time()
+    corpora = corpus.corpora(config.data)
+    _check_tokenizer_path(config.tokenizer.path)
+    root = data_root(config, run_dir)
+    key = content_key(config, corpora)
+    final = root / key
+    if (final / dataset.MANIFEST).is_file():
+        return Prepared(final, dataset.check(final), True, time.time() - t0)
+    root.mkdir(parents=True, exist_ok=True)
+    staging = root / f".staging-{key}"
+    with open(root / f".staging-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (a concurrent preparation of the same key: wait, then reuse its set)
+        if (final / dataset.MANIFEST).is_file():
+            return Prepared(final, dataset.check(final), True, time.time() - t0)
+        if staging.exists():
+            log(f"data: continuing the interrupted preparation in {staging}")
+        manifest = _build(config, corpora, staging, key, log)
+        dataset.publish(staging, final)
+    os.unlink(root / f".staging-{key}.lock")
+    manifest["prepare_seconds"] = round(time.time() - t0, 2)
+    return Prepared(final, manifest, False, time.time() - t0)
+
+
+def _check_tokenizer_path(path: str) -> None:
+    if path and not (Path(path).expanduser() / "vocab.txt").is_file():
+        raise ConfigError(f"tokenizer.path: {path} has no vocab.txt (expected a PaddleNLP tokenizer directory, "
+                          f"e.g. a run's or an export's tokenizer/)")
+
+
+def _build(config, corpora: list[corpus.Corpus], staging: Path, key: str, log) -> dict:
+    d = config.data
+    pieces = corpus.pieces(corpora, d.shard_mb << 20)
+    engine = engines.make(d.engine, d.workers, d.ray_address)
+    common = {"staging": str(staging), "text_field": d.text_field, "seed": d.split_seed,
+              "validation_fraction": d.validation_fraction}
+    limits = _limits(engine, pieces, common, d.max_documents, log) if d.max_documents else {}
+    tasks = lambda kind, extra: [  # noqa: E731
+        {**common, **extra, "kind": kind, "piece": asdict(p), "limit": limits.get(p.name)} for p in pieces
+        if limits.get(p.name, 1) > 0]
+    tokenizer_dir = staging / dataset.TOKENIZER_DIR
+    if not (tokenizer_dir / "vocab.txt").is_file():
+        counts = None
+        if not config.tokenizer.path:
+            counts = Counter()
+            for result in engine.run(tasks("vocab", {}), "vocabulary", log):
+                counts.update(result["counts"])
+        _freeze_tokenizer(config.tokenizer, counts, tokenizer_dir)
+    vocab = read_vocab(tokenizer_dir)
+    ids = {token: i for i, token in enumerate(vocab)}
+    for needed in (EOS_TOKEN, "[UNK]"):
+        if needed not in ids:
+            raise ConfigError(f"tokenizer.path: {config.tokenizer.path} has no {needed} token (documents end with "
+                              f"{EOS_TOKEN}; unknown characters map to [UNK])")
+    extra = {"eos_id": ids[EOS_TOKEN], "unk_id": ids["[UNK]"], "dtype": dataset.token_dtype(len(vocab)).name}
+    results = engine.run(tasks("shard", extra), "tokenize", log)
+    manifest = _manifest(config, corpora, pieces, results, key, len(vocab), extra, engine)
+    tmp = staging / (dataset.MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+    os.replace(tmp, staging / dataset.MANIFEST)
+    shutil.rmtree(staging / "parts", ignore_errors=True)
+    return manifest
+
+
+def _limits(engine, pieces: list[corpus.Piece], common: dict, max_documents: int, log) -> dict[str, int]:
+    """data.max_documents: how many documents each piece contributes to "the first N of the corpus"."""
+    results = engine.run([{**common, "kind": "count", "piece": asdict(p)} for p in pieces], "count", log)
+    counts = {r["piece"]: r["documents"] for r in results}
+    left, limits = max_documents, {}
+    for p in pieces:
+        limits[p.name] = min(left, counts[p.name])
+        left -= limits[p.name]
+    return limits
+
+
+def _is_cjk(ch: str) -> bool:
+    cp = ord(ch)
+    return 0x4E00 <= cp <= 0x9FFF or 0x3400 <= cp <= 0x4DBF or 0xF900 <= cp <= 0xFAFF or 0x20000 <= cp <= 0x2FA1F
+
+
+def build_vocabulary(counts: Counter, config) -> list[str]:
+    """Characters of the training split by frequency (ties by character: the same vocabulary whatever the pieces and
+    workers). ErnieTokenizer lower-cases and strips accents, splits CJK characters and punctuation into single
+    tokens, and word-pieces other runs (letters, digits), so every non-CJK character also gets its `##` form."""
+    vocab = list(SPECIAL_TOKENS)
+    for ch, n in sorted(counts.items(), key=lambda item: (-item[1], item[0])):
+        if n < config.min_frequency or ch.isspace() or unicodedata.category(ch) in ("Mn", "Cc", "Cf"):
+            continue
+        forms = [ch] if _is_cjk(ch) or unicodedata.category(ch).startswith("P") else [ch, "##" + ch]
+        if len(vocab) + len(forms) > config.max_vocab_size:
+            break
+        vocab.extend(forms)
+    return vocab
+
+
+def _freeze_tokenizer(config, counts: Counter | None, directory: Path) -> None:
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if counts is None:
+        source = Path(config.path).expanduser()
+        tmp.mkdir(parents=True)
+        for name in ("vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
+            if (source / name).is_file():
+                shutil.copy2(source / name, tmp / name)
+    else:
+        if not counts:
+            raise ConfigError("the corpus is empty: no non-blank documents in its training split")
+        write_tokenizer(build_vocabulary(counts, config), tmp)
+    os.replace(tmp, directory)
+
+
+def _manifest(config, corpora, pieces, results, key, vocab_size, extra, engine) -> dict:
+    by_piece = {r["piece"]: r for r in results}
+    shards, totals = [], {split: {"documents": 0, "tokens": 0} for split in dataset.SPLITS}
+    unknown = 0
+    for p in pieces:
+        r = by_piece.get(p.name)
+        for split in dataset.SPLITS if r else ():
+            shards.append({"name": p.name, "corpus": p.corpus, "split": split, "source": p.path, "start": p.start,
+                           **r[split]})
+            totals[split]["documents"] += r[split]["documents"]
+            totals[split]["tokens"] += r[split]["tokens"]
+        unknown += r["validation"]["unknown"] if r else 0
+    for split, total in totals.items():
+        if total["documents"] == 0:
+            raise ConfigError(f"the corpus is too small for a train/validation split at data.validation_fraction="
+                              f"{config.data.validation_fraction}: the {split} split has no documents; add documents "
+                              f"or change the fraction")
+    return {
+        "format": dataset.FORMAT_VERSION, "key": key, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "corpora": [{"name": c.name, "weight": c.weight, "files": [str(f) for f in c.files]} for c in corpora],
+        "tokenizer": {"vocab_size": vocab_size, "eos_id": extra["eos_id"], "unk_id": extra["unk_id"],
+                      "dtype": extra["dtype"], "source": config.tokenizer.path or "built from the training split"},
+        "settings": {k: v for k, v in asdict(config.data).items() if k not in ("cache_dir", "workers", "engine",
+                                                                                 "ray_address")},
+        "shards": shards, "totals": totals,
+        "validation_unknown_rate": unknown / max(totals["validation"]["tokens"], 1),
+        "input_bytes": sum(p.size for p in pieces), "engine": engine.describe(),
+    }

@@ -1,0 +1,142 @@
+"""What a run reads from a prepared data set (core/dataset.py), memory-mapped: a rank's memory does not grow with
+the corpus.
+
+    train       PaddleNLP's own causal dataset builder (`build_train_valid_test_datasets`) over the training shards,
+                blended by corpus weight (each corpus's shards by their tokens): samples of seq_length + 1 tokens
+                across document boundaries. Its index files are built once, by the launcher on node 0, in the run
+                directory (`data/index/`); the ranks and every resume find them there.
+    validation  the validation shards read in order and cut into blocks (each token once: a fixed held-out set)
+
+The run directory's `data/dataset.json` names the data set and the settings that fix the index, so a resume reads
+exactly the same samples whatever the layout.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+from core import dataset
+from core.errors import ConfigError
+
+RUN_DATA = "dataset.json"
+INDEX_DIR = "index"
+# PaddleNLP's BlendableDataset keeps the dataset of each sample in a uint8 (assert num_datasets < 255).
+MAX_TRAIN_SHARDS = 254
+
+
+def train_prefixes(path: Path, manifest: dict) -> list:
+    """PaddleNLP's data_prefix: [weight, prefix, weight, prefix, ...] (or [prefix] for a single shard)."""
+    shards = dataset.shard_prefixes(path, manifest, "train")
+    if len(shards) > MAX_TRAIN_SHARDS:
+        raise ConfigError(f"the data set has {len(shards)} training shards; PaddleNLP's blending takes at most "
+                          f"{MAX_TRAIN_SHARDS}: prepare it again with a larger data.shard_mb")
+    if len(shards) == 1:
+        return [str(shards[0][0])]
+    weights = {c["name"]: c["weight"] for c in manifest["corpora"]}
+    corpus_tokens: dict[str, int] = {}
+    for _, shard in shards:
+        corpus_tokens[shard["corpus"]] = corpus_tokens.get(shard["corpus"], 0) + shard["tokens"]
+    total_weight = sum(weights[c] for c in corpus_tokens)
+    out: list = []
+    for prefix, shard in shards:
+        out += [repr(weights[shard["corpus"]] / total_weight * shard["tokens"] / corpus_tokens[shard["corpus"]]),
+                str(prefix)]
+    return out
+
+
+class Samples:
+    """PaddleNLP's {"text": seq_length + 1 tokens} samples as the {"input_ids", "labels"} examples the Trainer feeds
+    to the model (PaddleNLP's Llama criterion does not shift labels itself)."""
+
+    def __init__(self, samples):
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> dict:
+        text = self.samples[i]["text"]
+        return {"input_ids": text[:-1], "labels": text[1:]}
+
+
+def train_dataset(run_data: Path, quiet: bool = False) -> Samples:
+    """The training samples of a run (`run_data` = the run's data/ directory); builds the index files if missing."""
+    spec = json.loads((run_data / RUN_DATA).read_text())
+    path = Path(spec["path"])
+    manifest = _manifest(path)
+    from paddlenlp.data.causal_dataset import build_train_valid_test_datasets
+
+    with _stdout_to(run_data / INDEX_DIR / "build.log") if quiet else contextlib.nullcontext():
+        train, _, _ = build_train_valid_test_datasets(
+            train_prefixes(path, manifest), "mmap", "1,0,0", [spec["train_samples"], 0, 0], spec["seq_length"],
+            spec["seed"], True, share_folder=True, data_cache_path=str(run_data / INDEX_DIR))
+    return Samples(train)
+
+
+@contextlib.contextmanager
+def _stdout_to(path: Path):
+    """PaddleNLP prints a page of statistics per shard, partly from its C++ helper: file descriptor 1 goes to a log
+    file meanwhile."""
+    import os
+    import sys
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with open(path, "a") as log:
+        os.dup2(log.fileno(), 1)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+def _manifest(path: Path) -> dict:
+    try:
+        return dataset.load_manifest(path)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (on a cluster, data.cache_dir must be on storage every node shares)") from None
+
+
+def validation_blocks(path: Path, manifest: dict, seq_length: int, max_blocks: int | None = None) -> np.ndarray:
+    """The validation split in order, cut into blocks of seq_length + 1 tokens (the rest dropped), at most
+    `max_blocks` of them: only those tokens are read."""
+    width = seq_length + 1
+    need = None if max_blocks is None else max_blocks * width
+    parts, have = [], 0
+    for prefix, shard in dataset.shard_prefixes(path, manifest, "validation"):
+        dtype = np.dtype(manifest["tokenizer"]["dtype"])
+        stream = dataset.tokens(prefix, dtype)
+        take = stream if need is None else stream[: need - have]
+        parts.append(np.asarray(take, dtype=np.int64))
+        have += len(take)
+        if need is not None and have >= need:
+            break
+    stream = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    n = len(stream) // width
+    return stream[: n * width].reshape(n, width)
+
+
+class BlockDataset:
+    """Packed blocks as the {"input_ids", "labels"} examples PaddleNLP's Trainer feeds to the model."""
+
+    def __init__(self, blocks: np.ndarray):
+        self.blocks = blocks
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, i: int) -> dict:
+        block = self.blocks[i]
+        return {"input_ids": block[:-1], "labels": block[1:]}
+
+
+def validation_dataset(run_data: Path) -> BlockDataset:
+    spec = json.loads((run_data / RUN_DATA).read_text())
+    path = Path(spec["path"])
+    return BlockDataset(validation_blocks(path, _manifest(path), spec["seq_length"], spec["validation_blocks"]))

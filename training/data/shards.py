@@ -1,0 +1,159 @@
+"""The per-piece worker of `make data`: one function, `run(task)`, that a local process pool and Ray tasks call the
+same way. It reads one piece of the corpus and writes its result into the staging directory, each file renamed into
+place once complete and the result's JSON last, so a killed preparation resumes where it stopped and nothing
+half-written is ever read. Memory is bounded by the piece, never by the corpus.
+
+Kinds of task:
+    count   documents in the piece (only with data.max_documents: which documents are "the first N")
+    vocab   character counts of the piece's training documents (the vocabulary is built from their sum)
+    shard   the piece's documents tokenized into train/<piece>.bin/.idx and validation/<piece>.bin/.idx
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import unicodedata
+from array import array
+from collections import Counter
+from pathlib import Path
+
+BATCH_DOCUMENTS = 512  # documents tokenized per call (the Rust tokenizer's per-call overhead amortised)
+
+
+def single_threaded() -> None:
+    """One core per worker: the Rust tokenizer would otherwise start a thread per core in every worker."""
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
+def result_path(staging: Path, kind: str, piece_name: str) -> Path:
+    return staging / "parts" / f"{piece_name}.{kind}.json"
+
+
+def run(task: dict) -> dict:
+    """Do one task (or return the result an earlier, interrupted preparation already wrote)."""
+    single_threaded()
+    from training.data.corpus import Piece
+
+    staging, piece, kind = Path(task["staging"]), Piece(**task["piece"]), task["kind"]
+    done = result_path(staging, kind, piece.name)
+    if done.is_file():
+        return json.loads(done.read_text())
+    t0 = time.time()
+    result = {"count": _count, "vocab": _vocab, "shard": _shard}[kind](task, staging, piece)
+    result.update(piece=piece.name, kind=kind, seconds=round(time.time() - t0, 3), bytes=piece.size)
+    _write_atomic(done, json.dumps(result).encode())
+    return result
+
+
+def _docs(task: dict, piece):
+    from training.data.corpus import documents
+
+    return documents(piece, task["text_field"], task.get("limit"))
+
+
+def _count(task: dict, staging: Path, piece) -> dict:
+    return {"documents": sum(1 for _ in _docs(task, piece))}
+
+
+def _vocab(task: dict, staging: Path, piece) -> dict:
+    """Character counts of the training documents, lower-cased and NFD-decomposed as ErnieTokenizer sees them."""
+    from training.data.corpus import split_rule
+
+    is_validation = split_rule(task["seed"], task["validation_fraction"])
+    counts: Counter = Counter()
+    for doc in _docs(task, piece):
+        if not is_validation(doc):
+            counts.update(unicodedata.normalize("NFD", doc.lower()))
+    return {"counts": dict(counts)}
+
+
+def _shard(task: dict, staging: Path, piece) -> dict:
+    import numpy as np
+
+    from core import dataset
+    from core.tokenizer import fast_tokenizer
+    from training.data.corpus import split_rule
+
+    tokenizer = fast_tokenizer(staging / dataset.TOKENIZER_DIR)
+    eos, unk, dtype = task["eos_id"], task["unk_id"], np.dtype(task["dtype"])
+    is_validation = split_rule(task["seed"], task["validation_fraction"])
+    writers = {split: _ShardWriter(staging / split / piece.name, dtype) for split in dataset.SPLITS}
+    batch: dict[str, list[str]] = {split: [] for split in dataset.SPLITS}
+    unknown = dict.fromkeys(dataset.SPLITS, 0)
+
+    def flush(split: str) -> None:
+        if batch[split]:
+            ids = [e.ids for e in tokenizer.encode_batch(batch[split], add_special_tokens=False)]
+            batch[split].clear()
+            unknown[split] += writers[split].add(ids, eos, unk)
+
+    for doc in _docs(task, piece):
+        split = "validation" if is_validation(doc) else "train"
+        batch[split].append(doc)
+        if len(batch[split]) >= BATCH_DOCUMENTS:
+            flush(split)
+    for split in dataset.SPLITS:
+        flush(split)
+    return {split: writers[split].finish() | {"unknown": unknown[split]} for split in dataset.SPLITS}
+
+
+class _ShardWriter:
+    """One `.bin` written as documents arrive, its `.idx` at the end; both renamed into place when complete."""
+
+    def __init__(self, prefix: Path, dtype):
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        self.prefix, self.dtype = prefix, dtype
+        self.tmp_bin = Path(f"{prefix}.bin.tmp")
+        self.file = open(self.tmp_bin, "wb")
+        self.sizes = array("i")
+
+    def add(self, docs: list[list[int]], eos: int, unk: int) -> int:
+        """Append documents (each followed by the end-of-document token); returns how many tokens were unknown."""
+        import itertools
+
+        import numpy as np
+
+        for ids in docs:
+            ids.append(eos)
+        flat = np.fromiter(itertools.chain.from_iterable(docs), dtype=self.dtype,
+                           count=sum(len(ids) for ids in docs))
+        self.sizes.extend(len(ids) for ids in docs)
+        self.file.write(flat.tobytes())
+        return int((flat == unk).sum())
+
+    def finish(self) -> dict:
+        import numpy as np
+
+        from core import dataset
+
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        sizes = np.frombuffer(self.sizes, dtype=np.int32) if len(self.sizes) else np.zeros(0, dtype=np.int32)
+        tmp_idx = Path(f"{self.prefix}.idx.tmp")
+        dataset.write_index(tmp_idx, sizes, self.dtype)
+        _fsync(tmp_idx)
+        os.replace(self.tmp_bin, f"{self.prefix}.bin")
+        os.replace(tmp_idx, f"{self.prefix}.idx")
+        return {"documents": len(sizes), "tokens": int(sizes.astype(np.int64).sum()),
+                "bin_bytes": int(sizes.astype(np.int64).sum()) * np.dtype(self.dtype).itemsize}
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
