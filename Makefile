@@ -20,7 +20,7 @@ REAP ?=
 SWEEP ?=
 PARALLEL ?=
 
-.PHONY: setup data train export serve stop smoke all compare sweep bench plan test test-fast runs mlflow-ui mlflow-server mlflow-stop clean
+.PHONY: setup doctor data train export serve stop smoke all compare sweep bench plan test test-fast test-gpu-setup runs mlflow-ui mlflow-server mlflow-stop clean
 setup: $(STAMP)
 
 # One environment from exact pins (requirements/lock.txt, verified to install and import together) plus the Paddle
@@ -73,6 +73,10 @@ runs: $(STAMP)
 plan: $(STAMP)
 	$(PY) -m pipeline plan --config $(CONFIG) $(ARGS)
 
+# What this machine can run (Paddle's build, CUDA libraries, driver, GPUs, the config's layout); exit 1 on a problem.
+doctor: $(STAMP)
+	$(PY) -m pipeline doctor --config $(CONFIG) $(ARGS)
+
 bench: $(STAMP)
 	$(PY) -m bench $(ARGS)
 
@@ -83,7 +87,12 @@ mlflow-stop: $(STAMP)
 	$(PY) -m pipeline mlflow-stop
 
 test: $(STAMP)
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests/unit tests/integration
+
+# Opt-in: builds the GPU environment (make setup DEVICE=gpu, ~3 GB) in a temporary venv and checks that Paddle finds
+# every CUDA library inside it and that the doctor says so; needs no GPU.
+test-gpu-setup: $(STAMP)
+	$(PY) -m pytest -s tests/gpu
 
 # The unit layer only (no training, no servers): under a minute.
 test-fast: $(STAMP)

@@ -11,7 +11,9 @@
    training loop's pause per checkpoint with asynchronous and synchronous writes (interleaved runs);
 4. export: wall time of its stages;
 5. serving (bench/serving_load.py): tokens/s, time to first token and per token at 1-32 concurrent HTTP clients,
-   continuous against static batching in alternating rounds; HTTP / gRPC overhead over in process.
+   continuous against static batching in alternating rounds; HTTP / gRPC overhead over in process;
+6. data (bench/data_prep.py): `make data` at 1 and 2 workers against the previous in-process path on a 1x and an 8x
+   corpus (MB/s, peak RSS), and a training rank's peak RSS on each.
 Writes reports/bench/bench.json and bench.md (or --out) and logs them as a run of the MLflow experiment `bench`.
 """
 from __future__ import annotations
@@ -172,8 +174,9 @@ def run(quick: bool = False, out: Path | None = None) -> dict:
     meta = _export(single["run_id"], uri)
     results["export"] = {"wall_s": time.perf_counter() - t0, **meta["timings_s"],
                          "parity_max_abs_error": meta["parity_max_abs_error"]}
-    from bench import serving_load
+    from bench import data_prep, serving_load
     results["serving"] = serving_load.run(Path(meta["export_dir"]), out, quick)
+    results["data"] = data_prep.run(out, uri, quick)
     results.pop("runs", None)
     (out / "bench.json").write_text(json.dumps(results, indent=2))
     (out / "bench.md").write_text(markdown(results))
@@ -382,8 +385,10 @@ def markdown(r: dict) -> str:
     lines.append(f"| export wall (load / convert / parity / MLflow model) | {e['wall_s']:.1f} s "
                  f"({e['load_s']:.1f} / {e['convert_s']:.1f} / {e['parity_s']:.1f} / {e.get('mlflow_model_s', 0):.1f} s), parity "
                  f"{e['parity_max_abs_error']:.1e} |")
-    from bench import serving_load
+    from bench import data_prep, serving_load
     lines += serving_load.markdown(sv)
+    if "data" in r:
+        lines += [""] + data_prep.markdown(r["data"])
     return "\n".join(lines) + "\n"
 
 

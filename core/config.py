@@ -58,7 +58,9 @@ class DataConfig:
     # Where prepared data sets live, one directory per content key (corpus bytes + settings + code), reused by every
     # run and node that can see it (on a cluster: shared storage); "" = inside each run directory.
     cache_dir: str = "~/.cache/paddle-train-to-serve/data"
-    shard_mb: int = 16  # input text per shard (one worker task); a compressed file is one shard
+    # Input text per shard (one worker task; a compressed file is one shard). 0 = the corpus / 64, within 1..1024 MB:
+    # enough tasks to keep every worker busy, few enough shards for PaddleNLP's blending (at most 254).
+    shard_mb: int = 0
     workers: int = 0  # preparation processes (engine local) or Ray tasks at once; 0 = one per core
     engine: str = "local"  # local: processes on this machine | ray: Ray tasks (ray_address; shared storage)
     ray_address: str = ""  # engine ray: "" = start a local Ray instance, "auto" or host:port = an existing cluster
@@ -225,6 +227,14 @@ class ServingConfig:
     default_max_new_tokens: int = 16
     max_request_bytes: int = 16384
     start_timeout_s: int = 120
+    # Where the generation workers' predictors run (docs/gpu.md): cpu | gpu. On gpu, serving.workers=0 means one worker
+    # per GPU in `gpus` ([] = every GPU CUDA_VISIBLE_DEVICES lets this server see), worker i pinned to gpus[i % n].
+    device: str = "cpu"
+    gpus: list = field(default_factory=list)
+    gpu_memory_mb: int = 1024  # each GPU predictor's initial memory pool (Paddle Inference enable_use_gpu)
+    # Inference precision: float32 | float16 | bfloat16 (GPU only); a reduced precision is checked at each worker's
+    # start against float32 on the same GPU (serving/placement.py PRECISION_TOLERANCE).
+    precision: str = "float32"
 
 
 @dataclass
@@ -491,7 +501,7 @@ def _validate_data(d: DataConfig, t: TokenizerConfig) -> None:
     _require(0 < d.validation_fraction < 0.5, f"data.validation_fraction: must be in (0, 0.5), got "
              f"{d.validation_fraction}")
     _require(d.max_documents >= 0, f"data.max_documents: must be >= 0 (0 = all), got {d.max_documents}")
-    _require(d.shard_mb >= 1, f"data.shard_mb: must be >= 1, got {d.shard_mb}")
+    _require(d.shard_mb >= 0, f"data.shard_mb: must be >= 0 (0 = automatic), got {d.shard_mb}")
     _require(d.workers >= 0, f"data.workers: must be >= 0 (0 = one per core), got {d.workers}")
     _one_of("data.engine", d.engine, ("local", "ray"))
     _require(t.min_frequency >= 1, f"tokenizer.min_frequency: must be >= 1, got {t.min_frequency}")
@@ -547,6 +557,14 @@ def _validate_serving(s: ServingConfig) -> None:
     for key in ("max_batch_size", "max_prompt_chars", "max_new_tokens_limit", "max_request_bytes", "start_timeout_s",
                 "request_timeout_s", "drain_grace_s", "restart_window_s"):
         _positive(f"serving.{key}", getattr(s, key))
+    _one_of("serving.device", s.device, ("cpu", "gpu"))
+    _one_of("serving.precision", s.precision, ("float32", "float16", "bfloat16"))
+    _require(s.device == "gpu" or s.precision == "float32", f"serving.precision: {s.precision} needs serving.device="
+             f"gpu (Paddle Inference's CPU predictor runs float32 here)")
+    _require(s.device == "gpu" or not s.gpus, "serving.gpus: only with serving.device=gpu")
+    _require(all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in s.gpus),
+             f"serving.gpus: a list of GPU indices (0, 1, ...), got {s.gpus!r}")
+    _positive("serving.gpu_memory_mb", s.gpu_memory_mb)
     _require(1 <= s.default_max_new_tokens <= s.max_new_tokens_limit,
              "serving.default_max_new_tokens: must be in 1..serving.max_new_tokens_limit")
 

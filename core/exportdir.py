@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -115,17 +116,37 @@ def fetch_name(export_dir: Path) -> str:
     return text.split("fetch_var {")[1].split('name: "')[1].split('"')[0]
 
 
-def create_predictor(export_dir: Path, ir_optim: bool = False, prefix: str = MODEL_PREFIX, threads: int = 1):
-    """A paddle.inference predictor for one of the graphs, configured as the served model is (CPU, ir_optim off,
-    `threads` math threads)."""
+@dataclass(frozen=True)
+class Placement:
+    """Where a predictor runs: the CPU, or one GPU with its memory pool and precision (serving/placement.py)."""
+    device: str = "cpu"
+    device_id: int = 0
+    memory_mb: int = 1024
+    precision: str = "float32"
+
+    def describe(self) -> str:
+        return "cpu" if self.device == "cpu" else f"gpu:{self.device_id} {self.precision}"
+
+
+def create_predictor(export_dir: Path, ir_optim: bool = False, prefix: str = MODEL_PREFIX, threads: int = 1,
+                     placement: Placement = Placement()):
+    """A paddle.inference predictor for one of the graphs, configured as the served model is: on CPU with `threads`
+    math threads (ir_optim off), or on one GPU (`placement`)."""
     from paddle import inference
 
     config = inference.Config(str(export_dir / f"{prefix}.pdmodel"), str(export_dir / f"{prefix}.pdiparams"))
-    config.disable_gpu()
+    if placement.device == "gpu":
+        precision = {"float32": inference.PrecisionType.Float32, "float16": inference.PrecisionType.Half,
+                     "bfloat16": inference.PrecisionType.Bfloat16}[placement.precision]
+        config.enable_use_gpu(placement.memory_mb, placement.device_id, precision)
+        # (a reduced precision is applied by Paddle Inference's mixed-precision IR pass: optimisation on)
+        ir_optim = ir_optim or placement.precision != "float32"
+    else:
+        config.disable_gpu()
+        config.set_cpu_math_library_num_threads(threads)
     config.disable_glog_info()
-    config.set_cpu_math_library_num_threads(threads)
     # Generation feeds a new sequence length at every step; with IR optimisation on, the CPU predictor measured
-    # 2x slower per generated token (191 vs 75 ms for 8 tokens). Same setting as the served model (ir_optim: false).
+    # 2x slower per generated token. Same setting as the served model (ir_optim: false).
     config.switch_ir_optim(ir_optim)
     return inference.create_predictor(config)
 
@@ -147,7 +168,7 @@ def past_input(kind: str, layer: int) -> str:
     return f"{kind}_{layer}"
 
 
-def cache_session(export_dir: Path, threads: int = 1):
+def cache_session(export_dir: Path, threads: int = 1, placement: Placement = Placement()):
     """(prefill, decode) functions over this process's own predictors of the cache programs (one session per thread
     or process: paddle.inference predictors are not thread-safe):
 
@@ -158,8 +179,8 @@ def cache_session(export_dir: Path, threads: int = 1):
     values (training/kv_cache.py); they are appended here, the one copy of the cache a step. Exports made before
     (one stacked cache in, the grown caches out) are read too."""
     export_dir = Path(export_dir)
-    prefill = create_predictor(export_dir, prefix=PREFILL_PREFIX, threads=threads)
-    decode = create_predictor(export_dir, prefix=DECODE_PREFIX, threads=threads)
+    prefill = create_predictor(export_dir, prefix=PREFILL_PREFIX, threads=threads, placement=placement)
+    decode = create_predictor(export_dir, prefix=DECODE_PREFIX, threads=threads, placement=placement)
     names = decode.get_input_names()
     if PAST_KINDS[0] in names:  # (the earlier form: one stacked input per kind)
         return (lambda *feeds: run(prefill, *feeds)), (lambda *feeds: run(decode, *feeds))

@@ -1,7 +1,7 @@
 """`python -m pipeline <verb> [options] [section.key=value ...]` -- the one CLI the Makefile calls.
 
 Each verb is one function in one module of pipeline/: data (data.py), train (train.py), export (export.py), serve / stop / smoke
-(serve.py), compare (compare.py), sweep (sweep.py), runs (runs.py), plan (plan.py), mlflow-server / mlflow-stop
+(serve.py), compare (compare.py), sweep (sweep.py), runs (runs.py), plan (plan.py), doctor (doctor.py), mlflow-server / mlflow-stop
 (mlflow_server.py). Each is handed the config, loaded once (`verb_config`), and the parsed arguments.
 The benchmark suite has its own entry point: `python -m bench` (bench/).
 """
@@ -97,6 +97,9 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument("--csv", default="", help="write every valid layout, ranked, to this CSV file")
     plan.add_argument("--write", default="", help="write the top layout as a config file (check it with DRY_RUN=1)")
     plan.add_argument("overrides", nargs="*", help="e.g. cluster.gpus=512 cluster.gpu_memory_gb=80")
+    doctor = sub.add_parser("doctor", help="what this machine can run: Paddle's build, CUDA libraries, driver, GPUs")
+    doctor.add_argument("--config", default=None, help=config_help + "; its layout is checked against the devices")
+    doctor.add_argument("overrides", nargs="*")
     sub.add_parser("mlflow-server", help="start a tracking server on 127.0.0.1 (settings: mlflow/server.env)")
     sub.add_parser("mlflow-stop", help="stop the tracking server")
     return p
@@ -160,6 +163,12 @@ def _plan(config: Config, args) -> int:
     return plan.run(config, args.top, args.csv, args.write)
 
 
+def _doctor(config: Config, args) -> int:
+    from pipeline import doctor
+
+    return doctor.run(config)
+
+
 def _mlflow_server(config: Config, args) -> int:
     from pipeline import mlflow_server
 
@@ -167,7 +176,7 @@ def _mlflow_server(config: Config, args) -> int:
 
 
 VERBS = {"data": _data, "train": _train, "export": _export, "serve": _serve_verb("serve"), "stop": _serve_verb("stop"),
-         "smoke": _serve_verb("smoke"), "compare": _compare, "sweep": _sweep, "runs": _runs, "plan": _plan,
+         "smoke": _serve_verb("smoke"), "compare": _compare, "sweep": _sweep, "runs": _runs, "plan": _plan, "doctor": _doctor,
          "mlflow-server": _mlflow_server, "mlflow-stop": _mlflow_server}
 
 if __name__ == "__main__":

@@ -95,8 +95,24 @@ class TrackedRun:
         for i in range(0, len(items), 100):
             self.client.log_batch(self.run_id, params=items[i:i + 100],
                                   tags=[RunTag("pipeline.stage", "train")] if i == 0 else [])
+        self._log_dataset(run_dir)
         self.client.log_artifact(self.run_id, str(run_dir / "config.yaml"))
         self.client.log_artifacts(self.run_id, str(run_dir / "tokenizer"), "tokenizer")
+
+    def _log_dataset(self, run_dir: Path) -> None:
+        """The prepared data set as the run's training input (MLflow's dataset convention): its content key as the
+        digest, its directory as the source, shards / tokens / blend weights as the profile."""
+        spec_file, stats_file = run_dir / "data" / "dataset.json", run_dir / "data" / "stats.json"
+        if not spec_file.exists() or not stats_file.exists():
+            return
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        spec, stats = json.loads(spec_file.read_text()), json.loads(stats_file.read_text())
+        profile = {k: stats[k] for k in ("shards", "train_tokens", "validation_tokens", "train_documents",
+                                         "validation_documents", "blend")}
+        entity = Dataset(name=f"data-{spec['key'][:12]}", digest=spec["key"][:36], source_type="local",
+                         source=json.dumps({"uri": spec["path"]}), profile=json.dumps(profile))
+        self.client.log_inputs(self.run_id, [DatasetInput(entity, [InputTag("mlflow.data.context", "training")])])
 
     def web_link(self) -> str:
         try:

@@ -100,6 +100,12 @@ def resolve(config: Config, resume: str) -> Launch:
 
 
 def check_before_launch(launch: Launch) -> None:
+    if launch.layout.device == "gpu":  # (what `make doctor` says, before anything is written)
+        from pipeline import doctor
+
+        problems = [c for c in doctor.checks(launch.config) if not c.ok]
+        if problems:
+            raise ConfigError("; ".join(f"{c.name}: {c.text}" for c in problems) + " (make doctor)")
     launch.layout.check_fits_machine()
     if launch.layout.nnodes > 1 and not os.environ.get("MASTER"):
         raise ConfigError("parallel.nnodes > 1: set MASTER=<host:port> of node 0 (and NODE_RANK) on every node")

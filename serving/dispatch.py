@@ -30,6 +30,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from core import REPO_ROOT
+from core.exportdir import Placement
 from core.processes import child_dies_with_parent
 from serving.generation import GenerationSettings
 from serving.state import WORKER_FILE
@@ -86,7 +87,8 @@ class WorkerHandle:
         ours, theirs = socket.socketpair()
         cmd = [sys.executable, "-m", "serving.worker", "--model", str(d.model_dir), "--fd", str(theirs.fileno()),
                "--threads", str(d.threads), "--generation", s.generation, "--max-batch-size",
-               str(s.max_batch_size), "--max-batch-tokens", str(s.max_batch_tokens), "--policy", s.scheduler]
+               str(s.max_batch_size), "--max-batch-tokens", str(s.max_batch_tokens), "--policy", s.scheduler,
+               *placement_args(d.placements[self.index % len(d.placements)])]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
         self.proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
                                      preexec_fn=child_dies_with_parent())
@@ -150,6 +152,12 @@ class WorkerHandle:
                 self.proc.kill()
 
 
+def placement_args(placement: Placement) -> list[str]:
+    """serving/worker.py's options for where its predictors run."""
+    return ["--device", placement.device, "--device-id", str(placement.device_id), "--gpu-memory-mb",
+            str(placement.memory_mb), "--precision", placement.precision]
+
+
 class Dispatcher:
     def __init__(self, serving_config, model_dir: Path, threads: int, workers: int = 1, metrics=None,
                  state_dir: Path | None = None, on_fatal=None, log=None):
@@ -163,6 +171,9 @@ class Dispatcher:
         self.draining, self.stopping, self.fatal = False, False, ""
         self.deaths: deque[float] = deque()
         self.workers = [WorkerHandle(i, self) for i in range(workers)]
+        from serving.placement import placements
+
+        self.placements = placements(s) if s.device == "gpu" else [Placement()]
         self.meta: dict = {}
 
     def start(self) -> None:

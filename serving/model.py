@@ -45,9 +45,9 @@ class ExportedModel:
         return generate(forward, prompt_ids, settings, self.eos_id, self.banned_ids, len(self.tokenizer),
                         self.max_length)
 
-    def cached_session(self, threads: int = 1):
+    def cached_session(self, threads: int = 1, placement: exportdir.Placement = exportdir.Placement()):
         """(prefill, decode) over this process's own predictors of the cache programs (core/exportdir.py)."""
-        return exportdir.cache_session(self.dir, threads)
+        return exportdir.cache_session(self.dir, threads, placement)
 
     def generate_batch(self, session, prompts: list[list[int]], settings: list[GenerationSettings]) -> list[list[int]]:
         prefill, decode = session

@@ -199,10 +199,11 @@ def timings(result: dict) -> dict[str, str]:
 
 
 def workers(serving_config) -> int:
-    """Generation worker processes: serving.workers, or (0) one per core this server may use."""
-    from core.workarounds import cpu_runtime
+    """Generation worker processes: serving.workers, or (0) one per core this server may use (one per GPU on
+    serving.device=gpu: serving/placement.py)."""
+    from serving.placement import worker_count
 
-    return serving_config.workers or cpu_runtime.available_cores()
+    return worker_count(serving_config)
 
 
 def capacity(serving_config) -> int:
@@ -211,9 +212,12 @@ def capacity(serving_config) -> int:
 
 
 def predictor_threads(serving_config) -> int:
-    """Math threads of each worker's predictors: serving.predictor_threads, or (0) an even share of the cores."""
+    """Math threads of each worker's predictors: serving.predictor_threads, or (0) an even share of the cores (1 on
+    GPU: the host only feeds the device)."""
     from core.workarounds import cpu_runtime
 
+    if serving_config.device == "gpu":
+        return 1
     return cpu_runtime.threads_per_process(serving_config.predictor_threads, workers(serving_config))
 
 

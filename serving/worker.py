@@ -44,14 +44,26 @@ def full_sequence_session(forward):
     return prefill, decode
 
 
-def build_scheduler(model: ExportedModel, threads: int, generation: str, **options) -> Scheduler:
+def build_scheduler(model: ExportedModel, threads: int, generation: str,
+                    placement: exportdir.Placement = exportdir.Placement(), **options) -> Scheduler:
     if generation == "kv_cache" and exportdir.has_cache_programs(model.dir):
-        prefill, decode = model.cached_session(threads)
+        prefill, decode = model.cached_session(threads, placement)
     else:  # (an old export, or serving.generation: full)
-        predictor = exportdir.create_predictor(model.dir, threads=threads)
+        predictor = exportdir.create_predictor(model.dir, threads=threads, placement=placement)
         prefill, decode = full_sequence_session(lambda ids: exportdir.predict(predictor, ids))
     return Scheduler(prefill, decode, model.eos_id, model.banned_ids, len(model.tokenizer), model.max_length,
                      pad_id=model.tokenizer.pad_token_id, **options)
+
+
+def check_precision(model: ExportedModel, placement: exportdir.Placement) -> float:
+    """A reduced precision's logits against float32 on the same device (serving/placement.py), before serving."""
+    import numpy as np
+
+    from serving.placement import check_precision as check
+
+    probe_ids = np.asarray([model.tokenizer(WARM_UP_PROMPT, add_special_tokens=False)["input_ids"]], dtype="int64")
+    return check(model.dir, placement,
+                 lambda where: exportdir.predict(exportdir.create_predictor(model.dir, placement=where), probe_ids))
 
 
 class Worker:
@@ -131,18 +143,25 @@ def main() -> None:
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--max-batch-tokens", type=int, default=0)
     p.add_argument("--policy", default="continuous")
+    p.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
+    p.add_argument("--device-id", type=int, default=0)
+    p.add_argument("--gpu-memory-mb", type=int, default=1024)
+    p.add_argument("--precision", default="float32", choices=("float32", "float16", "bfloat16"))
     args = p.parse_args()
+    placement = exportdir.Placement(args.device, args.device_id, args.gpu_memory_mb, args.precision)
     from core.processes import die_with_parent
 
     die_with_parent()
     conn = Connection(args.fd)
     t0 = time.monotonic()
     model = ExportedModel(args.model)
-    scheduler = build_scheduler(model, args.threads, args.generation, max_batch_size=args.max_batch_size,
+    precision_error = check_precision(model, placement)
+    scheduler = build_scheduler(model, args.threads, args.generation, placement, max_batch_size=args.max_batch_size,
                                 max_batch_tokens=args.max_batch_tokens, policy=args.policy)
     worker = Worker(conn, model, scheduler)
     warm_s = worker.warm_up()
     worker.send("ready", {"pid": os.getpid(), "load_s": round(time.monotonic() - t0, 2), "warm_up_s": round(warm_s, 3),
+                          "placement": placement.describe(), "precision_error": precision_error,
                           "rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)})
     worker.run()
 

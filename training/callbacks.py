@@ -336,3 +336,15 @@ class PeakMemory(TrainerCallback):
         print(f"peak memory: {peak / 2**20:.1f} MiB allocated by tensors (first step), process RSS "
               f"{record['max_rss_bytes'] / 2**20:.0f} MiB", flush=True)
         self.done = True
+
+    def on_train_end(self, args, state, control, **kwargs):
+        """The process's peak RSS over the whole run, beside the first step's figures."""
+        import resource
+
+        import paddle
+
+        path = self.out / f"rank{paddle.distributed.get_rank()}.json"
+        if path.is_file():
+            record = json.loads(path.read_text())
+            record["run_max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            path.write_text(json.dumps(record))

@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     from core.tokenizer import load_tokenizer
     from training.callbacks import GracefulStop
     from training.checkpoints import STOPPED_MARKER
-    from training.data.read import train_dataset, validation_dataset
+    from training.data.read import corpus_blocks, train_dataset, validation_dataset
 
     # (after the paddlenlp import, which resets SIGTERM to the default action)
     graceful_stop = GracefulStop(run_dir / STOPPED_MARKER)
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
         eval_dataset=validation_dataset(run_dir / "data"),
         data_collator=default_data_collator,  # samples are already fixed-length: no padding
         callbacks=callbacks(config, layout, run_dir, pending, graceful_stop, train_args.process_index == 0,
-                            len(train_data)),
+                            corpus_blocks(run_dir / "data")),
     )
     trainer.train(resume_from_checkpoint=args.resume_from or None)
     if getattr(trainer, "stage_timer", None) is not None:

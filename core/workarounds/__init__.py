@@ -8,6 +8,7 @@ changes (requirements/lock.txt), this is the folder to review; each module names
     paddlenlp_resume  resuming a multi-rank checkpoint on another layout           PaddleNLP 2.8.1
     dy2static_fix     dy2static of PaddleNLP's Llama (compiled training)           Paddle 2.6.2 / PaddleNLP 2.8.1
     paddle_serving    the client package the server imports; its log directory     Paddle Serving 0.9.0
+    cuda_libraries    the CUDA 11.8 runtime from NVIDIA's pip packages (GPU wheel)  paddlepaddle-gpu 2.6.2
 
 zlib: libpaddle.so (Paddle 2.6.2) exports its own zlib symbols; if it is loaded first, later zlib users (grpc,
 safetensors, zip files) fail with "inconsistent stream state" or segfault. `core/__init__.py` imports zlib before
@@ -28,8 +29,9 @@ HARMLESS_WARNINGS = (
 def apply_process_wide() -> None:
     """What every process of the pipeline needs before paddle loads: the CPU math runtime's environment and the
     warning filters."""
-    from core.workarounds import cpu_runtime
+    from core.workarounds import cpu_runtime, cuda_libraries
 
+    cuda_libraries.apply()  # (GPU environments only: may re-execute this process, so first)
     cpu_runtime.prepare_process()
     for message in HARMLESS_WARNINGS:
         warnings.filterwarnings("ignore", message=message)

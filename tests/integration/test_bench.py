@@ -52,5 +52,14 @@ def test_bench_harness_quick(store_uri, tmp_path):
                 serving[scheduler][f"{route}_p50_ms"] - serving[scheduler]["in_process_p50_ms"])
     assert serving["continuous"]["load"][0]["vs_1_client"] == 1.0
     assert serving["in_process"]["batch8_tokens_per_s"] > 0
+    data = result["data"]  # quick: a 2,000-document slice of each corpus, one round, no rank runs
+    for size in ("1x", "8x"):
+        for variant in ("previous", "workers1", "workers2"):
+            row = data[size][variant]
+            assert row["mb_per_s"]["median"] > 0 and row["peak_rss_mb"]["median"] > 0, (size, variant)
+        assert data[size]["workers2_vs_workers1"] == pytest.approx(
+            data[size]["workers2"]["mb_per_s"]["median"] / data[size]["workers1"]["mb_per_s"]["median"])
+    assert data["corpus_mb"]["8x"] == pytest.approx(8 * data["corpus_mb"]["1x"], rel=0.01)
     report = (tmp_path / "bench.md").read_text()
+    assert "## Data preparation" in report and "| 8x | workers2 |" in report
     assert "| threads+mkl+compile+passive+ops |" in report and "| 4 | " in report and "Overhead over in process" in report

@@ -51,6 +51,14 @@ def test_short_training_run_is_tracked(tiny_config, tmp_path, store_uri):
             "checkpoints/checkpoint-12/checkpoint_complete.json"} <= uploaded, uploaded
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "checkpoint-12"
     assert (run_dir / "config.yaml").is_file() and (run_dir / "tokenizer" / "vocab.txt").is_file()
+    # the prepared data set: a training input of the run (mlflow.log_input convention) with its content key
+    spec = json.loads((run_dir / "data" / "dataset.json").read_text())
+    [data_input] = run.inputs.dataset_inputs
+    profile = json.loads(data_input.dataset.profile)
+    assert data_input.dataset.digest == spec["key"][:32] and Path(spec["path"]).name == spec["key"]
+    assert [t.value for t in data_input.tags if t.key == "mlflow.data.context"] == ["training"]
+    assert profile["train_tokens"] == int(run.data.params["data_stats.train_tokens"]) > 0
+    assert profile["shards"] >= 1 and profile["blend"] == {"c0": 1.0}
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config.yaml", "tokenizer", "checkpoints"} <= artifacts
     # the console (stdout is a pipe here, not a terminal): plain progress lines and a summary; PaddleNLP's argument

@@ -11,7 +11,7 @@ from core import dataset
 from core import tokenizer as tokenizer_format
 from core.config import ConfigError, load_config
 from training.data import corpus, prepare
-from training.data.prepare import build_vocabulary, content_key
+from training.data.prepare import build_vocabulary, content_key, shard_bytes
 
 
 def config_for(tmp_path, files, extra=()):
@@ -28,7 +28,8 @@ def reviews(path: Path, n: int = 300, salt: str = "") -> Path:
 
 
 def docs_of(config) -> list[str]:
-    return [d for p in corpus.pieces(corpus.corpora(config.data), config.data.shard_mb << 20)
+    return [d for p in corpus.pieces(corpus.corpora(config.data), shard_bytes(config.data.shard_mb,
+                                                                               corpus.corpora(config.data)))
             for d in corpus.documents(p, config.data.text_field)]
 
 

@@ -87,14 +87,18 @@ def test_paddlejob_manifest_runs_the_node_script_with_the_contract(tmp_path):
 SERVING = DEPLOY / "kubernetes" / "serving.yaml"
 
 
-def test_serving_manifest_matches_the_servers_cli_routes_and_ports():
+SERVING_GPU = DEPLOY / "kubernetes" / "serving-gpu.yaml"
+
+
+@pytest.mark.parametrize("manifest", [SERVING, SERVING_GPU], ids=["cpu", "gpu"])
+def test_serving_manifest_matches_the_servers_cli_routes_and_ports(manifest, monkeypatch):
     """The Deployment runs the real `serve --foreground` command line (it parses, its config loads), its probes use
     the server's real health routes on the api port, the Service exposes the config's four ports, and the pod's
-    grace period outlasts the drain."""
+    grace period outlasts the drain. The GPU variant serves on GPU with one worker per GPU the pod gets."""
     from pipeline.__main__ import parser, verb_config
     from serving import api
 
-    deployment, service = yaml.safe_load_all(SERVING.read_text())
+    deployment, service = yaml.safe_load_all(manifest.read_text())
     assert (deployment["kind"], service["kind"]) == ("Deployment", "Service")
     pod = deployment["spec"]["template"]
     assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"] == pod["metadata"]["labels"]
@@ -114,3 +118,13 @@ def test_serving_manifest_matches_the_servers_cli_routes_and_ports():
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(s.metrics_port)
     assert pod["spec"]["terminationGracePeriodSeconds"] > s.drain_grace_s
     assert "MLFLOW_TRACKING_URI" in {e["name"] for e in container["env"]}  # models:/ is fetched from the registry
+    if manifest is SERVING_GPU:
+        gpus = container["resources"]["limits"]["nvidia.com/gpu"]
+        assert container["resources"]["requests"]["nvidia.com/gpu"] == gpus >= 1
+        assert pod["spec"]["nodeSelector"] and s.device == "gpu" and s.workers == 0
+        from serving.placement import placements
+
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(gpus)))  # (what the plugin sets)
+        assert [p.device_id for p in placements(s)] == list(range(gpus))
+    else:
+        assert s.device == "cpu" and "nvidia.com/gpu" not in container["resources"]["requests"]

@@ -43,7 +43,7 @@ def for_run(config, run_dir: Path, log=print) -> tuple[dict, Prepared]:
     data_dir = run_dir / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
     spec = {"path": str(prepared.path), "key": manifest["key"], "seq_length": tr.seq_length, "seed": tr.seed,
-            "train_samples": tr.max_steps * batch,
+            "train_samples": tr.max_steps * batch, "global_batch": batch,
             "validation_blocks": min(blocks["validation"], tr.max_eval_batches * batch)}
     (data_dir / RUN_DATA).write_text(json.dumps(spec, indent=2))
     from training.data.read import train_dataset

@@ -51,6 +51,8 @@ class LocalEngine:
     def run(self, tasks: list[dict], what: str, log) -> list[dict]:
         from training.data import shards
 
+        if not tasks:
+            return []
         progress, results = _Progress(what, tasks, log), {}
         order = sorted(range(len(tasks)), key=lambda i: -tasks[i]["piece"]["size"])  # (largest first: balance)
         if self.workers == 1 or len(tasks) == 1:
@@ -86,6 +88,8 @@ class RayEngine:
         return f"ray {self.address or 'local'}" + (f" x{self.workers}" if self.workers else "")
 
     def run(self, tasks: list[dict], what: str, log) -> list[dict]:
+        if not tasks:
+            return []
         try:
             import ray
         except ImportError:

@@ -108,7 +108,7 @@ def _check_tokenizer_path(path: str) -> None:
 
 def _build(config, corpora: list[corpus.Corpus], staging: Path, key: str, log) -> dict:
     d = config.data
-    pieces = corpus.pieces(corpora, d.shard_mb << 20)
+    pieces = corpus.pieces(corpora, shard_bytes(d.shard_mb, corpora))
     engine = engines.make(d.engine, d.workers, d.ray_address)
     common = {"staging": str(staging), "text_field": d.text_field, "seed": d.split_seed,
               "validation_fraction": d.validation_fraction}
@@ -138,6 +138,15 @@ def _build(config, corpora: list[corpus.Corpus], staging: Path, key: str, log) -
     os.replace(tmp, staging / dataset.MANIFEST)
     shutil.rmtree(staging / "parts", ignore_errors=True)
     return manifest
+
+
+def shard_bytes(shard_mb: int, corpora: list[corpus.Corpus]) -> int:
+    """data.shard_mb, or (0) the corpus / 64 within 1..1024 MB: a function of the corpus alone, so the shards (and
+    the content key) do not depend on the workers."""
+    if shard_mb:
+        return shard_mb << 20
+    total = sum(path.stat().st_size for c in corpora for path in c.files)
+    return min(max(total // 64, 1 << 20), 1 << 30)
 
 
 def _limits(engine, pieces: list[corpus.Piece], common: dict, max_documents: int, log) -> dict[str, int]:

@@ -49,13 +49,16 @@ def train_prefixes(path: Path, manifest: dict) -> list:
 
 class Samples:
     """PaddleNLP's {"text": seq_length + 1 tokens} samples as the {"input_ids", "labels"} examples the Trainer feeds
-    to the model (PaddleNLP's Llama criterion does not shift labels itself)."""
+    to the model (PaddleNLP's Llama criterion does not shift labels itself). The length is cut to a multiple of the
+    global batch: the distributed sampler pads a length that its replicas do not divide, which would shuffle another
+    list on another layout (training/worker.py make_trainer)."""
 
-    def __init__(self, samples):
+    def __init__(self, samples, multiple: int = 1):
         self.samples = samples
+        self.length = len(samples) // multiple * multiple
 
     def __len__(self) -> int:
-        return len(self.samples)
+        return self.length
 
     def __getitem__(self, i: int) -> dict:
         text = self.samples[i]["text"]
@@ -73,7 +76,7 @@ def train_dataset(run_data: Path, quiet: bool = False) -> Samples:
         train, _, _ = build_train_valid_test_datasets(
             train_prefixes(path, manifest), "mmap", "1,0,0", [spec["train_samples"], 0, 0], spec["seq_length"],
             spec["seed"], True, share_folder=True, data_cache_path=str(run_data / INDEX_DIR))
-    return Samples(train)
+    return Samples(train, spec.get("global_batch", 1))
 
 
 @contextlib.contextmanager
@@ -140,3 +143,8 @@ def validation_dataset(run_data: Path) -> BlockDataset:
     spec = json.loads((run_data / RUN_DATA).read_text())
     path = Path(spec["path"])
     return BlockDataset(validation_blocks(path, _manifest(path), spec["seq_length"], spec["validation_blocks"]))
+
+
+def corpus_blocks(run_data: Path) -> int:
+    """Blocks of seq_length + 1 tokens in the training split (what "an epoch" is on the console)."""
+    return json.loads((run_data / "stats.json").read_text())["train_blocks"]
