@@ -25,7 +25,7 @@ setup: $(STAMP)
 
 # One environment from exact pins (requirements/lock.txt, verified to install and import together) plus the Paddle
 # build for DEVICE. --no-deps: the lock is complete, and paddle-serving-* declare pins that cannot install on 3.11.
-$(STAMP): requirements/lock.txt requirements/paddle-$(DEVICE).txt
+$(STAMP): requirements/lock.txt requirements/paddle-$(DEVICE).txt $(if $(filter gpu,$(DEVICE)),requirements/cuda-runtime.txt)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(VENV)/bin/pip install --disable-pip-version-check -q --no-deps -r requirements/lock.txt -r requirements/paddle-$(DEVICE).txt
 	rm -f $(VENV)/.installed-*

@@ -31,8 +31,12 @@ GB = 1e9
 
 
 def with_layout(config: Config, **parallel) -> Config:
-    """The config with other parallel degrees (`data=`, `tensor=`, ... as in `parallel:`) on the cluster's nodes."""
+    """The config with other parallel degrees (`data=`, `tensor=`, ... as in `parallel:`) on the cluster's nodes. A
+    candidate without a pipeline has no pipeline schedule: the config's own (e.g. interleaved) applies only to
+    candidates with pipeline >= 2."""
     nodes = max(1, config.cluster.gpus // config.cluster.gpus_per_node)
+    if parallel.get("pipeline", config.parallel.pipeline) < 2:
+        parallel = {"schedule": "1F1B", "virtual_stages": 1, **parallel}
     return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, nnodes=nodes, **parallel))
 
 

@@ -1,7 +1,7 @@
 """`make plan`'s memory and step-time model against hand-computed cases, and the 100B example (fast, no GPU)."""
 import pytest
 
-from core import arithmetic
+from core import REPO_ROOT, arithmetic
 from core.config import checked_layout, load_config
 from pipeline import plan
 
@@ -141,3 +141,19 @@ def test_the_100b_plan_shows_flash_attention_and_sequence_parallelism_side_by_si
     plan.run(config, top=1)
     out = capsys.readouterr().out
     assert "without flash attention" in out and "without sequence parallelism" in out
+
+
+@pytest.mark.parametrize("path", sorted((REPO_ROOT / "configs").glob("*.yaml")), ids=lambda p: p.stem)
+def test_plan_and_a_dry_run_work_on_every_shipped_config(path, capsys):
+    """`make plan` and `make train DRY_RUN=1` on each config in configs/: some layout fits the config's own cluster
+    (the 512-GPU configs carry theirs), and the dry run prints the layout without launching."""
+    from core.config import load_config
+    from pipeline import plan, train
+
+    config = load_config(path)
+    assert plan.run(config, 3, "", "") == 0
+    out = capsys.readouterr().out
+    assert " fit; " in out and " 0 fit" not in out
+    assert train.run(config, dry_run=True) == 0
+    layout = checked_layout(config)
+    assert f"layout {layout.name}: world size {layout.world_size} = " in capsys.readouterr().out
