@@ -208,13 +208,14 @@ class ServingConfig:
     # generation worker processes, each with its own predictors and scheduler; 0 = one per core
     workers: int = 0
     # sequences decoded together by one worker, and requests waiting beyond its running batch (one more is refused
-    # at once: busy, err_no 8003). Paddle Serving runs one Op thread per request in flight, and every request wakes
-    # all of them (its channels notify_all): 100 threads cost ~4 ms a request, 36 ~1 ms (measured), so keep these
-    # as small as the load needs.
+    # at once: busy, err_no 8003); max_queue 0 = enough for the server to admit 128 requests in flight (each waits
+    # at most its deadline). Paddle Serving runs one Op thread per request in flight (serving/service.py).
     max_batch_size: int = 8
     max_batch_tokens: int = 0  # cache positions of the running batch (sequences x width); 0 = max_batch_size x model length
-    max_queue: int = 8
-    request_timeout_s: float = 30.0  # deadline of each request (err_no 8004); 64 new tokens take ~0.1-1 s here
+    max_queue: int = 0
+    request_timeout_s: float = 30.0  # deadline of each request (err_no 8004)
+    # OpenAI routes: a key they require as `Authorization: Bearer <key>` ("" = none; env PIPELINE_API_KEY also sets it)
+    api_key: str = ""
     drain_grace_s: float = 20.0  # SIGTERM / make stop: requests in flight get this long to finish
     max_worker_restarts: int = 5  # a worker that dies more often than this within restart_window_s is fatal
     restart_window_s: float = 60.0

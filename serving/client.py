@@ -32,17 +32,30 @@ class Generation:
     batch_size: int = 1  # the largest batch the server decoded this request in
     ttft_ms: float = 0.0  # server-side: to the first token, and per token after it
     tpot_ms: float = 0.0
+    finish_reason: str = ""
+    extra: dict | None = None  # choices (n > 1), logprobs: as the server sent them (JSON decoded)
 
     @classmethod
     def from_fields(cls, fields: dict[str, str]) -> "Generation":
+        extra = {k: json.loads(fields[k]) for k in ("choices", "logprobs") if k in fields}
         return cls(text=fields["text"], token_ids=json.loads(fields["token_ids"]), model_name=fields["model_name"],
                    model_version=fields["model_version"], source_run_id=fields["source_run_id"],
                    checkpoint_step=int(fields["checkpoint_step"]), batch_size=int(fields.get("batch_size", 1)),
-                   ttft_ms=float(fields.get("ttft_ms", 0)), tpot_ms=float(fields.get("tpot_ms", 0)))
+                   ttft_ms=float(fields.get("ttft_ms", 0)), tpot_ms=float(fields.get("tpot_ms", 0)),
+                   finish_reason=fields.get("finish_reason", ""), extra=extra or None)
 
 
 def _fields(**params) -> dict[str, str]:
-    return {k: str(v) for k, v in params.items() if v is not None}
+    """The request's key/value strings, checked first by the protocol every entry point uses (serving/protocol.py:
+    the same messages as the server's; the server's own limits are checked there)."""
+    from serving.protocol import Limits, RequestError, parse, to_strings
+
+    values = {k: v for k, v in params.items() if v is not None}
+    try:
+        parse(values, Limits(max_prompt_chars=1 << 20, max_new_tokens_limit=1 << 20, request_timeout_s=1e9))
+    except RequestError as exc:
+        raise ServingError(exc.code, exc.message) from None
+    return to_strings(values)
 
 
 class GenerationClient:
@@ -60,15 +73,18 @@ class GenerationClient:
         return response.json()
 
     def generate(self, prompt: str, max_new_tokens: int | None = None, temperature: float | None = None,
-                 top_k: int | None = None, seed: int | None = None, timeout_s: float | None = None) -> Generation:
+                 top_k: int | None = None, seed: int | None = None, timeout_s: float | None = None,
+                 **options) -> Generation:
+        """Options: top_p, stop, n, logprobs, echo (serving/protocol.py); the answer's extra fields (choices,
+        logprobs, finish_reason) are in Generation.extra."""
         answer = self.raw_http(_fields(prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-                                       top_k=top_k, seed=seed, timeout_s=timeout_s))
+                                       top_k=top_k, seed=seed, timeout_s=timeout_s, **options))
         if answer.get("err_no", -1) != 0:
             raise ServingError(answer.get("err_no", -1), answer.get("err_msg", ""))
         return Generation.from_fields(dict(zip(answer["key"], answer["value"])))
 
     def generate_grpc(self, prompt: str, max_new_tokens: int | None = None, temperature: float | None = None,
-                      top_k: int | None = None, seed: int | None = None) -> Generation:
+                      top_k: int | None = None, seed: int | None = None, **options) -> Generation:
         if self._grpc is None:
             from paddle_serving_server.pipeline import PipelineClient
 
@@ -76,8 +92,8 @@ class GenerationClient:
             self._grpc.connect([self.rpc_address])
         with contextlib.redirect_stdout(io.StringIO()):  # PipelineClient prints timing lines on every call
             answer = self._grpc.predict(feed_dict=_fields(prompt=prompt, max_new_tokens=max_new_tokens,
-                                                          temperature=temperature, top_k=top_k, seed=seed),
-                                        fetch=None)
+                                                          temperature=temperature, top_k=top_k, seed=seed,
+                                                          **options), fetch=None)
         if answer.err_no != 0:
             raise ServingError(answer.err_no, answer.err_msg)
         return Generation.from_fields(dict(zip(answer.key, answer.value)))

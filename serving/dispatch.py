@@ -35,24 +35,32 @@ from core.processes import child_dies_with_parent
 from serving.generation import GenerationSettings
 from serving.state import WORKER_FILE
 
-CODES = {"bad_request": 8001, "internal": 8002, "busy": 8003, "deadline": 8004, "worker_died": 8005,
-         "unavailable": 8006}
+from serving.protocol import KINDS, RequestError
 
-
-class ServingError(Exception):
-    """A request that cannot be answered: `kind` is one of CODES (err_no for Paddle Serving, an HTTP status for the
-    OpenAI-compatible route)."""
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind, self.message, self.code = kind, message, CODES[kind]
+CODES = {kind: codes[0] for kind, codes in KINDS.items()}
 
 
 @dataclass
 class _Pending:
     done: threading.Event = field(default_factory=threading.Event)
     result: dict | None = None
-    error: ServingError | None = None
+    error: RequestError | None = None
+    # called on the worker's reader thread with ("delta", text), then ("done", result) or ("error", RequestError)
+    on_event: object = None
+
+    def finish(self, result: dict | None = None, error: RequestError | None = None) -> None:
+        self.result, self.error = result, error
+        self.done.set()
+        if self.on_event:
+            self.on_event(("done", result) if error is None else ("error", error))
+
+
+@dataclass
+class Ticket:
+    """A submitted request: which worker holds it, under which id."""
+    worker: "WorkerHandle"
+    job_id: int
+    pending: _Pending
 
 
 class WorkerHandle:
@@ -109,6 +117,10 @@ class WorkerHandle:
             elif message[0] == "state":
                 self.queue_state = message[1:]
                 d.update_gauges()
+            elif message[0] == "delta":
+                pending = self.pending.get(message[1])
+                if pending is not None and pending.on_event:
+                    pending.on_event(("delta", message[2]))
             else:
                 self.resolve(message)
 
@@ -124,10 +136,9 @@ class WorkerHandle:
         if pending is None:
             return  # (already answered: deadline)
         if message[0] == "done":
-            pending.result = message[2]
+            pending.finish(result=message[2])
         else:
-            pending.error = ServingError(message[2], message[3])
-        pending.done.set()
+            pending.finish(error=RequestError(message[2], message[3]))
 
     def forget(self, job_id: int) -> _Pending | None:
         with self.dispatcher.lock:
@@ -135,12 +146,11 @@ class WorkerHandle:
         self.dispatcher.update_gauges()
         return pending
 
-    def fail_all(self, error: ServingError) -> int:
+    def fail_all(self, error: RequestError) -> int:
         with self.dispatcher.lock:
             held, self.pending = self.pending, {}
         for pending in held.values():
-            pending.error = error
-            pending.done.set()
+            pending.finish(error=error)
         return len(held)
 
     def stop(self) -> None:
@@ -150,6 +160,17 @@ class WorkerHandle:
                 self.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+MIN_CAPACITY = 128  # requests the server admits at least, by default (TGI's default is 128; vLLM queues all)
+
+
+def per_worker_capacity(serving_config, workers: int) -> int:
+    """Requests one worker holds at most: its running batch and its queue (serving.max_queue, or 0: whatever makes
+    the server admit MIN_CAPACITY; each request's deadline bounds its wait)."""
+    s = serving_config
+    queue = s.max_queue if s.max_queue else max(0, -(-MIN_CAPACITY // max(workers, 1)) - s.max_batch_size)
+    return s.max_batch_size + queue
 
 
 def placement_args(placement: Placement) -> list[str]:
@@ -163,7 +184,7 @@ class Dispatcher:
                  state_dir: Path | None = None, on_fatal=None, log=None):
         s = serving_config
         self.settings, self.model_dir, self.threads, self.metrics = s, Path(model_dir), threads, metrics
-        self.capacity = s.max_batch_size + s.max_queue  # per worker
+        self.capacity = per_worker_capacity(s, workers)
         self.state_dir, self.on_fatal = state_dir, on_fatal or (lambda reason: None)
         self.log = log or (lambda text: print(text, file=sys.stderr, flush=True))
         self.lock = threading.Lock()
@@ -203,7 +224,7 @@ class Dispatcher:
         worker.ready.clear()
         code = worker.proc.wait() if worker.proc else None
         how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
-        failed = worker.fail_all(ServingError("worker_died", f"the generation worker died ({how}) while generating "
+        failed = worker.fail_all(RequestError("worker_died", f"the generation worker died ({how}) while generating "
                                                              "this request; the server is starting a new one: retry"))
         self.update_gauges()
         now = time.monotonic()
@@ -247,33 +268,65 @@ class Dispatcher:
 
     # -- requests -------------------------------------------------------------------------------------------------
     def generate(self, prompt: str, settings: GenerationSettings, timeout_s: float | None = None) -> dict:
-        """The worker's result for one request, or ServingError."""
+        """The worker's result for one request, or RequestError (blocking: Paddle Serving's Op threads)."""
+        timeout_s = timeout_s or self.settings.request_timeout_s
+        ticket = self.submit(prompt, settings, timeout_s)
+        if not ticket.pending.done.wait(timeout_s):
+            self.cancel(ticket)
+            raise deadline_error(timeout_s)
+        if ticket.pending.error:
+            raise ticket.pending.error
+        return ticket.pending.result
+
+    def generate_choices(self, request) -> list[dict]:
+        """The n choices of a protocol Request (serving/protocol.py), blocking: all within its deadline, or the
+        first error (the other choices are cancelled)."""
+        deadline = time.monotonic() + request.timeout_s
+        tickets = []
+        try:
+            for i in range(request.n):
+                tickets.append(self.submit(request.prompt, request.choice_settings(i), request.timeout_s))
+            for ticket in tickets:
+                if not ticket.pending.done.wait(max(0.0, deadline - time.monotonic())):
+                    raise deadline_error(request.timeout_s)
+                if ticket.pending.error:
+                    raise ticket.pending.error
+        except RequestError:
+            for ticket in tickets:
+                self.cancel(ticket)
+            raise
+        return [ticket.pending.result for ticket in tickets]
+
+    def submit(self, prompt: str, settings: GenerationSettings, timeout_s: float | None = None, on_event=None,
+               stream: bool = False) -> Ticket:
+        """Hand one request to the least busy ready worker; its events go to `on_event` (on a reader thread); the
+        caller waits and cancels (`cancel`) at its deadline or when its client is gone. RequestError: refused."""
         timeout_s = timeout_s or self.settings.request_timeout_s
         deadline = time.monotonic() + timeout_s
         if self.draining or self.fatal:
-            raise ServingError("unavailable", "the server is shutting down")
-        pending = _Pending()
+            raise RequestError("unavailable", "the server is shutting down")
+        pending = _Pending(on_event=on_event)
         with self.lock:
             ready = [w for w in self.workers if w.ready.is_set()]
             if not ready:
-                raise ServingError("unavailable", "no generation worker is ready (starting, or restarting after a "
+                raise RequestError("unavailable", "no generation worker is ready (starting, or restarting after a "
                                                   "failure); retry shortly")
             worker = min(ready, key=lambda w: len(w.pending))
             if len(worker.pending) >= self.capacity:
-                raise ServingError("busy", f"server busy: {self.capacity * len(ready)} requests in flight (serving."
-                                           "max_batch_size + serving.max_queue per worker); retry later")
+                raise RequestError("busy", f"server busy: {self.capacity * len(ready)} requests in flight, the "
+                                           f"server's capacity (serving.max_batch_size + serving.max_queue per "
+                                           f"worker); retry later")
             job_id = next(self.ids)
             worker.pending[job_id] = pending
         self.update_gauges()
-        worker.send("generate", job_id, prompt, settings, deadline)
-        if not pending.done.wait(timeout_s):
-            worker.forget(job_id)
-            worker.send("cancel", job_id)
-            raise ServingError("deadline", f"deadline exceeded: no answer within {timeout_s:g}s "
-                                           f"(serving.request_timeout_s)")
-        if pending.error:
-            raise pending.error
-        return pending.result
+        worker.send("generate", job_id, prompt, settings, deadline, stream)
+        return Ticket(worker, job_id, pending)
+
+    def cancel(self, ticket: Ticket) -> None:
+        """Give up a request (deadline, client gone): it leaves its worker's queue or running batch at once."""
+        if ticket.worker.forget(ticket.job_id) is not None:
+            ticket.worker.send("cancel", ticket.job_id)
+
 
     # -- shutting down --------------------------------------------------------------------------------------------
     def drain(self, grace_s: float) -> bool:
@@ -291,3 +344,7 @@ class Dispatcher:
         self.stopping = True
         for worker in self.workers:
             worker.stop()
+
+
+def deadline_error(timeout_s: float) -> RequestError:
+    return RequestError("deadline", f"deadline exceeded: no answer within {timeout_s:g}s (serving.request_timeout_s)")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from serving.generation import GenerationSettings, budget, choose_rows
+from serving.generation import GenerationSettings, budget, choose_rows, token_logprobs
 
 
 @dataclass
@@ -38,6 +38,10 @@ class Job:
     budget: int = 0
     rng: object = None
     pending: int | None = None  # the token chosen last, fed to the next decode step
+    logprobs: list = field(default_factory=list)  # (settings.logprobs >= 0) one entry per new token
+    stream: bool = False  # the worker sends its text as it grows
+    streamed: int = 0  # characters of its text already sent
+    stop_at: int | None = None  # where a stop string begins in its text (finished by it)
 
 
 @dataclass
@@ -48,8 +52,10 @@ class Outcome:
 
 class Scheduler:
     def __init__(self, prefill, decode, eos_id: int, banned_ids: list[int], usable_vocab: int, max_length: int,
-                 pad_id: int = 0, max_batch_size: int = 16, max_batch_tokens: int = 0, policy: str = "continuous"):
+                 pad_id: int = 0, max_batch_size: int = 16, max_batch_tokens: int = 0, policy: str = "continuous",
+                 stop_check=None):
         self.prefill, self.decode = prefill, decode
+        self.stop_check = stop_check  # job -> True when its text reached one of its stop strings (the worker's)
         self.eos_id, self.banned_ids, self.usable_vocab = eos_id, banned_ids, usable_vocab
         self.max_length, self.pad_id, self.policy = max_length, pad_id, policy
         self.max_batch_size = max_batch_size
@@ -155,12 +161,16 @@ class Scheduler:
     def _choose(self, jobs: list[Job], logits) -> None:
         tokens = choose_rows(logits, [job.settings for job in jobs], [job.rng for job in jobs], self.banned_ids,
                              self.usable_vocab)
-        for job, token in zip(jobs, tokens):
+        for r, (job, token) in enumerate(zip(jobs, tokens)):
             job.new.append(token)
             job.pending = token
+            if job.settings.logprobs >= 0:
+                job.logprobs.append(token_logprobs(logits[r], token, job.settings.logprobs, self.banned_ids,
+                                                   self.usable_vocab))
 
     def _finished(self, job: Job) -> bool:
-        return job.new[-1] == self.eos_id or len(job.new) >= job.budget
+        return (job.new[-1] == self.eos_id or len(job.new) >= job.budget
+                or (bool(job.settings.stop) and self.stop_check is not None and self.stop_check(job)))
 
     def _finish_done(self) -> list[Outcome]:
         done = [r for r, job in enumerate(self.running) if self._finished(job)]

@@ -23,6 +23,9 @@ class GenerationSettings:
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = no limit
     seed: int = 0
+    top_p: float = 1.0  # 1 = no limit: sample among the most likely tokens holding this much probability
+    stop: tuple = ()  # strings that end generation (checked on the decoded text by the worker)
+    logprobs: int = -1  # -1 = off; k >= 0: each chosen token's log-probability and k alternatives
 
 
 def choose(logits_row: np.ndarray, settings: GenerationSettings, rng, banned_ids: list[int],
@@ -52,9 +55,27 @@ def _sample(logits: np.ndarray, settings: GenerationSettings, rng, usable_vocab:
         kth = len(logits) - min(settings.top_k, usable_vocab)
         logits[logits < np.partition(logits, kth)[kth]] = -np.inf  # below the k-th largest
     probs = np.exp(logits - logits.max())
+    if settings.top_p < 1.0:  # the smallest set of most likely tokens whose probability reaches top_p
+        order = np.argsort(-probs, kind="stable")
+        mass = (probs[order] / probs.sum()).cumsum()
+        probs[order[int(mass.searchsorted(settings.top_p, side="left")) + 1:]] = 0.0
     cdf = (probs / probs.sum()).cumsum()
     cdf /= cdf[-1]
     return int(cdf.searchsorted(rng.random(), side="right"))
+
+
+def token_logprobs(logits_row: np.ndarray, token: int, alternatives: int, banned_ids: list[int],
+                   usable_vocab: int) -> dict:
+    """The chosen token's log-probability under the model's distribution (banned and padding ids excluded) and the
+    `alternatives` most likely tokens with theirs."""
+    row = np.array(logits_row, dtype="float64")
+    row[usable_vocab:] = -np.inf
+    row[banned_ids] = -np.inf
+    top = row.max()
+    logp = row - (top + np.log(np.exp(row - top).sum()))
+    best = np.argsort(-logp, kind="stable")[:alternatives] if alternatives else []
+    return {"token": int(token), "logprob": float(logp[token]),
+            "top": [(int(i), float(logp[i])) for i in best]}
 
 
 def budget(prompt_length: int, settings: GenerationSettings, max_length: int) -> int:

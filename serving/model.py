@@ -8,16 +8,13 @@ import serving  # noqa: F401  (zlib first)
 from core import exportdir
 from core.tokenizer import decode, load_tokenizer
 from serving.generation import GenerationSettings, generate, generate_batch
+from serving.protocol import RequestError, bad  # noqa: F401  (RequestError: what encode raises)
 
 
 def lineage(meta: dict) -> dict[str, str]:
     """What an answer says about the model that gave it (export.json's fields, as strings)."""
     return {"model_name": meta["registered_model_name"], "model_version": str(meta["version"]),
             "source_run_id": meta["source_run_id"], "checkpoint_step": str(meta["checkpoint_step"])}
-
-
-class RequestError(ValueError):
-    """A problem with a request; the message goes back to the client."""
 
 
 class ExportedModel:
@@ -33,9 +30,9 @@ class ExportedModel:
     def encode(self, prompt: str) -> list[int]:
         ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         if not ids:
-            raise RequestError("prompt has no tokens after tokenization")
+            raise bad("`prompt` has no tokens after tokenization", "prompt")
         if len(ids) >= self.max_length:
-            raise RequestError(f"prompt is {len(ids)} tokens; the model's maximum length is {self.max_length}")
+            raise bad(f"`prompt` is {len(ids)} tokens; the model's maximum length is {self.max_length}", "prompt")
         return ids
 
     def decode(self, ids: list[int]) -> str:

@@ -21,8 +21,9 @@ import mlflow.pyfunc
 
 # The artifact name under which the python model finds the export directory (the MLflow model's own root).
 EXPORT_ARTIFACT = "export_dir"
-# What pyfunc.predict takes: a DataFrame (or list of dicts) with `prompt` and, optionally, these per row.
-OPTIONAL_INPUTS = {"max_new_tokens": int, "temperature": float, "top_k": int, "seed": int}
+# What pyfunc.predict takes: a DataFrame (or list of dicts) with `prompt` and, optionally, these per row (checked by
+# the serving protocol, serving/protocol.py, like every entry point's requests).
+OPTIONAL_INPUTS = {"max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float, "seed": int}
 DEFAULT_MAX_NEW_TOKENS = 16
 BATCH = 8  # rows generated together (answers do not depend on the batch: serving/generation.py)
 
@@ -33,7 +34,7 @@ def signature():
 
     inputs = Schema([ColSpec("string", "prompt"), ColSpec("long", "max_new_tokens", required=False),
                      ColSpec("double", "temperature", required=False), ColSpec("long", "top_k", required=False),
-                     ColSpec("long", "seed", required=False)])
+                     ColSpec("double", "top_p", required=False), ColSpec("long", "seed", required=False)])
     outputs = Schema([ColSpec("string", "text"), ColSpec(Array("long"), "token_ids")])
     return ModelSignature(inputs=inputs, outputs=outputs)
 
@@ -98,99 +99,18 @@ def _missing(value) -> bool:
 
 
 def _parse(i: int, row: dict, max_length: int):
-    from serving.generation import GenerationSettings
+    """One row -> (prompt, settings), checked by the serving protocol; the row's number in every message."""
+    from serving.protocol import Limits, RequestError, parse
 
     unknown = sorted(set(row) - {"prompt", *OPTIONAL_INPUTS})
     if unknown:
-        raise ValueError(f"row {i}: unknown column(s) {', '.join(unknown)}")
-    prompt = row.get("prompt")
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise ValueError(f"row {i}: `prompt` must be a non-empty string")
-    values = {}
-    for key, kind in OPTIONAL_INPUTS.items():
-        if key in row:
-            try:
-                values[key] = kind(row[key])
-            except (TypeError, ValueError):
-                raise ValueError(f"row {i}: {key} must be {'an integer' if kind is int else 'a number'}, got "
-                                 f"{row[key]!r}") from None
-    settings = GenerationSettings(max_new_tokens=values.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS),
-                                  temperature=values.get("temperature", 0.0), top_k=values.get("top_k", 0),
-                                  seed=values.get("seed", 0))
-    if not 1 <= settings.max_new_tokens <= max_length or settings.temperature < 0 or settings.top_k < 0 \
-            or settings.seed < 0:
-        raise ValueError(f"row {i}: max_new_tokens in [1, {max_length}], temperature, top_k and seed >= 0")
-    return prompt.strip(), settings
-
-
-def write_mlflow_model(export_dir: Path, pip_requirements: list[str], input_prompt: str) -> None:
-    """Add MLflow's metadata for a `python_function` model to an export directory, in place.
-
-    MLflow's `save_model` copies artifacts into the model directory; an export is tens of MB to TBs, so the model
-    is saved with a placeholder artifact in a scratch directory, its metadata moved into the export directory, and
-    the artifact's path set to `.` (the model's own root), which is where pyfunc resolves artifacts from."""
-    from mlflow.models import Model
-
-    repo = Path(serving.__file__).resolve().parent.parent
-    with tempfile.TemporaryDirectory(prefix="pyfunc-") as scratch:
-        placeholder = Path(scratch) / "placeholder"
-        placeholder.mkdir()
-        code = []  # the serving code and the vocabulary it imports (core/), without bytecode caches
-        for package in ("serving", "core"):
-            code.append(shutil.copytree(repo / package, Path(scratch) / "code" / package,
-                                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc")))
-        model_dir = Path(scratch) / "model"
-        mlflow.pyfunc.save_model(
-            str(model_dir), python_model=GenerationModel(), artifacts={EXPORT_ARTIFACT: str(placeholder)},
-            code_paths=[str(c) for c in code], pip_requirements=pip_requirements,
-            signature=signature(), input_example={"prompt": input_prompt, "max_new_tokens": 8})
-        shutil.rmtree(model_dir / "artifacts")
-        model = Model.load(str(model_dir))
-        model.flavors["python_function"]["artifacts"][EXPORT_ARTIFACT]["path"] = "."
-        model.save(str(model_dir / "MLmodel"))
-        for item in model_dir.iterdir():
-            target = Path(export_dir) / item.name
-            if target.exists():
-                raise FileExistsError(f"{target} exists: the export directory already holds an MLflow model")
-            shutil.move(str(item), target)
-
-
-# Not needed to generate, and their declared pins cannot install on Python 3.11 (the project installs them with
-# --no-deps): left out, so that pip can resolve the rest when `mlflow models serve` builds an environment.
-NOT_FOR_PYFUNC = ("paddle-serving-server", "paddle-serving-app")
-
-
-def pinned_requirements(repo: Path) -> list[str]:
-    """The project's exact pins (requirements/lock.txt plus the CPU Paddle build) but Paddle Serving's: what
-    `mlflow models serve` installs when it builds an environment."""
-    lines = []
-    for name in ("lock.txt", "paddle-cpu.txt"):
-        for line in (repo / "requirements" / name).read_text().splitlines():
-            line = line.split("#", 1)[0].strip()
-            if line and not line.startswith("-") and not line.lower().startswith(NOT_FOR_PYFUNC):
-                lines.append(line)
-    return lines
-
-
-def check(export_dir: Path, references: dict[str, list[int]]) -> dict[str, list[int]]:
-    """Load the directory as MLflow would (`mlflow.pyfunc.load_model`) and generate the reference prompts greedily;
-    returns the prompts whose tokens differ (empty when the model answers as recorded)."""
-    import pandas as pd
-
-    model = mlflow.pyfunc.load_model(str(export_dir))
-    prompts = list(references)
-    n = max(len(v) for v in references.values())
-    out = model.predict(pd.DataFrame({"prompt": prompts, "max_new_tokens": [n] * len(prompts)}))
-    return {p: list(map(int, ids)) for p, ids in zip(prompts, out["token_ids"]) if list(map(int, ids)) != references[p]}
-
-
-def main() -> None:  # python -m serving.pyfunc <export dir> [prompt]: one generation, as MLflow loads it
-    import sys
-
-    model = mlflow.pyfunc.load_model(sys.argv[1])
-    print(json.dumps(model.predict([{"prompt": sys.argv[2] if len(sys.argv) > 2 else "人工智能"}]).to_dict("records"),
-                     ensure_ascii=False, default=list))
-
-
-if __name__ == "__main__":
-    main()
+        raise RequestError("bad_request", f"row {i}: unknown column(s) {', '.join(unknown)}; allowed: prompt, "
+                                          f"{', '.join(OPTIONAL_INPUTS)}")
+    values = {k: (v.item() if hasattr(v, "item") else v) for k, v in row.items()}  # (numpy scalars of a DataFrame)
+    limits = Limits(max_prompt_chars=1 << 20, max_new_tokens_limit=max_length,
+                    default_max_new_tokens=DEFAULT_MAX_NEW_TOKENS)
+    try:
+        request = parse(values, limits)
+    except RequestError as exc:
+        raise RequestError(exc.kind, f"row {i}: {exc.message}", exc.param) from None
+    return request.prompt, request.settings

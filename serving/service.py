@@ -2,14 +2,14 @@
 (serving/api.py) and the metrics port (serving/metrics.py), all in front of the generation worker processes
 (serving/worker.py, managed by serving/dispatch.py).
 
-Request  (HTTP `POST /<service>/prediction`, or gRPC PipelineClient): key/value lists of strings,
-    prompt (required), max_new_tokens, temperature (0 = greedy, the default), top_k (0 = off), seed, timeout_s (the
-    request's deadline, at most serving.request_timeout_s, the default)
-Response: err_no 0 and key/value lists: text, token_ids (JSON list), model_name, model_version, source_run_id,
-    checkpoint_step, batch_size (the largest batch the request was decoded in), ttft_ms and tpot_ms (time to its
-    first token since it reached the server, and per token after it). Errors: err_no 8001 bad request,
-    8002 internal, 8003 busy, 8004 deadline exceeded, 8005 the worker died (retry), 8006 unavailable (starting or
-    shutting down), with a message; the server stays up.
+Request  (HTTP `POST /<service>/prediction`, or gRPC PipelineClient): key/value lists of strings, the fields of
+    serving/protocol.py: prompt (required), max_new_tokens, temperature (0 = greedy, the default), top_k, top_p,
+    seed, stop (a string or a JSON list), n, logprobs, echo, timeout_s
+Response: err_no 0 and key/value lists: text, token_ids (JSON list), finish_reason, model_name, model_version,
+    source_run_id, checkpoint_step, batch_size (the largest batch the request was decoded in), ttft_ms and tpot_ms
+    (time to its first token since it reached the server, and per token after it); `choices` (n > 1) and `logprobs`
+    as JSON. Errors: err_no 8001 bad request, 8002 internal, 8003 busy, 8004 deadline exceeded, 8005 the worker
+    died (retry), 8006 unavailable (starting or shutting down), with a message; the server stays up.
 
 The Op runs as threads (one per request in flight) that hand requests to the worker and wait: the worker batches
 them between decode steps (serving/engine.py), which Paddle Serving's own batching cannot (it hands an Op a whole
@@ -32,87 +32,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import serving  # noqa: F401  (zlib first; paddle_serving_client stand-in)
-from serving.generation import GenerationSettings
-from serving.dispatch import CODES, Dispatcher, ServingError
-from serving.model import RequestError, lineage
+from serving.dispatch import Dispatcher
+from serving.model import lineage
+from serving.protocol import KINDS, Limits, Request, RequestError, bad, check_unique_keys, from_strings, parse
 
-# Application error codes, returned as err_no (Paddle Serving's own codes are below 1000 or negative).
-BAD_REQUEST = CODES["bad_request"]
-INTERNAL_ERROR = CODES["internal"]
-FIELDS = ("prompt", "max_new_tokens", "temperature", "top_k", "seed", "timeout_s")
+BAD_REQUEST, INTERNAL_ERROR = KINDS["bad_request"][0], KINDS["internal"][0]
 
 
-@dataclass(frozen=True)
-class Limits:
-    max_prompt_chars: int
-    max_new_tokens_limit: int
-    default_max_new_tokens: int
-    max_request_bytes: int
-    request_timeout_s: float = 30.0  # the deadline of a request that names none, and the longest one may name
-
-    @classmethod
-    def from_config(cls, serving_config) -> "Limits":
-        return cls(serving_config.max_prompt_chars, serving_config.max_new_tokens_limit,
-                   serving_config.default_max_new_tokens, serving_config.max_request_bytes,
-                   serving_config.request_timeout_s)
-
-
-def _number(name: str, raw, kind, low, high):
-    if not isinstance(raw, str):
-        raise RequestError(f"{name} must be sent as a string, got {type(raw).__name__}")
-    try:
-        value = kind(raw.strip())
-    except ValueError:
-        raise RequestError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {raw!r}") from None
-    if not low <= value <= high:
-        raise RequestError(f"{name} must be in [{low}, {high}], got {value}")
-    return value
-
-
-def check_unique_keys(keys) -> None:
-    """A key sent twice is ambiguous (which value counts?): refuse it rather than silently keep one."""
-    seen, repeated = set(), []
-    for key in keys:
-        if key in seen and key not in repeated:
-            repeated.append(key)
-        seen.add(key)
-    if repeated:
-        raise RequestError(f"parameter(s) sent more than once: {', '.join(map(str, repeated))}")
-
-
-def parse_timeout(fields: dict, limits: Limits) -> float:
-    """The request's deadline in seconds: `timeout_s` if it names one (up to serving.request_timeout_s)."""
-    if "timeout_s" not in fields:
-        return limits.request_timeout_s
-    return _number("timeout_s", fields["timeout_s"], float, 0.001, limits.request_timeout_s)
-
-
-def parse_request(fields: dict, limits: Limits) -> tuple[str, GenerationSettings]:
-    """Validate one request's key/value fields; every problem raises RequestError with a message for the client."""
+def parse_fields(fields: dict, limits: Limits) -> Request:
+    """One request's key/value strings -> a checked Request (serving/protocol.py); RequestError otherwise."""
     size = sum(len(str(k).encode()) + len(str(v).encode()) for k, v in fields.items())
     if size > limits.max_request_bytes:
-        raise RequestError(f"request is {size} bytes; the limit is {limits.max_request_bytes}")
-    unknown = sorted(set(fields) - set(FIELDS))
-    if unknown:
-        raise RequestError(f"unknown parameter(s) {', '.join(unknown)}; allowed: {', '.join(FIELDS)}")
-    if "prompt" not in fields:
-        raise RequestError("missing prompt: send key 'prompt' with the text to continue")
-    prompt = fields["prompt"]
-    if not isinstance(prompt, str):
-        raise RequestError(f"prompt must be a string, got {type(prompt).__name__}")
-    prompt = prompt.strip()
-    if not prompt:
-        raise RequestError("prompt is empty")
-    if len(prompt) > limits.max_prompt_chars:
-        raise RequestError(f"prompt has {len(prompt)} characters; the limit is {limits.max_prompt_chars}")
-    settings = GenerationSettings(
-        max_new_tokens=_number("max_new_tokens", fields.get("max_new_tokens", str(limits.default_max_new_tokens)), int,
-                               1, limits.max_new_tokens_limit),
-        temperature=_number("temperature", fields.get("temperature", "0"), float, 0.0, 10.0),
-        top_k=_number("top_k", fields.get("top_k", "0"), int, 0, 1_000_000),
-        seed=_number("seed", fields.get("seed", "0"), int, 0, 2**31 - 1),
-    )
-    return prompt, settings
+        raise bad(f"request is {size} bytes; the limit is {limits.max_request_bytes}")
+    return parse(from_strings(fields), limits)
 
 
 def _make_op_classes(dispatcher: Dispatcher, limits: Limits, metrics):
@@ -163,30 +95,52 @@ class GenerateMethods:
     def preprocess(self, input_dicts, data_id, log_id):
         ((_, fields),) = input_dicts.items()
         try:
-            request = (*parse_request(dict(fields), self.limits), parse_timeout(dict(fields), self.limits))
+            request = parse_fields(dict(fields), self.limits)
         except RequestError as exc:
             self.metrics.refused("paddle_serving", "bad_request")
-            return None, False, BAD_REQUEST, str(exc)
-        return {"request": (time.monotonic(), *request)}, False, None, ""
+            return None, False, exc.code, exc.message
+        return {"request": (time.monotonic(), request)}, False, None, ""
 
     def process(self, feed_batch, typical_logid=0):
-        arrived, prompt, settings, timeout_s = feed_batch[0]["request"]
+        # Errors travel to postprocess as data: Paddle Serving appends a pointer to its own log to process()'s error
+        # messages ("Please check the input dict and checkout PipelineServingLogs/pipeline.log"), not to these.
+        arrived, request = feed_batch[0]["request"]
         try:
-            result = self.dispatcher.generate(prompt, settings, timeout_s)
-        except ServingError as exc:
+            results = self.dispatcher.generate_choices(request)
+        except RequestError as exc:
             self.metrics.refused("paddle_serving", exc.kind)
-            return None, exc.code, exc.message
+            return {"result": [{"error": (exc.code, exc.message)}]}, 0, ""
         except Exception as exc:  # noqa: BLE001  (reported to the client; the server keeps serving)
             self.metrics.refused("paddle_serving", "internal")
-            return None, INTERNAL_ERROR, f"generation failed: {exc.__class__.__name__}: {exc}"
-        self.metrics.answered("paddle_serving", arrived, result)
+            return {"result": [{"error": (INTERNAL_ERROR, f"generation failed: {exc.__class__.__name__}: {exc}")}]}, \
+                0, ""
+        for result in results:
+            self.metrics.answered("paddle_serving", arrived, result)
         # (a list: Paddle Serving slices each output by the request's rows)
-        return {"result": [{**result, "arrived": arrived}]}, 0, ""
+        return {"result": [{"choices": results, "arrived": arrived, "request": request}]}, 0, ""
 
     def postprocess(self, input_dicts, fetch_dict, data_id, log_id):
-        result = fetch_dict["result"][0]
-        return {"text": result["text"], "token_ids": json.dumps(result["token_ids"]),
-                "batch_size": str(result["batch_size"]), **timings(result), **lineage(self.dispatcher.meta)}, None, ""
+        answer = fetch_dict["result"][0]
+        if "error" in answer:
+            return None, *answer["error"]
+        return answer_fields(answer["request"], answer["choices"], answer["arrived"], self.dispatcher.meta), None, ""
+
+
+def answer_fields(request: Request, choices: list[dict], arrived: float, meta: dict) -> dict[str, str]:
+    """Paddle Serving's answer: the first choice's text and token ids (echo: the prompt before the text), its
+    finish reason and timings, the lineage; `choices` (n > 1) and `logprobs` as JSON when asked for."""
+    first = {**choices[0], "arrived": arrived}
+    prefix = request.prompt if request.echo else ""
+    out = {"text": prefix + first["text"], "token_ids": json.dumps(first["token_ids"]),
+           "finish_reason": first["finish_reason"], "batch_size": str(first["batch_size"]), **timings(first),
+           **lineage(meta)}
+    if request.n > 1:
+        out["choices"] = json.dumps([{"text": prefix + c["text"], "token_ids": c["token_ids"],
+                                      "finish_reason": c["finish_reason"]} for c in choices], ensure_ascii=False)
+    if request.settings.logprobs >= 0:
+        out["logprobs"] = json.dumps([c["logprobs"] for c in choices] if request.n > 1 else first["logprobs"],
+                                     ensure_ascii=False)
+    return out
 
 
 def timings(result: dict) -> dict[str, str]:
@@ -207,8 +161,11 @@ def workers(serving_config) -> int:
 
 
 def capacity(serving_config) -> int:
-    """Requests in flight at most: each worker's running batch and queue."""
-    return workers(serving_config) * (serving_config.max_batch_size + serving_config.max_queue)
+    """Requests in flight at most: each worker's running batch and queue (serving/dispatch.py)."""
+    from serving.dispatch import per_worker_capacity
+
+    n = workers(serving_config)
+    return n * per_worker_capacity(serving_config, n)
 
 
 def predictor_threads(serving_config) -> int:
@@ -268,7 +225,7 @@ def main() -> None:
     dispatcher.meta = exportdir.read_meta(model_dir)
     dispatcher.start()
     limits = Limits.from_config(s)
-    ApiServer(dispatcher, limits, dispatcher.meta, metrics).start(s.host, s.api_port)
+    ApiServer(dispatcher, limits, dispatcher.meta, metrics, model_dir, s.api_key).start(s.host, s.api_port)
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=_drain, args=(dispatcher, s.drain_grace_s),
                                                               daemon=True).start())
     server_fixes()  # (Paddle Serving: one Op thread woken per request, not all of them; no per-request log records)

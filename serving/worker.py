@@ -19,7 +19,8 @@ import serving  # noqa: F401  (zlib first)
 from core import exportdir
 from serving.engine import Job, Scheduler
 from serving.generation import GenerationSettings
-from serving.model import ExportedModel, RequestError
+from serving.model import ExportedModel
+from serving.protocol import RequestError
 
 WARM_UP_PROMPT = "你好"
 
@@ -52,7 +53,29 @@ def build_scheduler(model: ExportedModel, threads: int, generation: str,
         predictor = exportdir.create_predictor(model.dir, threads=threads, placement=placement)
         prefill, decode = full_sequence_session(lambda ids: exportdir.predict(predictor, ids))
     return Scheduler(prefill, decode, model.eos_id, model.banned_ids, len(model.tokenizer), model.max_length,
-                     pad_id=model.tokenizer.pad_token_id, **options)
+                     pad_id=model.tokenizer.pad_token_id, stop_check=lambda job: stop_position(model, job) is not None,
+                     **options)
+
+
+def stop_position(model: ExportedModel, job: Job) -> int | None:
+    """Where the first of the job's stop strings begins in its text (None: none there yet); kept on the job."""
+    if job.stop_at is None and job.settings.stop:
+        text = model.decode(job.new)
+        found = [i for i in (text.find(s) for s in job.settings.stop) if i >= 0]
+        job.stop_at = min(found) if found else None
+    return job.stop_at
+
+
+def answer_text(model: ExportedModel, job: Job) -> str:
+    text = model.decode(job.new)
+    return text if job.stop_at is None else text[:job.stop_at]
+
+
+def streamable_text(model: ExportedModel, job: Job) -> str:
+    """The part of a running job's text that can be sent: all of it but what could still become a stop string."""
+    text = answer_text(model, job)
+    hold = max((len(s) for s in job.settings.stop), default=1) - 1 if job.stop_at is None else 0
+    return text[:len(text) - hold] if hold else text
 
 
 def check_precision(model: ExportedModel, placement: exportdir.Placement) -> float:
@@ -102,7 +125,9 @@ class Worker:
                     return
                 self.handle(message)
             if not self.scheduler.idle:
-                for outcome in self.scheduler.step():
+                outcomes = self.scheduler.step()
+                self.stream([job for job in self.scheduler.running if job.stream])
+                for outcome in outcomes:
                     self.report(outcome)
             state = (len(self.scheduler.waiting), len(self.scheduler.running))
             if state != self.state:
@@ -113,25 +138,42 @@ class Worker:
         if message[0] == "cancel":
             self.scheduler.cancel(message[1])
             return
-        _, job_id, prompt, settings, deadline = message
+        _, job_id, prompt, settings, deadline, stream = message
         try:
             ids = self.model.encode(prompt)
         except RequestError as exc:
             self.send("error", job_id, "bad_request", str(exc))
             return
-        self.scheduler.add(Job(job_id, ids, settings, deadline=deadline))
+        self.scheduler.add(Job(job_id, ids, settings, deadline=deadline, stream=stream))
+
+    def stream(self, jobs: list[Job]) -> None:
+        """Send each streaming job's new text since the last step (the server forwards it as it comes)."""
+        for job in jobs:
+            text = streamable_text(self.model, job)
+            if len(text) > job.streamed:
+                self.send("delta", job.id, text[job.streamed:])
+                job.streamed = len(text)
 
     def report(self, outcome) -> None:
         job = outcome.job
         if outcome.status == "deadline":
             self.send("error", job.id, "deadline", "the request waited past its deadline before generation began")
         elif outcome.status == "done":
-            finished = "stop" if job.new and job.new[-1] == self.model.eos_id else "length"
+            stopped = job.stop_at is not None or bool(job.new and job.new[-1] == self.model.eos_id)
             self.send("done", job.id, {
-                "token_ids": job.new, "text": self.model.decode(job.new), "prompt_tokens": len(job.prompt_ids),
-                "batch_size": max(1, job.peak_batch), "received": job.received, "first_token_at": job.first_token_at,
-                "finished_at": time.monotonic(), "finish_reason": finished})
+                "token_ids": job.new, "text": answer_text(self.model, job), "prompt_tokens": len(job.prompt_ids),
+                "prompt_token_ids": job.prompt_ids, "batch_size": max(1, job.peak_batch), "received": job.received,
+                "first_token_at": job.first_token_at, "finished_at": time.monotonic(),
+                "finish_reason": "stop" if stopped else "length", "streamed": job.streamed,
+                **({"logprobs": self.logprobs(job)} if job.settings.logprobs >= 0 else {})})
         # (cancelled: the server already answered the client)
+
+    def logprobs(self, job: Job) -> dict:
+        """OpenAI's completion logprobs: each new token's text, log-probability and top alternatives (as text)."""
+        piece = lambda i: self.model.decode([i]) if i != self.model.eos_id else ""  # noqa: E731
+        kept = job.logprobs[:len(job.new)]
+        return {"tokens": [piece(e["token"]) for e in kept], "token_logprobs": [e["logprob"] for e in kept],
+                "top_logprobs": [{piece(i): lp for i, lp in e["top"]} for e in kept]}
 
 
 def main() -> None:

@@ -181,6 +181,8 @@ def test_serving_workers_threads_and_paddle_serving_threads(monkeypatch):
     config = load_config(DEFAULT_CONFIG, ["serving.workers=2", "serving.predictor_threads=0", "serving.max_queue=4",
                                           "serving.max_batch_size=8"])
     assert (workers(config.serving), predictor_threads(config.serving), capacity(config.serving)) == (2, 4, 24)
+    default = load_config(DEFAULT_CONFIG, ["serving.workers=3"])  # (max_queue 0: at least 128 in flight)
+    assert capacity(default.serving) == 3 * 43 and capacity(load_config(DEFAULT_CONFIG).serving) == 8 * 16
     rendered = render_config(config)
     op = rendered["op"]["generate"]
     assert rendered["dag"]["is_thread_op"] is True and op["concurrency"] == rendered["worker_num"] == 28

@@ -1,5 +1,6 @@
 """Continuous batching (serving/engine.py) on the hand-made cache model of test_generation: answers equal each
 request alone, whenever it joins; limits, deadlines, cancellation, the static policy. Fast."""
+import pytest
 from test_generation import EOS, PAD, REQUESTS, ScriptedCache, batch
 
 from serving.engine import Job, Scheduler
@@ -88,3 +89,47 @@ def test_a_prompt_at_the_maximum_length_gets_nothing():
     s = Scheduler(ScriptedCache().prefill, ScriptedCache().decode, EOS, [PAD], 10, max_length=4)
     s.add(Job(0, [5] * 4, GenerationSettings()))
     assert [(o.job.id, o.status, o.job.new) for o in s.step()] == [(0, "done", [])]
+
+
+def test_top_p_logprobs_and_stop_are_per_sequence_and_batch_invariant():
+    """top_p=0.01 is greedy; logprobs are the log-softmax of the model's row (banned and padding ids out) with the
+    most likely alternatives; a stop check ends a sequence at once; and every sequence answers the same alone as
+    among the others with mixed options."""
+    import numpy as np
+
+    from test_generation import history_logits
+
+    mixed = [([4], GenerationSettings(max_new_tokens=6, temperature=1.0, top_p=0.01, seed=5)),
+             ([7, 4, 5], GenerationSettings(max_new_tokens=8, temperature=1.0, top_p=0.9, seed=11, logprobs=2)),
+             ([9, 9], GenerationSettings(max_new_tokens=12, logprobs=0)),
+             ([6] * 9, GenerationSettings(max_new_tokens=8, temperature=0.7, top_k=3, top_p=0.5, seed=3)),
+             ([5, 6], GenerationSettings(max_new_tokens=10, stop=("x",)))]
+    stop_after = lambda job: len(job.new) >= 2  # noqa: E731  (the worker's check looks at the decoded text)
+
+    def alone(i):
+        done = drive(scheduler(stop_check=stop_after), {0: jobs([mixed[i]], i)})
+        return done[i][1]
+
+    s, logged = scheduler(stop_check=stop_after), {}
+    queued = jobs(mixed)
+    arrivals = {0: queued[:2], 1: queued[2:4], 3: queued[4:]}
+    done, step = {}, 0
+    while step < 100 and (not s.idle or any(k >= step for k in arrivals)):
+        for job in arrivals.get(step, []):
+            s.add(job)
+        for outcome in s.step(0.0):
+            done[outcome.job.id] = outcome.job
+        step += 1
+    assert {i: done[i].new for i in done} == {i: alone(i) for i in range(5)}
+    greedy = drive(scheduler(), {0: jobs([([4], GenerationSettings(max_new_tokens=6))])})[0][1]
+    assert done[0].new == greedy  # top_p 0.01: only the most likely token is left to sample
+    assert len(done[4].new) == 2  # the stop check ended it
+    history = [9, 9]
+    for token, entry in zip(done[2].new, done[2].logprobs):  # greedy with logprobs=0: the chosen token only
+        row = history_logits(history).astype("float64")
+        row[10:], row[PAD] = -np.inf, -np.inf
+        logp = row - np.log(np.exp(row - row.max()).sum()) - row.max()
+        assert entry["token"] == token and entry["logprob"] == pytest.approx(logp[token]) and entry["top"] == []
+        history.append(token)
+    assert all(len(e["top"]) == 2 and e["top"][0][1] >= e["top"][1][1] for e in done[1].logprobs)
+    assert not done[0].logprobs and len(done[1].logprobs) == len(done[1].new)

@@ -1,10 +1,9 @@
-"""Generation and request parsing as pure logic (fast): the smoke test compares served output with `generate`
+"""Generation as pure logic (fast): the smoke test compares served output with `generate`
 itself, so `generate`'s own behaviour is pinned here against a hand-made model."""
 import numpy as np
 import pytest
 
 from serving.generation import GenerationSettings, generate, generate_batch
-from serving.service import Limits, RequestError, check_unique_keys, parse_request
 
 VOCAB = 12  # ids 0..9 usable, 10..11 padding rows of the embedding
 EOS, PAD = 3, 0
@@ -60,33 +59,6 @@ def test_sampling_depends_on_seed_and_top_k_limits_the_choices():
 
     assert {run(mild, [5], max_new_tokens=1, temperature=1.0, top_k=1, seed=s)[0] for s in range(20)} == {7}
     assert len({run(mild, [5], max_new_tokens=1, temperature=1.0, seed=s)[0] for s in range(20)}) > 1
-
-
-LIMITS = Limits(max_prompt_chars=10, max_new_tokens_limit=8, default_max_new_tokens=4, max_request_bytes=200)
-
-
-def test_request_defaults_and_values():
-    prompt, settings = parse_request({"prompt": "  你好  "}, LIMITS)
-    assert prompt == "你好" and settings == GenerationSettings(max_new_tokens=4, temperature=0.0, top_k=0, seed=0)
-    _, settings = parse_request({"prompt": "你好", "max_new_tokens": "8", "temperature": "0.7", "top_k": "5",
-                                 "seed": "11"}, LIMITS)
-    assert settings == GenerationSettings(max_new_tokens=8, temperature=0.7, top_k=5, seed=11)
-
-
-@pytest.mark.parametrize("fields, message", [
-    ({}, "missing prompt"),
-    ({"prompt": 5}, "prompt must be a string"),
-    ({"prompt": "很" * 11}, "prompt has 11 characters; the limit is 10"),
-    ({"prompt": "x", "max_new_tokens": "9"}, r"max_new_tokens must be in \[1, 8\], got 9"),
-    ({"prompt": "x", "max_new_tokens": 3}, "max_new_tokens must be sent as a string"),
-    ({"prompt": "x", "temperature": "-1"}, "temperature must be in"),
-    ({"prompt": "x", "seed": "1.5"}, "seed must be an integer"),
-    ({"prompt": "x", "beam": "2", "alpha": "1"}, r"unknown parameter\(s\) alpha, beam"),
-    ({"prompt": "x" * 300}, "the limit is 200"),
-])
-def test_bad_requests(fields, message):
-    with pytest.raises(RequestError, match=message):
-        parse_request(fields, LIMITS)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -168,12 +140,6 @@ def test_finished_requests_leave_the_batch_and_limits_hold():
     assert batch([[5] * 6, [5] * 8], [GenerationSettings(max_new_tokens=10)] * 2, max_length=8) == \
         [generate(full_forward, [5] * 6, GenerationSettings(max_new_tokens=10), EOS, [PAD], 10, 8), []]
     assert batch([[5] * 8], [GenerationSettings()], max_length=8) == [[]]
-
-
-def test_repeated_request_keys_are_refused():
-    check_unique_keys(["prompt", "max_new_tokens"])
-    with pytest.raises(RequestError, match=r"sent more than once: prompt$"):
-        check_unique_keys(["prompt", "seed", "prompt", "prompt"])
 
 
 def test_choosing_for_a_batch_equals_choosing_row_by_row():

@@ -1,0 +1,135 @@
+"""The one request protocol (serving/protocol.py) and its entry points: every route turns its wire format into the
+same fields and refuses a bad value with the same message."""
+import json
+
+import pandas as pd
+import pytest
+
+from serving import api, protocol
+from serving.generation import GenerationSettings
+from serving.protocol import Limits, RequestError
+
+LIMITS = Limits(max_prompt_chars=10, max_new_tokens_limit=8, default_max_new_tokens=4, max_request_bytes=300,
+                request_timeout_s=30.0)
+MODEL_IDS = {"m", "m/1"}
+
+
+def test_defaults_and_values_prompts_unchanged():
+    request = protocol.parse({"prompt": "  你好  "}, LIMITS)
+    assert request.prompt == "  你好  " and request.settings == GenerationSettings(max_new_tokens=4)
+    assert (request.n, request.echo, request.timeout_s) == (1, False, 30.0)
+    request = protocol.parse(protocol.from_strings({
+        "prompt": "你好", "max_new_tokens": "8", "temperature": "0.7", "top_k": "5", "top_p": "0.9", "seed": "11",
+        "stop": '["。", "！"]', "n": "3", "logprobs": "2", "echo": "true", "timeout_s": "2.5"}), LIMITS)
+    assert request.settings == GenerationSettings(max_new_tokens=8, temperature=0.7, top_k=5, top_p=0.9, seed=11,
+                                                   stop=("。", "！"), logprobs=2)
+    assert (request.n, request.echo, request.timeout_s) == (3, True, 2.5)
+    assert [request.choice_settings(i).seed for i in range(3)] == [11, 12, 13]
+    assert protocol.parse(protocol.from_strings({"prompt": "x", "stop": "。"}), LIMITS).settings.stop == ("。",)
+    assert protocol.from_strings(protocol.to_strings({"prompt": "x", "stop": ["a", "b"], "echo": True, "n": 2})) == \
+        {"prompt": "x", "stop": ["a", "b"], "echo": True, "n": 2}
+
+
+# (typed values, the message every entry point gives, whether it depends on the server's own limits)
+BAD = [
+    ({}, "missing `prompt`", False),
+    ({"prompt": ""}, "`prompt` is empty", False),
+    ({"prompt": "很" * 11}, "`prompt` has 11 characters; the limit is 10", True),
+    ({"prompt": "x", "max_new_tokens": 9}, r"`max_new_tokens` must be in \[1, 8\], got 9", True),
+    ({"prompt": "x", "temperature": -1}, r"`temperature` must be in \[0.0, 10.0\], got -1", False),
+    ({"prompt": "x", "top_p": 0}, r"`top_p` must be in \(0.0, 1.0\], got 0", False),
+    ({"prompt": "x", "top_p": 1.5}, r"`top_p` must be in \(0.0, 1.0\], got 1.5", False),
+    ({"prompt": "x", "seed": 1.5}, "`seed` must be an integer, got 1.5", False),
+    ({"prompt": "x", "n": 9}, r"`n` must be in \[1, 8\], got 9", False),
+    ({"prompt": "x", "logprobs": 6}, r"`logprobs` must be in \[0, 5\], got 6", False),
+    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "`stop` must be a string or a list of at most 4 strings",
+     False),
+    ({"prompt": "x", "stop": [""]}, "`stop` strings must have 1..32 characters", False),
+]
+
+
+@pytest.mark.parametrize("values, message, server_limit", BAD)
+def test_every_entry_point_refuses_the_same_values_with_the_same_message(values, message, server_limit):
+    from serving import client, pyfunc
+    from serving.service import parse_fields
+
+    with pytest.raises(RequestError, match=message) as direct:
+        protocol.parse(values, LIMITS)
+    assert direct.value.kind == "bad_request" and (direct.value.code, direct.value.status) == (8001, 400)
+    # Paddle Serving's key/value strings (what the Python client and curl send)
+    with pytest.raises(RequestError, match=message):
+        parse_fields(protocol.to_strings(values), LIMITS)
+    # the OpenAI completions route (OpenAI's own name: max_tokens)
+    body = {"model": "m", **{("max_tokens" if k == "max_new_tokens" else k): v for k, v in values.items()}}
+    with pytest.raises(RequestError, match=message):
+        api.parse_completion(body, LIMITS, MODEL_IDS)
+    if server_limit:
+        return  # (the pyfunc model's limits are the model's own; the client leaves limits to the server)
+    # the Python client checks before sending (err_no as the server would answer)
+    with pytest.raises(client.ServingError, match=message) as sent:
+        client._fields(**values)
+    assert sent.value.err_no == 8001
+    # the MLflow pyfunc model: a DataFrame row (its row number first), for the options it takes
+    if set(values) <= {"prompt", *pyfunc.OPTIONAL_INPUTS}:
+        row = pyfunc._rows(pd.DataFrame([values]) if values else pd.DataFrame({"seed": [1]}))[0]
+        with pytest.raises(RequestError, match="row 0: " + message):
+            pyfunc._parse(0, row, max_length=8)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"prompt": "x", "max_new_tokens": 3}, "`max_new_tokens` must be sent as a string"),
+    ({"prompt": "x", "seed": "a"}, "`seed` must be a number, got 'a'"),
+    ({"prompt": "x", "echo": "maybe"}, "`echo` must be true or false"),
+    ({"prompt": "x", "beam": "2", "alpha": "1"}, r"unknown parameter\(s\) alpha, beam"),
+    ({"prompt": "x" * 300}, "request is 30[0-9] bytes; the limit is 300"),
+])
+def test_key_value_requests(fields, message):
+    from serving.service import parse_fields
+
+    with pytest.raises(RequestError, match=message):
+        parse_fields(fields, LIMITS)
+
+
+def test_repeated_request_keys_are_refused():
+    protocol.check_unique_keys(["prompt", "max_new_tokens"])
+    with pytest.raises(RequestError, match=r"sent more than once: prompt$"):
+        protocol.check_unique_keys(["prompt", "seed", "prompt", "prompt"])
+
+
+def test_openai_requests():
+    """OpenAI's names and defaults (temperature 1), chat rendering with the template, stream options, and
+    OpenAI-shaped refusals."""
+    request = api.parse_completion({"model": "m/1", "prompt": ["你好"], "max_tokens": 3, "stop": "。",
+                                    "stream": True, "stream_options": {"include_usage": True}}, LIMITS, MODEL_IDS)
+    assert (request.prompt, request.settings.max_new_tokens, request.settings.temperature) == ("你好", 3, 1.0)
+    assert request.stream and request.extra == {"model": "m/1", "include_usage": True}
+    assert request.settings.stop == ("。",)
+    chat = api.parse_chat({"model": "m", "messages": [{"role": "user", "content": "你好"}], "logprobs": True,
+                           "top_logprobs": 2, "temperature": 0}, Limits(max_prompt_chars=100), MODEL_IDS,
+                          api.DEFAULT_CHAT_TEMPLATE)
+    assert chat.prompt == "user: 你好\nassistant: " and chat.settings.logprobs == 2
+    assert chat.settings.temperature == 0.0
+    for body, message, status in [
+        ({"model": "x", "prompt": "a"}, "The model `x` does not exist", 404),
+        ({"model": "m", "prompt": "a", "suffix": "b"}, "`suffix` is not supported", 400),
+        ({"model": "m", "prompt": "a", "stream": "yes"}, "`stream` must be true or false", 400),
+        ({"model": "m", "prompt": "a", "logprobs": 1, "stream": True}, "`logprobs` with `stream`", 400),
+        ({"model": "m", "prompt": ["a", "b"]}, "`prompt` must be one string", 400),
+        ([1, 2], "the request body must be a JSON object", 400),
+    ]:
+        with pytest.raises(RequestError, match=message) as exc:
+            api.parse_completion(body, LIMITS, MODEL_IDS)
+        assert exc.value.status == status
+    with pytest.raises(RequestError, match="`messages` must be a non-empty list"):
+        api.parse_chat({"model": "m", "messages": []}, LIMITS, MODEL_IDS, api.DEFAULT_CHAT_TEMPLATE)
+    status, body = api.error_body(RequestError("busy", "server busy"))
+    assert status == 429 and body["error"]["code"] == "busy"
+
+
+def test_a_tokenizer_chat_template_is_used_when_the_export_has_one(tmp_path):
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "tokenizer" / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"}))
+    template = api.chat_template(tmp_path)
+    assert api.render_chat(template, [{"role": "user", "content": "嗨"}]) == "<user>嗨<assistant>"
+    assert api.chat_template(tmp_path / "missing") == api.DEFAULT_CHAT_TEMPLATE
