@@ -26,6 +26,7 @@ from core import exportdir
 from core.config import DEFAULT_CONFIG, load_config
 
 CLIENTS = (1, 2, 4, 8, 16, 32)
+STREAM_CLIENTS = (1, 8, 32)  # streaming time to first token on the OpenAI route
 PROMPTS = ("人工智能", "这本书", "快递很快，", "我们今天去", "天气不错，适合")
 NEW_TOKENS = 32
 OVERHEAD_TOKENS = 1  # (the overhead trials: see the docstring)
@@ -108,11 +109,13 @@ def served(export_dir: Path, out: Path, scheduler: str, clients: tuple, duration
             for name, call in trials.items():
                 times[name] += _timed(call, 1)
         load = [load_test(state["http_url"], n, duration) for n in clients]
+        streaming = [stream_ttft(state, body["model"], n, duration) for n in ((1, 4) if quick else STREAM_CLIENTS)] \
+            if scheduler == "continuous" else []
     finally:
         server.stop(state_dir)
     from serving.service import workers
 
-    return {"workers": workers(config.serving), "load": load,
+    return {"workers": workers(config.serving), "load": load, "streaming": streaming,
             **{f"{name}_p50_ms": float(np.median(values) * 1000) for name, values in times.items()}}
 
 
@@ -153,6 +156,43 @@ def load_test(url: str, clients: int, duration_s: float) -> dict:
             "first_error": first_error[0] if first_error else ""}
 
 
+def stream_ttft(state: dict, model: str, clients: int, duration_s: float) -> dict:
+    """`clients` closed-loop streaming clients on the OpenAI route: time from sending to the first chunk that
+    carries text, as a client sees it (p50 / p99), and to the last."""
+    first, total, errors, lock = [], [], [0], threading.Lock()
+    stop_at = time.perf_counter() + duration_s
+    url = f"{state['openai_base_url']}/completions"
+
+    def worker(index: int) -> None:
+        session, k = requests.Session(), 0
+        while time.perf_counter() < stop_at:
+            body = {"model": model, "prompt": PROMPTS[(index + k) % 5], "max_tokens": NEW_TOKENS, "temperature": 1.0,
+                    "seed": index * 1000 + k, "stream": True}
+            t0, seen = time.perf_counter(), None
+            try:
+                with session.post(url, json=body, stream=True, timeout=60) as response:
+                    response.raise_for_status()
+                    for line in response.iter_lines():
+                        if seen is None and line.startswith(b"data: {") and b'"text": ""' not in line:
+                            seen = time.perf_counter() - t0
+                with lock:
+                    first.append(seen if seen is not None else time.perf_counter() - t0)
+                    total.append(time.perf_counter() - t0)
+            except requests.RequestException:
+                with lock:
+                    errors[0] += 1
+            k += 1
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ms = lambda values, q: float(np.percentile(values, q) * 1000) if values else 0.0  # noqa: E731
+    return {"clients": clients, "requests": len(first), "errors": errors[0], "ttft_p50_ms": ms(first, 50),
+            "ttft_p99_ms": ms(first, 99), "latency_p50_ms": ms(total, 50)}
+
+
 def _median_of(runs: list[dict]) -> dict:
     """The median over rounds of every figure, with the overhead of each route over the in-process request timed in
     the same rounds."""
@@ -166,7 +206,13 @@ def _median_of(runs: list[dict]) -> dict:
                      "tokens_per_s_range": [min(r["tokens_per_s"] for r in rows),
                                             max(r["tokens_per_s"] for r in rows)]})
     p50 = {name: med([r[f"{name}_p50_ms"] for r in runs]) for name in ("in_process", "http", "grpc", "openai")}
-    return {"workers": runs[0]["workers"], **{f"{name}_p50_ms": v for name, v in p50.items()},
+    streaming = []
+    for i, row in enumerate(runs[0].get("streaming", [])):
+        rows = [r["streaming"][i] for r in runs]
+        streaming.append({"clients": row["clients"], "errors": sum(r["errors"] for r in rows),
+                          "requests": sum(r["requests"] for r in rows),
+                          **{k: med([r[k] for r in rows]) for k in row if k.endswith("_ms")}})
+    return {"workers": runs[0]["workers"], "streaming": streaming, **{f"{name}_p50_ms": v for name, v in p50.items()},
             **{f"{name}_overhead_p50_ms": p50[name] - p50["in_process"] for name in ("http", "grpc", "openai")},
             "load": load}
 
@@ -190,10 +236,16 @@ def markdown(sv: dict) -> list[str]:
              f"{c['in_process_p50_ms']:.1f} ms): Paddle Serving HTTP {c['http_overhead_p50_ms']:.1f} ms, its gRPC "
              f"{c['grpc_overhead_p50_ms']:.1f} ms, the OpenAI-compatible HTTP route {c['openai_overhead_p50_ms']:.1f} "
              f"ms (static: {s['http_overhead_p50_ms']:.1f} / {s['grpc_overhead_p50_ms']:.1f} / "
-             f"{s['openai_overhead_p50_ms']:.1f}).", "",
-             "| clients | continuous tokens/s (vs 1 client) | static tokens/s | TTFT p50 / p99 ms (cont.) | "
-             "per-token p50 / p99 ms (cont.) | TTFT p50 / p99 ms (static) | errors cont. / static |",
-             "|---|---|---|---|---|---|---|"]
+             f"{s['openai_overhead_p50_ms']:.1f})."]
+    if c.get("streaming"):
+        lines += ["", "Streaming on the OpenAI route (`stream: true`, closed-loop clients, time to the first chunk "
+                      "with text as the client sees it):", "", "| clients | TTFT p50 / p99 ms | latency p50 ms | "
+                      "errors |", "|---|---|---|---|"]
+        lines += [f"| {r['clients']} | {r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f} | {r['latency_p50_ms']:.1f} | "
+                  f"{r['errors']} |" for r in c["streaming"]]
+    lines += ["", "| clients | continuous tokens/s (vs 1 client) | static tokens/s | TTFT p50 / p99 ms (cont.) | "
+                  "per-token p50 / p99 ms (cont.) | TTFT p50 / p99 ms (static) | errors cont. / static |",
+              "|---|---|---|---|---|---|---|"]
     for rc, rs in zip(c["load"], s["load"]):
         lines.append(f"| {rc['clients']} | {rc['tokens_per_s']:.0f} ({rc.get('vs_1_client', 0):.2f}x) | "
                      f"{rs['tokens_per_s']:.0f} | {rc['ttft_p50_ms']:.1f} / {rc['ttft_p99_ms']:.1f} | "

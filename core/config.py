@@ -208,11 +208,11 @@ class ServingConfig:
     # generation worker processes, each with its own predictors and scheduler; 0 = one per core
     workers: int = 0
     # sequences decoded together by one worker, and requests waiting beyond its running batch (one more is refused
-    # at once: busy, err_no 8003); max_queue 0 = enough for the server to admit 128 requests in flight (each waits
-    # at most its deadline). Paddle Serving runs one Op thread per request in flight (serving/service.py).
+    # at once: busy, err_no 8003); max_queue -1 = enough for the server to admit 128 requests in flight (each waits
+    # at most its deadline), 0 = no queue. Paddle Serving runs one Op thread per request in flight.
     max_batch_size: int = 8
     max_batch_tokens: int = 0  # cache positions of the running batch (sequences x width); 0 = max_batch_size x model length
-    max_queue: int = 0
+    max_queue: int = -1
     request_timeout_s: float = 30.0  # deadline of each request (err_no 8004)
     # OpenAI routes: a key they require as `Authorization: Bearer <key>` ("" = none; env PIPELINE_API_KEY also sets it)
     api_key: str = ""
@@ -553,8 +553,9 @@ def _validate_serving(s: ServingConfig) -> None:
              f"serving.{', serving.'.join(ports)}: must all differ")
     _one_of("serving.generation", s.generation, ("kv_cache", "full"))
     _one_of("serving.scheduler", s.scheduler, ("continuous", "static"))
-    for key in ("workers", "predictor_threads", "rpc_workers", "max_queue", "max_batch_tokens", "max_worker_restarts"):
+    for key in ("workers", "predictor_threads", "rpc_workers", "max_batch_tokens", "max_worker_restarts"):
         _require(getattr(s, key) >= 0, f"serving.{key}: must be >= 0")
+    _require(s.max_queue >= -1, "serving.max_queue: must be >= 0, or -1 (enough for 128 requests in flight)")
     for key in ("max_batch_size", "max_prompt_chars", "max_new_tokens_limit", "max_request_bytes", "start_timeout_s",
                 "request_timeout_s", "drain_grace_s", "restart_window_s"):
         _positive(f"serving.{key}", getattr(s, key))

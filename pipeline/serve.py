@@ -25,7 +25,7 @@ def serve(config: Config, model: str, foreground: bool = False) -> int:
     print(f"serving {state['model_dir']} (ready in {state['ready_after_s']}s, pid {state['pid']}; generation workers: "
           + ", ".join(f"pid {w['pid']} ({w['rss_mb']:.0f} MB)" for w in workers) + ")\n"
           f"HTTP: {state['http_url']}\ngRPC: {state['rpc_address']}\n"
-          f"OpenAI-compatible: {state['openai_base_url']} (completions, models)\n"
+          f"OpenAI-compatible: {state['openai_base_url']} (completions, chat/completions, models; stream)\n"
           f"health: {state['api_url']}/health/live, {state['api_url']}/health/ready\n"
           f"metrics: {state['metrics_url']}\nlogs: {state_dir}")
     return 0

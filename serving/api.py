@@ -23,6 +23,8 @@ import threading
 import time
 import uuid
 
+from fastapi import Request as HttpRequest  # (module level: FastAPI resolves the routes' annotations here)
+
 from serving.protocol import Limits, Request, RequestError, bad, parse
 
 LIVE, READY, MODELS, COMPLETIONS, CHAT = ("/health/live", "/health/ready", "/v1/models", "/v1/completions",
@@ -63,6 +65,16 @@ def openai_values(body: dict, chat: bool) -> dict:
     return values
 
 
+def _parse_openai(values: dict, limits: Limits) -> Request:
+    """The protocol's checks, the parameter named as OpenAI names it (max_tokens)."""
+    try:
+        return parse(values, limits)
+    except RequestError as exc:
+        if exc.param == "max_new_tokens":
+            raise RequestError(exc.kind, exc.message.replace("max_new_tokens", "max_tokens"), "max_tokens") from None
+        raise
+
+
 def parse_completion(body, limits: Limits, model_ids: set[str]) -> Request:
     """An OpenAI completions request -> a protocol Request (RequestError with OpenAI's wording otherwise)."""
     _check_body(body, model_ids)
@@ -71,7 +83,7 @@ def parse_completion(body, limits: Limits, model_ids: set[str]) -> Request:
         prompt = prompt[0]
     if prompt is not None and not isinstance(prompt, str):
         raise bad("`prompt` must be one string", "prompt")
-    request = parse({**openai_values(body, chat=False), "prompt": prompt}, limits)
+    request = _parse_openai({**openai_values(body, chat=False), "prompt": prompt}, limits)
     return _with_stream(request, body)
 
 
@@ -84,7 +96,7 @@ def parse_chat(body, limits: Limits, model_ids: set[str], template: str) -> Requ
             for m in messages):
         raise bad("`messages` must be a non-empty list of {role, content} objects with string content", "messages")
     prompt = render_chat(template, messages)
-    return _with_stream(parse({**openai_values(body, chat=True), "prompt": prompt}, limits), body)
+    return _with_stream(_parse_openai({**openai_values(body, chat=True), "prompt": prompt}, limits), body)
 
 
 def render_chat(template: str, messages: list[dict]) -> str:
@@ -143,7 +155,7 @@ class ApiServer:
         self.server = None
 
     def app(self):
-        from fastapi import FastAPI, Request as HttpRequest
+        from fastapi import FastAPI
         from fastapi.responses import JSONResponse
 
         app = FastAPI(title="paddle-train-to-serve", docs_url=None, redoc_url=None, openapi_url=None)

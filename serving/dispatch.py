@@ -166,10 +166,10 @@ MIN_CAPACITY = 128  # requests the server admits at least, by default (TGI's def
 
 
 def per_worker_capacity(serving_config, workers: int) -> int:
-    """Requests one worker holds at most: its running batch and its queue (serving.max_queue, or 0: whatever makes
+    """Requests one worker holds at most: its running batch and its queue (serving.max_queue, or -1: whatever makes
     the server admit MIN_CAPACITY; each request's deadline bounds its wait)."""
     s = serving_config
-    queue = s.max_queue if s.max_queue else max(0, -(-MIN_CAPACITY // max(workers, 1)) - s.max_batch_size)
+    queue = s.max_queue if s.max_queue >= 0 else max(0, -(-MIN_CAPACITY // max(workers, 1)) - s.max_batch_size)
     return s.max_batch_size + queue
 
 

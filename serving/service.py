@@ -122,7 +122,7 @@ class GenerateMethods:
     def postprocess(self, input_dicts, fetch_dict, data_id, log_id):
         answer = fetch_dict["result"][0]
         if "error" in answer:
-            return None, *answer["error"]
+            return {}, *answer["error"]
         return answer_fields(answer["request"], answer["choices"], answer["arrived"], self.dispatcher.meta), None, ""
 
 

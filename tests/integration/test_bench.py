@@ -51,6 +51,10 @@ def test_bench_harness_quick(store_uri, tmp_path):
             assert serving[scheduler][f"{route}_overhead_p50_ms"] == pytest.approx(
                 serving[scheduler][f"{route}_p50_ms"] - serving[scheduler]["in_process_p50_ms"])
     assert serving["continuous"]["load"][0]["vs_1_client"] == 1.0
+    streaming = serving["continuous"]["streaming"]  # quick: 1 and 4 streaming clients
+    assert [r["clients"] for r in streaming] == [1, 4] and all(r["errors"] == 0 and r["requests"] > 0 and
+                                                              0 < r["ttft_p50_ms"] <= r["latency_p50_ms"]
+                                                              for r in streaming), streaming
     assert serving["in_process"]["batch8_tokens_per_s"] > 0
     data = result["data"]  # quick: a 2,000-document slice of each corpus, one round, no rank runs
     for size in ("1x", "8x"):

@@ -28,7 +28,7 @@ def ports() -> list[str]:
 @pytest.fixture(scope="module")
 def server(exported):
     overrides = [*exported["overrides"], *ports(), "serving.max_prompt_chars=20", "serving.max_new_tokens_limit=64",
-                 "serving.default_max_new_tokens=8", "serving.max_request_bytes=400", "serving.max_queue=32"]
+                 "serving.default_max_new_tokens=8", "serving.max_request_bytes=400"]  # (capacity: the default)
     base = ["--config", str(exported["config"])]
     proc = cli(["serve", *base, "--model", str(exported["export_dir"]), *overrides], exported["uri"])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -112,15 +112,17 @@ def test_sampling_is_reproducible_by_seed(server):
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"max_new_tokens": "3"}, "missing prompt"),
-    ({"prompt": "   "}, "prompt is empty"),
+    ({"max_new_tokens": "3"}, "missing `prompt`"),
+    ({"prompt": "   "}, "`prompt` has no tokens after tokenization"),
     ({"prompt": "很" * 21}, "the limit is 20"),
-    ({"prompt": "你好", "max_new_tokens": "0"}, "max_new_tokens must be in [1, 64]"),
-    ({"prompt": "你好", "max_new_tokens": "65"}, "max_new_tokens must be in [1, 64]"),
-    ({"prompt": "你好", "timeout_s": "0"}, "timeout_s must be in [0.001, 30.0]"),
-    ({"prompt": "你好", "max_new_tokens": "2.5"}, "max_new_tokens must be an integer"),
-    ({"prompt": "你好", "temperature": "hot"}, "temperature must be a number"),
-    ({"prompt": "你好", "top_k": "-1"}, "top_k must be in"),
+    ({"prompt": "你好", "max_new_tokens": "0"}, "`max_new_tokens` must be in [1, 64]"),
+    ({"prompt": "你好", "max_new_tokens": "65"}, "`max_new_tokens` must be in [1, 64]"),
+    ({"prompt": "你好", "timeout_s": "0"}, "`timeout_s` must be in (0.0, 30.0]"),
+    ({"prompt": "你好", "max_new_tokens": "2.5"}, "`max_new_tokens` must be an integer"),
+    ({"prompt": "你好", "temperature": "hot"}, "`temperature` must be a number"),
+    ({"prompt": "你好", "top_k": "-1"}, "`top_k` must be in"),
+    ({"prompt": "你好", "top_p": "0"}, "`top_p` must be in (0.0, 1.0]"),
+    ({"prompt": "你好", "stop": "[1]"}, "`stop` must be a string or a list"),
     ({"prompt": "你好", "beam_width": "4"}, "unknown parameter(s) beam_width"),
     ({"prompt": "你好", "seed": "x" * 500}, "the limit is 400"),
 ])
@@ -188,9 +190,116 @@ def test_the_openai_client_works_unchanged(server):
     assert bad.value.body["type"] == "invalid_request_error" and bad.value.body["param"] == "max_tokens"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="你好")
-    with pytest.raises(openai.BadRequestError, match="stream"):
-        client.completions.create(model="test-model", prompt="你好", stream=True)
     assert client.completions.create(model="test-model", prompt="你好", max_tokens=1).usage.completion_tokens == 1
+
+
+def test_streaming_and_chat_with_the_openai_client(server):
+    """stream=True on completions and chat: several chunks, joined equal to the unstreamed greedy text, the first
+    before half the total time; usage at the end when asked; chat renders the messages with the template."""
+    import time
+
+    import openai
+
+    client = openai.OpenAI(base_url=server["state"]["openai_base_url"], api_key="unused", max_retries=0)
+    whole = client.completions.create(model="test-model", prompt="人工智能", max_tokens=64, temperature=0)
+    t0, arrivals, pieces, usage = time.perf_counter(), [], [], None
+    for chunk in client.completions.create(model="test-model", prompt="人工智能", max_tokens=64, temperature=0,
+                                           stream=True, stream_options={"include_usage": True}):
+        arrivals.append(time.perf_counter() - t0)
+        if chunk.choices:
+            pieces.append(chunk.choices[0].text)
+            finish = chunk.choices[0].finish_reason or None
+        if chunk.usage:
+            usage = chunk.usage
+    total = time.perf_counter() - t0
+    assert "".join(pieces) == whole.choices[0].text and len([p for p in pieces if p]) >= 2
+    assert arrivals[0] < total / 2, (arrivals[:3], total)
+    assert finish == whole.choices[0].finish_reason and usage.completion_tokens == whole.usage.completion_tokens
+    messages = [{"role": "user", "content": "书"}]  # (rendered: 18 characters, under this server's limit of 20)
+    chat = client.chat.completions.create(model="test-model", messages=messages, max_tokens=12, temperature=0)
+    rendered = client.completions.create(model="test-model", prompt="user: 书\nassistant: ", max_tokens=12,
+                                         temperature=0)
+    assert chat.choices[0].message.content == rendered.choices[0].text
+    assert chat.choices[0].message.role == "assistant"
+    streamed = list(client.chat.completions.create(model="test-model", messages=messages, max_tokens=12,
+                                                   temperature=0, stream=True))
+    assert streamed[0].choices[0].delta.role == "assistant" and len(streamed) >= 3
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == chat.choices[0].message.content
+
+
+def test_options_have_exact_semantics_alone_and_among_concurrent_requests(server):
+    """stop (the text before the stop string, finish_reason stop), n (seeded choices, choice i = seed + i), logprobs
+    (the chosen token's and alternatives, sorted), a tiny top_p (greedy) and echo: each answer is the same alone and
+    among 24 mixed concurrent requests."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    client = openai.OpenAI(base_url=server["state"]["openai_base_url"], api_key="unused", max_retries=0)
+    greedy = client.completions.create(model="test-model", prompt="人工智能", max_tokens=24, temperature=0)
+    text = greedy.choices[0].text
+    stop = text[5:7]
+    cases = [
+        dict(prompt="人工智能", max_tokens=24, temperature=0, stop=[stop, "不会出现的"]),
+        dict(prompt="这本书", max_tokens=10, temperature=1.0, seed=7, n=3),
+        dict(prompt="快递很快", max_tokens=6, temperature=0, logprobs=3),
+        # (this 12-step test model is nearly flat: its most likely token can hold under 1%, so a smaller top_p)
+        dict(prompt="人工智能", max_tokens=24, temperature=1.0, top_p=1e-6, seed=123),
+        dict(prompt="价格", max_tokens=5, temperature=0, echo=True),
+        dict(prompt="你好", max_tokens=16, temperature=0.8, top_p=0.9, seed=4, extra_body={"top_k": 20}),
+    ]
+
+    def call(case):
+        answer = client.completions.create(model="test-model", **case)
+        return [(c.text, c.finish_reason, c.logprobs and c.logprobs.model_dump()) for c in answer.choices]
+
+    alone = [call(c) for c in cases]
+    (stopped, reason, _), = alone[0]
+    assert stopped == text[:text.index(stop)] and reason == "stop"
+    choices = alone[1]
+    assert len(choices) == 3 and len({c[0] for c in choices}) > 1
+    for i, choice in enumerate(choices):  # choice i is the sample of seed 7 + i
+        single = client.completions.create(model="test-model", prompt="这本书", max_tokens=10, temperature=1.0,
+                                           seed=7 + i)
+        assert choice[0] == single.choices[0].text
+    (_, _, logprobs), = alone[2]
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(logprobs["top_logprobs"]) > 0
+    for token, lp, top in zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]):
+        assert lp <= 0 and len(top) == 3 and max(top.values()) == pytest.approx(lp)  # greedy: the best one
+        assert list(top.values()) == sorted(top.values(), reverse=True)
+    assert alone[3][0][0] == text  # a tiny top_p keeps only the most likely token: the greedy text
+    assert alone[4][0][0].startswith("价格") and alone[4][0][0] == "价格" + call(dict(
+        prompt="价格", max_tokens=5, temperature=0))[0][0]
+    with ThreadPoolExecutor(24) as pool:
+        together = list(pool.map(call, cases * 4))
+    for got, want in zip(together, alone * 4):
+        assert [(t, r) for t, r, _ in got] == [(t, r) for t, r, _ in want]
+        for (_, _, a), (_, _, b) in zip(got, want):
+            if b:
+                assert a["tokens"] == b["tokens"]
+                assert a["token_logprobs"] == pytest.approx(b["token_logprobs"], abs=1e-4)
+    kv = __import__("serving.client", fromlist=["GenerationClient"]).GenerationClient(server["state"]["http_url"])
+    answer = kv.generate("人工智能", max_new_tokens=24, stop=[stop], n=2, logprobs=1, echo=True)
+    assert answer.text == "人工智能" + stopped and answer.finish_reason == "stop"
+    assert [c["text"] for c in answer.extra["choices"]] == ["人工智能" + stopped] * 2
+    assert len(answer.extra["logprobs"]) == 2 and answer.extra["logprobs"][0]["tokens"]
+
+
+def test_the_default_capacity_takes_a_crowd(server):
+    """48 concurrent clients x 3 requests of 64 tokens on the default capacity (128 in flight): every one answered
+    with err_no 0 (each waits in a worker's queue, within its deadline, instead of being refused busy)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from serving.client import GenerationClient
+
+    def client_loop(index: int) -> list[int]:
+        client = GenerationClient(server["state"]["http_url"], timeout=60)
+        return [client.raw_http({"prompt": "人工智能的发展", "max_new_tokens": "64", "temperature": "1.0",
+                                 "seed": str(index * 10 + k)})["err_no"] for k in range(3)]
+
+    with ThreadPoolExecutor(48) as pool:
+        answers = [err for errs in pool.map(client_loop, range(48)) for err in errs]
+    assert answers == [0] * 144, sorted(set(answers))
 
 
 def test_metrics_move_under_load(server):
@@ -272,8 +381,10 @@ def test_grpc_errors_raise(server):
     from serving.client import GenerationClient, ServingError
 
     client = GenerationClient(server["state"]["http_url"], server["state"]["rpc_address"])
-    with pytest.raises(ServingError, match="prompt is empty"):
+    with pytest.raises(ServingError, match="`prompt` is empty"):  # (checked by the client before sending)
         client.generate_grpc("")
+    with pytest.raises(ServingError, match="err_no 8001: `prompt` has 21 characters; the limit is 20"):
+        client.generate_grpc("很" * 21)  # (the server's own limit: refused over gRPC)
     assert client.generate_grpc("你好", max_new_tokens=2).token_ids
 
 

@@ -89,6 +89,7 @@ def test_overload_gets_busy_fast_and_a_short_deadline_gets_the_deadline_error(ti
     busy = [a for a in answers if a[0] == 8003]
     assert 1 <= len([a for a in answers if a[0] == 0]) <= 3 and len(busy) >= 7, answers  # capacity 1 + 2
     assert all("server busy" in a[1] for a in busy) and max(a[2] for a in busy) < 2.0, busy
+    assert not any("PipelineServingLogs" in a[1] for a in busy), busy[0]  # (the project's message, not a log path)
     # a deadline shorter than the requests ahead of it: refused with the deadline error, at its deadline
     with ThreadPoolExecutor(3) as pool:
         ahead = [pool.submit(ask, state, LONG, 64, temperature=1.0, seed=i) for i in range(2)]
@@ -189,3 +190,46 @@ def test_a_worker_that_keeps_dying_makes_the_server_exit_non_zero(exported, tmp_
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(exported, tmp_path_factory):
+    """Capacity 1 (one worker, one sequence, no queue) and a slow generation (the full-sequence path, 64 tokens):
+    a streaming client reads its first chunk and goes away; the next request is admitted and answered in a fraction
+    of the abandoned generation's time (it did not wait for it), and the abandoned one was not counted as answered."""
+    import http.client
+    import json as json_
+
+    proc, state, _ = start_foreground(exported, tmp_path_factory.mktemp("one"), "serving.workers=1",
+                                      "serving.max_batch_size=1", "serving.max_queue=0", "serving.generation=full",
+                                      "serving.max_new_tokens_limit=64", "serving.max_prompt_chars=64")
+    try:
+        url = f"{state['openai_base_url']}/completions"
+        body = {"model": "test-model", "prompt": LONG, "max_tokens": 64, "temperature": 1.0, "seed": 1}
+        t0 = time.perf_counter()
+        full = requests.post(url, json={**body, "stream": False}, timeout=60).json()
+        whole_s = time.perf_counter() - t0
+        assert full["usage"]["completion_tokens"] > 40, full  # (to the model's length: no end token for seed 1)
+        host, port = state["api_url"].split("//")[1].split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("POST", "/v1/completions", json_.dumps({**body, "stream": True}),
+                     {"Content-Type": "application/json"})
+        stream = conn.getresponse()
+        assert stream.status == 200 and stream.readline().startswith(b"data: ")
+        conn.sock.shutdown(2)
+        conn.close()
+        t0 = time.perf_counter()
+        while True:  # (until the server has noticed the disconnect: busy before that)
+            answer = requests.post(url, json={**body, "max_tokens": 1}, timeout=30)
+            if answer.status_code != 429 or time.perf_counter() - t0 > whole_s:
+                break
+            time.sleep(0.005)
+        next_s = time.perf_counter() - t0
+        assert answer.status_code == 200, answer.text
+        assert next_s < whole_s / 2, (next_s, whole_s)
+        metrics = requests.get(state["metrics_url"], timeout=5).text
+        answered = [line for line in metrics.splitlines() if line.startswith("serving_requests_total") and
+                    'route="openai"' in line and 'outcome="ok"' in line]
+        assert answered and float(answered[0].split()[-1]) == 2.0, answered
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

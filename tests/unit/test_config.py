@@ -160,7 +160,7 @@ def test_too_many_processes_for_this_machine(monkeypatch):
     (["serving.generation=beam"], "serving.generation: 'beam' is not allowed"),
     (["serving.scheduler=fifo"], "serving.scheduler: 'fifo' is not allowed"),
     (["serving.max_batch_size=0"], "serving.max_batch_size: must be > 0"),
-    (["serving.max_queue=-1"], "serving.max_queue: must be >= 0"),
+    (["serving.max_queue=-2"], "serving.max_queue: must be >= 0, or -1"),
     (["serving.request_timeout_s=0"], "serving.request_timeout_s: must be > 0"),
     (["serving.api_port=18180"], "must all differ"),
     (["serving.metrics_port=80"], "serving.metrics_port: must be a port in 1024..65535"),
@@ -181,7 +181,7 @@ def test_serving_workers_threads_and_paddle_serving_threads(monkeypatch):
     config = load_config(DEFAULT_CONFIG, ["serving.workers=2", "serving.predictor_threads=0", "serving.max_queue=4",
                                           "serving.max_batch_size=8"])
     assert (workers(config.serving), predictor_threads(config.serving), capacity(config.serving)) == (2, 4, 24)
-    default = load_config(DEFAULT_CONFIG, ["serving.workers=3"])  # (max_queue 0: at least 128 in flight)
+    default = load_config(DEFAULT_CONFIG, ["serving.workers=3"])  # (max_queue -1: at least 128 in flight)
     assert capacity(default.serving) == 3 * 43 and capacity(load_config(DEFAULT_CONFIG).serving) == 8 * 16
     rendered = render_config(config)
     op = rendered["op"]["generate"]
