@@ -19,8 +19,11 @@ FILTER ?=
 REAP ?=
 SWEEP ?=
 PARALLEL ?=
+DATA ?=
+ALIAS ?=
+FORCE ?=
 
-.PHONY: setup doctor data train export serve stop smoke all compare sweep bench plan test test-fast test-gpu-setup runs mlflow-ui mlflow-server mlflow-stop clean
+.PHONY: setup doctor data train evaluate promote export serve stop smoke all compare sweep bench plan test test-fast test-gpu-setup runs mlflow-ui mlflow-server mlflow-stop clean
 setup: $(STAMP)
 
 # One environment from exact pins (requirements/lock.txt, verified to install and import together) plus the Paddle
@@ -72,6 +75,14 @@ runs: $(STAMP)
 # Memory and step-time estimates of every layout of CONFIG on a cluster: make plan CONFIG=... ARGS="cluster.gpus=512"
 plan: $(STAMP)
 	$(PY) -m pipeline plan --config $(CONFIG) $(ARGS)
+
+# A registered version on a fixed held-out set (the source run's validation split, or DATA=<corpus>) and prompt set.
+evaluate: $(STAMP)
+	$(PY) -m pipeline evaluate --config $(CONFIG) $(if $(MODEL),--model $(MODEL)) $(if $(DATA),--data $(DATA)) $(ARGS)
+
+# Move ALIAS (champion) to MODEL=models:/<name>/<version> if its evaluation is at least as good (FORCE=1: anyway).
+promote: $(STAMP)
+	$(PY) -m pipeline promote --config $(CONFIG) $(if $(MODEL),--model $(MODEL)) $(if $(ALIAS),--alias $(ALIAS)) $(if $(METRIC),--metric $(METRIC)) $(if $(FORCE),--force) $(ARGS)
 
 # What this machine can run (Paddle's build, CUDA libraries, driver, GPUs, the config's layout); exit 1 on a problem.
 doctor: $(STAMP)

@@ -6,7 +6,9 @@
         manifest.json                 sources and blend weights, every shard with its documents/tokens/bytes, totals
         tokenizer/                    core/tokenizer.py format (vocab.txt + ErnieTokenizer config)
         train/<shard>.bin + .idx      one pair per input piece: documents of the training split, each followed by
-        validation/<shard>.bin + .idx the end-of-document token; the validation split, by the per-document rule
+        validation/<shard>.bin + .idx the end-of-document token; the validation split, by the per-document rule.
+                                      Index entries ("items") are runs of consecutive whole documents (up to
+                                      training/data/shards.py ITEM_TOKENS): what PaddleNLP's dataset shuffles
 
 A set is built in `.staging-<key>/` and renamed into place once complete, so a reader never sees half of one.
 
@@ -44,7 +46,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def write_index(path: Path, sizes: np.ndarray, dtype: np.dtype) -> None:
-    """The `.idx` of a `.bin` holding documents of `sizes` tokens each, one document per item (PaddleNLP's
+    """The `.idx` of a `.bin` holding items of `sizes` tokens each, one item per index document (PaddleNLP's
     `MMapIndexedDataset.Index.writer`: header, int32 sizes, int64 byte pointers, int64 document index)."""
     sizes = np.asarray(sizes, dtype=np.int32)
     pointers = np.zeros(len(sizes), dtype=np.int64)
@@ -124,9 +126,9 @@ def check(directory: Path | str) -> dict:
     for split in SPLITS:
         for prefix, shard in shard_prefixes(directory, manifest, split):
             _, sizes = read_index(prefix)
-            if len(sizes) != shard["documents"] or int(sizes.astype(np.int64).sum()) != shard["tokens"]:
-                raise _damaged(Path(f"{prefix}.idx"), f"{len(sizes)} documents / {int(sizes.sum())} tokens, the "
-                                                      f"manifest says {shard['documents']} / {shard['tokens']}")
+            if len(sizes) != shard["items"] or int(sizes.astype(np.int64).sum()) != shard["tokens"]:
+                raise _damaged(Path(f"{prefix}.idx"), f"{len(sizes)} items / {int(sizes.sum())} tokens, the "
+                                                      f"manifest says {shard['items']} / {shard['tokens']}")
     if not (Path(directory) / TOKENIZER_DIR / "vocab.txt").is_file():
         raise _damaged(Path(directory) / TOKENIZER_DIR / "vocab.txt", "missing")
     return manifest

@@ -1,7 +1,8 @@
 """`python -m pipeline <verb> [options] [section.key=value ...]` -- the one CLI the Makefile calls.
 
 Each verb is one function in one module of pipeline/: data (data.py), train (train.py), export (export.py), serve / stop / smoke
-(serve.py), compare (compare.py), sweep (sweep.py), runs (runs.py), plan (plan.py), doctor (doctor.py), mlflow-server / mlflow-stop
+(serve.py), compare (compare.py), sweep (sweep.py), runs (runs.py), plan (plan.py), doctor (doctor.py), evaluate
+(evaluate.py), promote (promote.py), mlflow-server / mlflow-stop
 (mlflow_server.py). Each is handed the config, loaded once (`verb_config`), and the parsed arguments.
 The benchmark suite has its own entry point: `python -m bench` (bench/).
 """
@@ -97,6 +98,19 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument("--csv", default="", help="write every valid layout, ranked, to this CSV file")
     plan.add_argument("--write", default="", help="write the top layout as a config file (check it with DRY_RUN=1)")
     plan.add_argument("overrides", nargs="*", help="e.g. cluster.gpus=512 cluster.gpu_memory_gb=80")
+    evaluate = sub.add_parser("evaluate", help="a registered version on a fixed held-out set and prompt set, in MLflow")
+    evaluate.add_argument("--config", default=None, help=config_help)
+    evaluate.add_argument("--model", default="", help="models:/<name>/<version>, models:/<name>@<alias> or a directory")
+    evaluate.add_argument("--data", default="", help="a corpus (file, glob or directory) instead of the source run's "
+                                                     "validation split")
+    evaluate.add_argument("overrides", nargs="*")
+    promote = sub.add_parser("promote", help="move a registry alias to a version if its evaluation is as good")
+    promote.add_argument("--config", default=None, help=config_help)
+    promote.add_argument("--model", default="", help="models:/<name>/<version>")
+    promote.add_argument("--alias", default="champion")
+    promote.add_argument("--metric", default="eval_loss")
+    promote.add_argument("--force", action="store_true", help="move the alias even without or against the evidence")
+    promote.add_argument("overrides", nargs="*")
     doctor = sub.add_parser("doctor", help="what this machine can run: Paddle's build, CUDA libraries, driver, GPUs")
     doctor.add_argument("--config", default=None, help=config_help + "; its layout is checked against the devices")
     doctor.add_argument("overrides", nargs="*")
@@ -163,6 +177,19 @@ def _plan(config: Config, args) -> int:
     return plan.run(config, args.top, args.csv, args.write)
 
 
+def _evaluate(config: Config, args) -> int:
+    from pipeline import evaluate
+
+    evaluate.run(config, args.model, args.data)
+    return 0
+
+
+def _promote(config: Config, args) -> int:
+    from pipeline import promote
+
+    return promote.run(config, args.model, args.alias, args.metric, args.force)
+
+
 def _doctor(config: Config, args) -> int:
     from pipeline import doctor
 
@@ -176,7 +203,8 @@ def _mlflow_server(config: Config, args) -> int:
 
 
 VERBS = {"data": _data, "train": _train, "export": _export, "serve": _serve_verb("serve"), "stop": _serve_verb("stop"),
-         "smoke": _serve_verb("smoke"), "compare": _compare, "sweep": _sweep, "runs": _runs, "plan": _plan, "doctor": _doctor,
+         "smoke": _serve_verb("smoke"), "compare": _compare, "sweep": _sweep, "runs": _runs, "plan": _plan, "doctor": _doctor, "evaluate": _evaluate,
+         "promote": _promote,
          "mlflow-server": _mlflow_server, "mlflow-stop": _mlflow_server}
 
 if __name__ == "__main__":

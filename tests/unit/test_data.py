@@ -127,9 +127,17 @@ def test_written_tokenizer_is_what_ernie_loads_and_the_fast_one_agrees(tmp_path)
 
 
 def test_prepared_shards_are_paddlenlp_mmap_files_with_ernie_ids(tmp_path):
+    """PaddleNLP's reader reads the shards: their tokens are ErnieTokenizer's ids of the split's documents in order,
+    each followed by the end token; items are runs of whole documents of at most ITEM_TOKENS (one longer document
+    alone)."""
     from paddlenlp.data.indexed_dataset import MMapIndexedDataset
 
-    config = config_for(tmp_path, [reviews(tmp_path / "c.txt")])
+    from training.data import shards
+
+    corpus_file = reviews(tmp_path / "c.txt", 400)
+    with corpus_file.open("a", encoding="utf-8") as f:
+        f.write("长" * 5000 + "\n")  # (one document longer than an item)
+    config = config_for(tmp_path, [corpus_file], ["tokenizer.min_frequency=1"])
     made = prepare(config)
     assert not made.reused and made.path.parent == tmp_path / "cache"
     ernie = tokenizer_format.load_tokenizer(made.path / "tokenizer")
@@ -137,12 +145,16 @@ def test_prepared_shards_are_paddlenlp_mmap_files_with_ernie_ids(tmp_path):
     docs = docs_of(config)
     for split in dataset.SPLITS:
         expected = [d for d in docs if rule(d) == (split == "validation")]
+        want = [t for d in expected for t in ernie(d, add_special_tokens=False)["input_ids"] + [ernie.sep_token_id]]
         [(prefix, shard)] = dataset.shard_prefixes(made.path, made.manifest, split)
         read = MMapIndexedDataset(str(prefix))
-        assert read._index.dtype == np.uint16 and len(read) == len(expected) == shard["documents"]
-        for i in (0, len(expected) // 2, len(expected) - 1):
-            ids = ernie(expected[i], add_special_tokens=False)["input_ids"] + [ernie.sep_token_id]
-            assert read[i].tolist() == ids
+        assert read._index.dtype == np.uint16 and len(read) == shard["items"]
+        assert shard["documents"] == len(expected) and shard["tokens"] == len(want)
+        assert [int(t) for i in range(len(read)) for t in read[i]] == want
+        sizes = read._index.sizes
+        ends = np.cumsum(sizes)
+        assert all(want[e - 1] == ernie.sep_token_id for e in ends)  # (items end at a document's end)
+        assert (sizes <= shards.ITEM_TOKENS).sum() >= len(sizes) - 1  # (only the long document exceeds it)
     assert prepare(config).reused and prepare(config).path == made.path
 
 
@@ -261,7 +273,8 @@ def test_a_rank_maps_the_corpus_instead_of_loading_it(tmp_path):
     (root / dataset.MANIFEST).write_text(json.dumps({
         "format": dataset.FORMAT_VERSION, "corpora": [{"name": "c0", "weight": 1.0}],
         "tokenizer": {"dtype": "uint16"}, "shards": [{"name": "s", "corpus": "c0", "split": "train",
-                                                      "documents": len(sizes), "tokens": int(sizes.sum())}]}))
+                                                      "documents": len(sizes), "items": len(sizes),
+                                                      "tokens": int(sizes.sum())}]}))
     dataset.check(root)
     del tokens
     run_data = tmp_path / "run"

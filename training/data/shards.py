@@ -99,6 +99,14 @@ def _shard(task: dict, staging: Path, piece) -> dict:
     return {split: writers[split].finish() | {"unknown": unknown[split]} for split in dataset.SPLITS}
 
 
+# Index entries ("items", what PaddleNLP's causal dataset shuffles) are runs of consecutive whole documents of up to
+# this many tokens, not single documents: neighbouring documents of a corpus are related text (the previous packed
+# data kept them together), and with one short review per item the default run ended at a higher eval_loss
+# (docs/data.md has the figures). Fewer, larger items also keep the index arrays small for corpora of billions of
+# short documents. A longer document is an item of its own; none is ever cut.
+ITEM_TOKENS = 4096
+
+
 class _ShardWriter:
     """One `.bin` written as documents arrive, its `.idx` at the end; both renamed into place when complete."""
 
@@ -107,7 +115,8 @@ class _ShardWriter:
         self.prefix, self.dtype = prefix, dtype
         self.tmp_bin = Path(f"{prefix}.bin.tmp")
         self.file = open(self.tmp_bin, "wb")
-        self.sizes = array("i")
+        self.sizes = array("i")  # tokens of each item
+        self.open_item, self.documents = 0, 0
 
     def add(self, docs: list[list[int]], eos: int, unk: int) -> int:
         """Append documents (each followed by the end-of-document token); returns how many tokens were unknown."""
@@ -117,9 +126,13 @@ class _ShardWriter:
 
         for ids in docs:
             ids.append(eos)
+            if self.open_item and self.open_item + len(ids) > ITEM_TOKENS:
+                self.sizes.append(self.open_item)
+                self.open_item = 0
+            self.open_item += len(ids)
+        self.documents += len(docs)
         flat = np.fromiter(itertools.chain.from_iterable(docs), dtype=self.dtype,
                            count=sum(len(ids) for ids in docs))
-        self.sizes.extend(len(ids) for ids in docs)
         self.file.write(flat.tobytes())
         return int((flat == unk).sum())
 
@@ -128,6 +141,9 @@ class _ShardWriter:
 
         from core import dataset
 
+        if self.open_item:
+            self.sizes.append(self.open_item)
+            self.open_item = 0
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()
@@ -137,7 +153,7 @@ class _ShardWriter:
         _fsync(tmp_idx)
         os.replace(self.tmp_bin, f"{self.prefix}.bin")
         os.replace(tmp_idx, f"{self.prefix}.idx")
-        return {"documents": len(sizes), "tokens": int(sizes.astype(np.int64).sum()),
+        return {"documents": self.documents, "items": len(sizes), "tokens": int(sizes.astype(np.int64).sum()),
                 "bin_bytes": int(sizes.astype(np.int64).sum()) * np.dtype(self.dtype).itemsize}
 
 

@@ -1,0 +1,188 @@
+"""`make evaluate MODEL=models:/<name>/<version>|@<alias> [DATA=<corpus>]`: one registered version judged on a fixed
+held-out set and a fixed prompt set, recorded in MLflow so that versions can be compared (`make promote`).
+
+    held-out   the validation split of the version's source run's prepared data set, cut as that run cut it
+               (same sequence length and blocks: the eval_loss training reported is reproduced), or every document
+               of the corpus DATA, prepared with the version's own tokenizer (training/data/)
+    loss       token-weighted cross-entropy of the exported full-sequence graph (paddle.inference, as served), and
+               its perplexity
+    prompts    PROMPTS, greedy, through the served generation path: mean length, distinct-1/2 (unique n-grams over
+               all n-grams of all answers) and repetition rate (share of tokens equal to the token before them); the
+               answers are a table artifact
+    MLflow     an evaluation run (experiment `<registered name>-evaluation`) linked to the version (tags), with the
+               held-out set as its dataset input; the headline numbers copied onto the version's tags, per held-out
+               set (`eval.<set>.<metric>`) and as the latest (`eval.loss`, ...)
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+
+from core import exportdir, tracking
+from core.config import Config, ConfigError
+
+PROMPTS = ("人工智能", "这本书", "快递很快，", "价格便宜", "我们今天", "手机很好用", "质量不错，", "服务态度")
+NEW_TOKENS = 32
+BATCH = 16
+HEADLINE = ("eval_loss", "perplexity", "distinct_1", "distinct_2", "repetition_rate", "mean_length")
+
+
+def run(config: Config, model: str, data: str = "") -> dict:
+    from pipeline import models
+
+    if not model:
+        raise ConfigError("MODEL=models:/<name>/<version> (or @<alias>): which registered version to evaluate")
+    export_dir = models.resolve(config, model)
+    meta = exportdir.read_meta(export_dir)
+    uri = tracking.tracking_uri(config)
+    client = tracking.client(uri)
+    held_out = held_out_set(config, client, export_dir, meta, data)
+    t0 = time.time()
+    loss, tokens = token_loss(export_dir, held_out["blocks"])
+    answers = generate_prompts(export_dir)
+    metrics = {"eval_loss": loss, "perplexity": math.exp(loss), **text_metrics(answers)}
+    run_id = record(client, uri, meta, held_out, metrics, answers, tokens)
+    tag_version(client, meta, held_out["digest"], metrics, run_id)
+    print(f"{meta['registered_model_name']} v{meta['version']} on {held_out['name']} ({tokens:,} tokens, set "
+          f"{held_out['digest']}): eval_loss {loss:.4f} (perplexity {math.exp(loss):.1f}); prompts: distinct-1 "
+          f"{metrics['distinct_1']:.3f}, distinct-2 {metrics['distinct_2']:.3f}, repetition "
+          f"{metrics['repetition_rate']:.3f}, mean length {metrics['mean_length']:.1f}; {time.time() - t0:.1f}s\n"
+          f"MLflow evaluation run {run_id}; next: make promote MODEL=models:/{meta['registered_model_name']}/"
+          f"{meta['version']}", flush=True)
+    return {"run_id": run_id, "digest": held_out["digest"], **metrics}
+
+
+# -- the held-out set -------------------------------------------------------------------------------------------------
+def held_out_set(config: Config, client, export_dir: Path, meta: dict, data: str) -> dict:
+    """{name, digest, blocks [N, seq + 1] int64, source}: the content that is evaluated and its identity."""
+    from training.data import read
+
+    if data:
+        from core.config import with_overrides
+        from training.data import prepare
+
+        prepared = prepare(with_overrides(config, ["data.source=files", f"data.files={json.dumps([data])}",
+                                                   "data.blend=[]", f"tokenizer.path={export_dir / 'tokenizer'}",
+                                                   "data.max_documents=0"]), log=lambda line: None)
+        seq = config.training.seq_length
+        blocks = np.concatenate([read.validation_blocks(prepared.path, prepared.manifest, seq, None),
+                                 _split_blocks(prepared, "train", seq)])
+        key, name = prepared.manifest["key"], f"corpus {data}"
+    else:
+        spec = _source_data(client, meta)
+        from core import dataset
+
+        manifest = dataset.load_manifest(spec["path"])
+        blocks = read.validation_blocks(Path(spec["path"]), manifest, spec["seq_length"], spec["validation_blocks"])
+        key, seq, name = spec["key"], spec["seq_length"], f"the validation split of {Path(spec['path']).name}"
+    if not len(blocks):
+        raise ConfigError(f"the held-out set ({name}) has no block of {seq + 1} tokens")
+    identity = hashlib.sha256(f"{key}:{seq}:{len(blocks)}".encode()).hexdigest()[:16]
+    return {"name": name, "digest": identity, "blocks": blocks, "dataset_key": key, "seq_length": seq}
+
+
+def _split_blocks(prepared, split: str, seq: int) -> np.ndarray:
+    from core import dataset
+
+    width = seq + 1
+    parts = [np.asarray(dataset.tokens(p, np.dtype(prepared.manifest["tokenizer"]["dtype"])), dtype=np.int64)
+             for p, _ in dataset.shard_prefixes(prepared.path, prepared.manifest, split)]
+    stream = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    return stream[: len(stream) // width * width].reshape(-1, width)
+
+
+def _source_data(client, meta: dict) -> dict:
+    """The source run's data/dataset.json (which prepared set it read, and how it cut its validation split)."""
+    run = client.get_run(meta["source_run_id"])
+    run_dir = Path(run.data.tags.get(tracking.TAG_RUN_DIR, ""))
+    spec_file = run_dir / "data" / "dataset.json"
+    if not spec_file.is_file():
+        raise ConfigError(f"the source run {meta['source_run_id']} has no prepared data set on this machine "
+                          f"({spec_file}): pass DATA=<corpus> to evaluate on a corpus instead")
+    return json.loads(spec_file.read_text())
+
+
+# -- the measurements -------------------------------------------------------------------------------------------------
+def token_loss(export_dir: Path, blocks: np.ndarray) -> tuple[float, int]:
+    """Token-weighted cross-entropy of the exported graph over blocks (inputs block[:-1], labels block[1:])."""
+    predictor = exportdir.create_predictor(export_dir)
+    total, count = 0.0, 0
+    for start in range(0, len(blocks), BATCH):
+        batch = blocks[start:start + BATCH]
+        logits = exportdir.predict(predictor, batch[:, :-1]).astype(np.float64)
+        top = logits.max(axis=-1, keepdims=True)
+        logz = np.log(np.exp(logits - top).sum(axis=-1)) + top[..., 0]
+        picked = np.take_along_axis(logits, batch[:, 1:, None], axis=-1)[..., 0]
+        total += float((logz - picked).sum())
+        count += picked.size
+    return total / count, count
+
+
+def generate_prompts(export_dir: Path) -> list[dict]:
+    from serving.generation import GenerationSettings
+    from serving.model import ExportedModel
+
+    model = ExportedModel(export_dir)
+    session = model.cached_session() if exportdir.has_cache_programs(export_dir) else None
+    prompts = [model.encode(p) for p in PROMPTS]
+    settings = [GenerationSettings(max_new_tokens=NEW_TOKENS)] * len(prompts)
+    if session is not None:
+        new = model.generate_batch(session, prompts, settings)
+    else:
+        predictor = exportdir.create_predictor(export_dir)
+        new = [model.generate(lambda ids: exportdir.predict(predictor, ids), p, s) for p, s in zip(prompts, settings)]
+    return [{"prompt": p, "text": model.decode(ids), "token_ids": [i for i in ids if i != model.eos_id]}
+            for p, ids in zip(PROMPTS, new)]
+
+
+def text_metrics(answers: list[dict]) -> dict:
+    def ngrams(ids, n):
+        return [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
+
+    one = [g for a in answers for g in ngrams(a["token_ids"], 1)]
+    two = [g for a in answers for g in ngrams(a["token_ids"], 2)]
+    repeats = sum(sum(1 for x, y in zip(a["token_ids"], a["token_ids"][1:]) if x == y) for a in answers)
+    steps = sum(max(len(a["token_ids"]) - 1, 0) for a in answers)
+    return {"distinct_1": len(set(one)) / max(len(one), 1), "distinct_2": len(set(two)) / max(len(two), 1),
+            "repetition_rate": repeats / max(steps, 1),
+            "mean_length": float(np.mean([len(a["token_ids"]) for a in answers]))}
+
+
+# -- MLflow -------------------------------------------------------------------------------------------------------
+def record(client, uri: str, meta: dict, held_out: dict, metrics: dict, answers: list[dict], tokens: int) -> str:
+    from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunTag
+
+    name, version = meta["registered_model_name"], str(meta["version"])
+    experiment = tracking.experiment_id(client, f"{name}-evaluation", uri)
+    tags = {"mlflow.runName": f"evaluate-{name}-v{version}", "pipeline.stage": "evaluate", "model_name": name,
+            "model_version": version, "model_uri": f"models:/{name}/{version}", "eval.dataset": held_out["digest"],
+            "source_run_id": meta["source_run_id"]}
+    run_id = client.create_run(experiment, tags=tags).info.run_id
+    now = int(time.time() * 1000)
+    client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()],
+                     params=[Param("held_out", held_out["name"][:500]), Param("held_out_tokens", str(tokens)),
+                             Param("prompts", str(len(PROMPTS))), Param("new_tokens", str(NEW_TOKENS))],
+                     tags=[RunTag("mlflow.note.content", f"Evaluation of models:/{name}/{version}")])
+    dataset = Dataset(name=f"held-out-{held_out['digest']}", digest=held_out["digest"], source_type="local",
+                      source=json.dumps({"uri": held_out["name"]}),
+                      profile=json.dumps({"tokens": tokens, "blocks": len(held_out["blocks"]),
+                                          "seq_length": held_out["seq_length"], "data_set": held_out["dataset_key"]}))
+    client.log_inputs(run_id, [DatasetInput(dataset, [InputTag("mlflow.data.context", "evaluation")])])
+    client.log_table(run_id, {k: [a[k] for a in answers] for k in ("prompt", "text")}, "generations.json")
+    client.set_terminated(run_id, "FINISHED")
+    return run_id
+
+
+def tag_version(client, meta: dict, digest: str, metrics: dict, run_id: str) -> None:
+    name, version = meta["registered_model_name"], str(meta["version"])
+    for key in HEADLINE:
+        value = f"{metrics[key]:.6g}"
+        client.set_model_version_tag(name, version, f"eval.{digest}.{key}", value)
+        client.set_model_version_tag(name, version, f"eval.{key}", value)
+    client.set_model_version_tag(name, version, "eval.dataset", digest)
+    client.set_model_version_tag(name, version, "eval.run_id", run_id)
