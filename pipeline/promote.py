@@ -32,7 +32,7 @@ def run(config: Config, model: str, alias: str = "champion", metric: str = "eval
     holder = _holder(client, name, alias)
     evidence = judge(candidate, holder, alias, metric, force)
     client.set_registered_model_alias(name, alias, candidate.version)
-    record = {"alias": alias, "from": holder.version if holder else None, "at": time.strftime(
+    record = {"alias": alias, "from": str(holder.version) if holder else None, "at": time.strftime(
         "%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "forced": force, **evidence}
     client.set_model_version_tag(name, candidate.version, f"promotion.{alias}", json.dumps(record))
     before = f"from v{holder.version}" if holder else "(it was unset)"
@@ -43,7 +43,7 @@ def run(config: Config, model: str, alias: str = "champion", metric: str = "eval
 def judge(candidate, holder, alias: str, metric: str, force: bool) -> dict:
     """The evidence for moving `alias` to `candidate` (ConfigError: refused, one line)."""
     mine = _evaluations(candidate, metric)
-    if holder is None or holder.version == candidate.version:
+    if holder is None or str(holder.version) == str(candidate.version):
         if not mine and not force:
             raise ConfigError(f"v{candidate.version} has no evaluation: run make evaluate "
                               f"MODEL=models:/{candidate.name}/{candidate.version} first (or FORCE=1)")

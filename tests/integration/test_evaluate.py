@@ -40,13 +40,13 @@ def test_evaluation_reproduces_training_and_promotion_follows_the_evidence(versi
     assert evaluate(versions, 1)[0] == 0
     again = client.get_model_version("test-model", "1").tags
     digest = first["eval.dataset"]
-    assert {k: v for k, v in first.items() if k.startswith("eval.") and k != "eval.run_id"} == \\
+    assert {k: v for k, v in first.items() if k.startswith("eval.") and k != "eval.run_id"} == \
         {k: v for k, v in again.items() if k.startswith("eval.") and k != "eval.run_id"}  # (identical metrics)
     source = client.get_model_version("test-model", "1").run_id
     best = min(metric_history(client, source, "eval_loss").values())
     assert float(first[f"eval.{digest}.eval_loss"]) == pytest.approx(best, abs=1e-4)
     run = client.get_run(first["eval.run_id"])
-    assert run.data.tags["model_uri"] == "models:/test-model/1" and run.inputs.dataset_inputs[0].dataset.digest == \\
+    assert run.data.tags["model_uri"] == "models:/test-model/1" and run.inputs.dataset_inputs[0].dataset.digest == \
         digest and run.data.metrics["perplexity"] > 1
     assert "generations.json" in {a.path for a in client.list_artifacts(run.info.run_id)}
 
@@ -61,13 +61,13 @@ def test_evaluation_reproduces_training_and_promotion_follows_the_evidence(versi
     assert worse > better
     rc, out = promote(versions, 2)
     assert rc == 2 and f"eval_loss {worse:.4f} > {better:.4f}; the alias stays" in out, out
-    assert client.get_model_version_by_alias("test-model", "champion").version == "1"
+    assert str(client.get_model_version_by_alias("test-model", "champion").version) == "1"
     rc, out = promote(versions, 2, "--force")
-    assert rc == 0 and client.get_model_version_by_alias("test-model", "champion").version == "2"
+    assert rc == 0 and str(client.get_model_version_by_alias("test-model", "champion").version) == "2"
     record = json.loads(client.get_model_version("test-model", "2").tags["promotion.champion"])
-    assert (record["from"], record["forced"], record["dataset"], record["new"], record["old"]) == \\
+    assert (record["from"], record["forced"], record["dataset"], record["new"], record["old"]) == \
         ("1", True, digest, pytest.approx(worse), pytest.approx(better))
     rc, out = promote(versions, 1)  # back: as good or better on the same set
-    assert rc == 0 and client.get_model_version_by_alias("test-model", "champion").version == "1"
+    assert rc == 0 and str(client.get_model_version_by_alias("test-model", "champion").version) == "1"
     record = json.loads(client.get_model_version("test-model", "1").tags["promotion.champion"])
     assert record["from"] == "2" and not record["forced"]
