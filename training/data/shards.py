@@ -140,6 +140,7 @@ class _ShardWriter:
         import numpy as np
 
         from core import dataset
+        from training.async_checkpoint import fsync_file
 
         if self.open_item:
             self.sizes.append(self.open_item)
@@ -150,19 +151,11 @@ class _ShardWriter:
         sizes = np.frombuffer(self.sizes, dtype=np.int32) if len(self.sizes) else np.zeros(0, dtype=np.int32)
         tmp_idx = Path(f"{self.prefix}.idx.tmp")
         dataset.write_index(tmp_idx, sizes, self.dtype)
-        _fsync(tmp_idx)
+        fsync_file(str(tmp_idx))
         os.replace(self.tmp_bin, f"{self.prefix}.bin")
         os.replace(tmp_idx, f"{self.prefix}.idx")
         return {"documents": self.documents, "items": len(sizes), "tokens": int(sizes.astype(np.int64).sum()),
                 "bin_bytes": int(sizes.astype(np.int64).sum()) * np.dtype(self.dtype).itemsize}
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
