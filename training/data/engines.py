@@ -42,11 +42,20 @@ class _Progress:
 
 
 class LocalEngine:
+    """A pool of `workers` processes, started at the first parallel pass and kept for the next (the vocabulary and
+    tokenize passes share it: one start-up, not two); `close()` ends it."""
+
     def __init__(self, workers: int):
-        self.workers = workers
+        self.workers, self.pool = workers, None
 
     def describe(self) -> str:
         return f"local x{self.workers}"
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+            self.pool = None
 
     def run(self, tasks: list[dict], what: str, log) -> list[dict]:
         from training.data import shards
@@ -60,13 +69,14 @@ class LocalEngine:
                 results[i] = shards.run(tasks[i])
                 progress.step(tasks[i])
             return [results[i] for i in range(len(tasks))]
-        import multiprocessing
+        if self.pool is None:
+            import multiprocessing
 
-        # spawn: a worker starts clean (no inherited threads or locks from the caller, e.g. MLflow's)
-        with multiprocessing.get_context("spawn").Pool(min(self.workers, len(tasks)), shards.single_threaded) as pool:
-            for i, result in pool.imap_unordered(_indexed, [(i, tasks[i]) for i in order]):
-                results[i] = result
-                progress.step(tasks[i])
+            # spawn: a worker starts clean (no inherited threads or locks from the caller, e.g. MLflow's)
+            self.pool = multiprocessing.get_context("spawn").Pool(self.workers, shards.single_threaded)
+        for i, result in self.pool.imap_unordered(_indexed, [(i, tasks[i]) for i in order]):
+            results[i] = result
+            progress.step(tasks[i])
         return [results[i] for i in range(len(tasks))]
 
 
@@ -86,6 +96,9 @@ class RayEngine:
 
     def describe(self) -> str:
         return f"ray {self.address or 'local'}" + (f" x{self.workers}" if self.workers else "")
+
+    def close(self) -> None:
+        pass  # (a local Ray instance ends with this process; a cluster's stays up)
 
     def run(self, tasks: list[dict], what: str, log) -> list[dict]:
         if not tasks:

@@ -110,6 +110,14 @@ def _build(config, corpora: list[corpus.Corpus], staging: Path, key: str, log) -
     d = config.data
     pieces = corpus.pieces(corpora, shard_bytes(d.shard_mb, corpora))
     engine = engines.make(d.engine, d.workers, d.ray_address)
+    try:
+        return _passes(config, corpora, pieces, engine, staging, key, log)
+    finally:
+        engine.close()
+
+
+def _passes(config, corpora, pieces, engine, staging: Path, key: str, log) -> dict:
+    d = config.data
     common = {"staging": str(staging), "text_field": d.text_field, "seed": d.split_seed,
               "validation_fraction": d.validation_fraction}
     limits = _limits(engine, pieces, common, d.max_documents, log) if d.max_documents else {}
