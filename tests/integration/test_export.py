@@ -90,7 +90,7 @@ def test_registered_version_loads_with_mlflow_pyfunc_in_a_fresh_process(exported
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["tokens"] == list(references.values())
     assert all(isinstance(t, str) and t for t in got["text"])
-    assert got["inputs"] == ["prompt", "max_new_tokens", "temperature", "top_k", "seed"]
+    assert got["inputs"] == ["prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed"]
     assert got["outputs"] == ["text", "token_ids"]
 
 
