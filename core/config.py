@@ -197,13 +197,13 @@ class ServingConfig:
     service_name: str = "generate"
     http_port: int = 18180
     rpc_port: int = 18181
-    api_port: int = 18182  # /v1/completions, /v1/models, /health/live, /health/ready
+    api_port: int = 18182  # /v1/completions, /v1/chat/completions, /v1/models, /health/live, /health/ready
     metrics_port: int = 18183  # Prometheus /metrics
     host: str = "127.0.0.1"  # where the api and metrics ports listen (Paddle Serving's own ports: every interface)
     # kv_cache: prefill + decode programs, continuous batching; full: re-run the full-sequence graph for every token
     generation: str = "kv_cache"
     # continuous: requests join the running batch between decode steps; static: a batch is formed only when nothing
-    # runs (the old behaviour, for comparison)
+    # runs (kept for comparison in `make bench`)
     scheduler: str = "continuous"
     # generation worker processes, each with its own predictors and scheduler; 0 = one per core
     workers: int = 0
@@ -220,7 +220,7 @@ class ServingConfig:
     max_worker_restarts: int = 5  # a worker that dies more often than this within restart_window_s is fatal
     restart_window_s: float = 60.0
     # math threads of each worker's predictors; 0 = an even share of the cores. 1 by default: the tiny model's
-    # matrices are too small for OpenMP (in process, batch 8: 1 thread ~1,970 generated tokens/s, 2 threads ~950)
+    # matrices are too small for OpenMP to pay (docs/benchmarks.md)
     predictor_threads: int = 1
     rpc_workers: int = 0  # Paddle Serving's gRPC threads; 0 = one per request in flight (+4)
     max_prompt_chars: int = 128
