@@ -329,7 +329,7 @@ def _export(run_id: str, uri: str) -> dict:
 
 
 def markdown(r: dict) -> str:
-    s, sv, rt = r["scaling"], r["serving"], r["runtime"]
+    s, rt = r["scaling"], r["runtime"]
     lines = [f"Bench {r['date']} on {r['machine']}{' (quick)' if r['quick'] else ''}", "",
              f"Training speed of {rt['config']} ({rt['batch_tokens']} tokens a step), each setting in a fresh "
              f"process, {rt['repeats']} interleaved rounds: median [min-max]. MFU: {FLOPS_NOTE}, against the fp32 "
@@ -385,11 +385,17 @@ def markdown(r: dict) -> str:
     lines.append(f"| export wall (load / convert / parity / MLflow model) | {e['wall_s']:.1f} s "
                  f"({e['load_s']:.1f} / {e['convert_s']:.1f} / {e['parity_s']:.1f} / {e.get('mlflow_model_s', 0):.1f} s), parity "
                  f"{e['parity_max_abs_error']:.1e} |")
+    return "\n".join(lines + _stage_sections(r)) + "\n"
+
+
+def _stage_sections(r: dict) -> list[str]:
+    """The serving and data sections, as their own modules write them."""
     from bench import data_prep, serving_load
-    lines += serving_load.markdown(sv)
+
+    lines = serving_load.markdown(r["serving"])
     if "data" in r:
         lines += [""] + data_prep.markdown(r["data"])
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _log_to_mlflow(results: dict, out: Path) -> None:

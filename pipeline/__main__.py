@@ -45,10 +45,6 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="verb", required=True)
     config_help = f"YAML config (default {DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parent.parent)})"
 
-    data = sub.add_parser("data", help="prepare the corpus as token shards (reused when already prepared)")
-    data.add_argument("--config", default=None, help=config_help)
-    data.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. data.workers=4 data.engine=ray")
-
     train = sub.add_parser("train", help="train a model (hybrid parallel when the layout asks for it)")
     train.add_argument("--config", default=None, help=config_help)
     train.add_argument("--resume", default="", help="run directory or MLflow run id to continue")
@@ -98,6 +94,17 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument("--csv", default="", help="write every valid layout, ranked, to this CSV file")
     plan.add_argument("--write", default="", help="write the top layout as a config file (check it with DRY_RUN=1)")
     plan.add_argument("overrides", nargs="*", help="e.g. cluster.gpus=512 cluster.gpu_memory_gb=80")
+    add_lifecycle_verbs(sub, config_help)
+    sub.add_parser("mlflow-server", help="start a tracking server on 127.0.0.1 (settings: mlflow/server.env)")
+    sub.add_parser("mlflow-stop", help="stop the tracking server")
+    return p
+
+
+def add_lifecycle_verbs(sub, config_help: str) -> None:
+    """The verbs around training and serving: data before, evaluate and promote after, doctor for the machine."""
+    data = sub.add_parser("data", help="prepare the corpus as token shards (reused when already prepared)")
+    data.add_argument("--config", default=None, help=config_help)
+    data.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. data.workers=4 data.engine=ray")
     evaluate = sub.add_parser("evaluate", help="a registered version on a fixed held-out set and prompt set, in MLflow")
     evaluate.add_argument("--config", default=None, help=config_help)
     evaluate.add_argument("--model", default="", help="models:/<name>/<version>, models:/<name>@<alias> or a directory")
@@ -114,9 +121,6 @@ def parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="what this machine can run: Paddle's build, CUDA libraries, driver, GPUs")
     doctor.add_argument("--config", default=None, help=config_help + "; its layout is checked against the devices")
     doctor.add_argument("overrides", nargs="*")
-    sub.add_parser("mlflow-server", help="start a tracking server on 127.0.0.1 (settings: mlflow/server.env)")
-    sub.add_parser("mlflow-stop", help="stop the tracking server")
-    return p
 
 
 def _data(config: Config, args) -> int:

@@ -70,8 +70,8 @@ def held_out_set(config: Config, client, export_dir: Path, meta: dict, data: str
                                                    "data.blend=[]", f"tokenizer.path={export_dir / 'tokenizer'}",
                                                    "data.max_documents=0"]), log=lambda line: None)
         seq = config.training.seq_length
-        blocks = np.concatenate([read.validation_blocks(prepared.path, prepared.manifest, seq, None),
-                                 _split_blocks(prepared, "train", seq)])
+        blocks = np.concatenate([read.split_blocks(prepared.path, prepared.manifest, split, seq)
+                                 for split in ("validation", "train")])
         key, name = prepared.manifest["key"], f"corpus {data}"
     else:
         spec = _source_data(client, meta)
@@ -84,16 +84,6 @@ def held_out_set(config: Config, client, export_dir: Path, meta: dict, data: str
         raise ConfigError(f"the held-out set ({name}) has no block of {seq + 1} tokens")
     identity = hashlib.sha256(f"{key}:{seq}:{len(blocks)}".encode()).hexdigest()[:16]
     return {"name": name, "digest": identity, "blocks": blocks, "dataset_key": key, "seq_length": seq}
-
-
-def _split_blocks(prepared, split: str, seq: int) -> np.ndarray:
-    from core import dataset
-
-    width = seq + 1
-    parts = [np.asarray(dataset.tokens(p, np.dtype(prepared.manifest["tokenizer"]["dtype"])), dtype=np.int64)
-             for p, _ in dataset.shard_prefixes(prepared.path, prepared.manifest, split)]
-    stream = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-    return stream[: len(stream) // width * width].reshape(-1, width)
 
 
 def _source_data(client, meta: dict) -> dict:

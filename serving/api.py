@@ -48,8 +48,7 @@ def openai_values(body: dict, chat: bool) -> dict:
         if body.get(key) not in (default, None, {}):
             raise bad(f"`{key}` is not supported by this server", key)
     values = {RENAMED.get(k, k): v for k, v in body.items() if k not in IGNORED}
-    values.setdefault("temperature", 1.0)  # (OpenAI's default; the key/value route's is 0, greedy)
-    if values.get("temperature") is None:
+    if values.get("temperature") is None:  # (absent or null: OpenAI's default; the key/value route's is 0, greedy)
         values["temperature"] = 1.0
     if chat:
         if "echo" in values:

@@ -106,14 +106,15 @@ def _manifest(path: Path) -> dict:
         raise ConfigError(f"{exc} (on a cluster, data.cache_dir must be on storage every node shares)") from None
 
 
-def validation_blocks(path: Path, manifest: dict, seq_length: int, max_blocks: int | None = None) -> np.ndarray:
-    """The validation split in order, cut into blocks of seq_length + 1 tokens (the rest dropped), at most
+def split_blocks(path: Path, manifest: dict, split: str, seq_length: int,
+                 max_blocks: int | None = None) -> np.ndarray:
+    """A split's tokens in manifest order, cut into blocks of seq_length + 1 tokens (the rest dropped), at most
     `max_blocks` of them: only those tokens are read."""
     width = seq_length + 1
     need = None if max_blocks is None else max_blocks * width
+    dtype = np.dtype(manifest["tokenizer"]["dtype"])
     parts, have = [], 0
-    for prefix, shard in dataset.shard_prefixes(path, manifest, "validation"):
-        dtype = np.dtype(manifest["tokenizer"]["dtype"])
+    for prefix, _ in dataset.shard_prefixes(path, manifest, split):
         stream = dataset.tokens(prefix, dtype)
         take = stream if need is None else stream[: need - have]
         parts.append(np.asarray(take, dtype=np.int64))
@@ -123,6 +124,11 @@ def validation_blocks(path: Path, manifest: dict, seq_length: int, max_blocks: i
     stream = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     n = len(stream) // width
     return stream[: n * width].reshape(n, width)
+
+
+def validation_blocks(path: Path, manifest: dict, seq_length: int, max_blocks: int | None = None) -> np.ndarray:
+    """The validation split in order, cut into blocks (each token once: a fixed held-out set)."""
+    return split_blocks(path, manifest, "validation", seq_length, max_blocks)
 
 
 class BlockDataset:
