@@ -52,10 +52,10 @@ def run(export_dir: Path, out: Path, quick: bool) -> dict:
 def in_process(export_dir: Path, quick: bool):
     """One request alone through the scheduler, as a worker runs it; and 8 sequences kept running (closed loop).
     Returns the figures and the alone request (served() times it again, interleaved with the served requests)."""
-    from serving.engine import Job
-    from serving.generation import GenerationSettings
-    from serving.model import ExportedModel
-    from serving.worker import build_scheduler
+    from serving.engine.scheduler import Job
+    from serving.engine.generation import GenerationSettings
+    from serving.engine.exported import ExportedModel
+    from serving.engine.worker import build_scheduler
 
     config = load_config(DEFAULT_CONFIG)
     model = ExportedModel(export_dir)
@@ -88,8 +88,8 @@ def in_process(export_dir: Path, quick: bool):
 def served(export_dir: Path, out: Path, scheduler: str, clients: tuple, duration: float, quick: bool,
            alone) -> dict:
     from core.processes import free_port
-    from serving import server
-    from serving.client import GenerationClient
+    from serving.entrypoints import server
+    from serving.entrypoints.client import GenerationClient
 
     ports = [f"serving.{key}={free_port()}" for key in ("http_port", "rpc_port", "api_port", "metrics_port")]
     config = load_config(DEFAULT_CONFIG, [*ports, f"serving.scheduler={scheduler}"])
@@ -113,7 +113,7 @@ def served(export_dir: Path, out: Path, scheduler: str, clients: tuple, duration
             if scheduler == "continuous" else []
     finally:
         server.stop(state_dir)
-    from serving.service import workers
+    from serving.entrypoints.paddle_serving_op import workers
 
     return {"workers": workers(config.serving), "load": load, "streaming": streaming,
             **{f"{name}_p50_ms": float(np.median(values) * 1000) for name, values in times.items()}}
@@ -121,7 +121,7 @@ def served(export_dir: Path, out: Path, scheduler: str, clients: tuple, duration
 
 def load_test(url: str, clients: int, duration_s: float) -> dict:
     """`clients` closed-loop threads for `duration_s`: each sends its next request when the last is answered."""
-    from serving.client import GenerationClient, ServingError
+    from serving.entrypoints.client import GenerationClient, ServingError
 
     answers, errors, lock, first_error = [], [0], threading.Lock(), []
     stop_at = time.perf_counter() + duration_s

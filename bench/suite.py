@@ -122,7 +122,7 @@ from paddlenlp.data import default_data_collator
 from paddlenlp.trainer import Trainer, TrainingArguments
 from core.tokenizer import load_tokenizer
 from training.data.read import train_dataset
-from training.model import build_model
+from model.llama import build_model
 run_dir = Path({str(run_dir)!r})
 config = load_config(run_dir / "config.yaml")
 paddle.set_device("cpu")

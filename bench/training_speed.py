@@ -58,8 +58,8 @@ def project_step_times(config, run_dir: Path, steps: int, scratch: Path) -> list
     from core.layout import ParallelLayout
     from core.tokenizer import load_tokenizer
     from training.data.read import train_dataset
-    from training.model import build_model
-    from training.worker import make_trainer, prepare_model, training_arguments
+    from model.llama import build_model
+    from training.rank import make_trainer, prepare_model, training_arguments
 
     layout = ParallelLayout.from_config(config)
     ends: list[float] = []
@@ -84,8 +84,8 @@ def bare_step_times(config, run_dir: Path, steps: int) -> list[float]:
     import paddle
 
     from core.tokenizer import load_tokenizer
-    from training.model import build_model
-    from training.worker import prepare_model
+    from model.llama import build_model
+    from training.rank import prepare_model
 
     paddle.seed(config.training.seed)
     model = prepare_model(config, build_model(config, load_tokenizer(run_dir / "tokenizer"), 1, 0, pipeline=False))

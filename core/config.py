@@ -92,7 +92,7 @@ class TrainingConfig:
     max_eval_batches: int = 8
     seed: int = 42
     # Run the model's forward as one static program (paddle.jit.to_static, whole graph) instead of op by op.
-    # Single-device models only (parallel.tensor = parallel.pipeline = 1); see core/workarounds/dy2static_fix.py.
+    # Single-device models only (parallel.tensor = parallel.pipeline = 1); see model/llama.py.
     compile: bool = False
     runs_dir: str = "runs"
     run_name: str = ""  # default: <config name>-<UTC timestamp>
@@ -146,7 +146,7 @@ class ParallelConfig:
 
 @dataclass
 class PerformanceConfig:
-    """GPU-grade settings, passed to PaddleNLP exactly (LlamaConfig / TrainingArguments; training/worker.py
+    """GPU-grade settings, passed to PaddleNLP exactly (LlamaConfig / TrainingArguments; training/rank.py
     `performance_arguments`), checked against the layout and device before launch. Off by default; the GPU example
     configs turn on what PaddleNLP's reference Llama pretraining turns on (llm/config/llama/pretrain_argument.json)."""
 
@@ -234,7 +234,7 @@ class ServingConfig:
     gpus: list = field(default_factory=list)
     gpu_memory_mb: int = 1024  # each GPU predictor's initial memory pool (Paddle Inference enable_use_gpu)
     # Inference precision: float32 | float16 | bfloat16 (GPU only); a reduced precision is checked at each worker's
-    # start against float32 on the same GPU (serving/placement.py PRECISION_TOLERANCE).
+    # start against float32 on the same GPU (serving/engine/placement.py PRECISION_TOLERANCE).
     precision: str = "float32"
 
 

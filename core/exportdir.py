@@ -1,32 +1,34 @@
-"""The export directory: the one contract between export (which writes it) and serving and smoke (which read it).
+"""The export directory's names and format: the one contract between export (export/, which writes it) and serving
+(which reads it: serving/engine/runtime.py runs its programs, serving/engine/exported.py its tokenizer and lineage).
 
     exports/<model>/<version>/
         model.pdmodel, model.pdiparams   static graph: feed `input_ids` int64 [batch, seq] -> logits float32
                                          [batch, seq, vocab] (paddle.jit.save; run with paddle.inference)
+        prefill.pdmodel/.pdiparams,      the key/value-cache programs (export/programs.py has their inputs and
+        decode.pdmodel/.pdiparams        outputs); absent in exports made before them (served by the full graph)
         tokenizer/                       core/tokenizer.py format
         serving_server_conf.prototxt     feed/fetch description for Paddle Serving's local_predictor
         export.json                      lineage and parity metadata (REQUIRED_META at least)
         reference.json                   greedy continuations of REFERENCE_PROMPTS by the dynamic model the graph
                                          was converted from, for the smoke checks of a running server
 
-The same files are the registered model version's artifacts. Reading and writing them happens only here.
+plus MLflow's `python_function` metadata (MLmodel, code/, python_model.pkl, requirements: export/mlflow_model.py).
+The same files are the registered model version's artifacts.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 
 from core.errors import ConfigError
 
 MODEL_PREFIX = "model"  # the full-sequence graph
-PREFILL_PREFIX = "prefill"  # key/value-cache generation: prompt -> last logits + caches (training/kv_cache.py)
+PREFILL_PREFIX = "prefill"  # key/value-cache generation: prompt -> last logits + caches (export/programs.py)
 DECODE_PREFIX = "decode"  # one token per sequence + each layer's cache -> logits + the token's keys/values
 FEED_NAME = "input_ids"
-# The cache programs' other inputs (training/kv_cache.py writes them, cache_session feeds them by name).
+# The cache programs' other inputs (export/programs.py writes them, cache_session feeds them by name).
 POSITIONS_NAME, KEY_MASK_NAME = "position_ids", "key_mask"
 PAST_KINDS = ("past_keys", "past_values")  # decode: one input per layer and kind, named past_input(kind, layer)
 META_FILE = "export.json"
@@ -116,96 +118,8 @@ def fetch_name(export_dir: Path) -> str:
     return text.split("fetch_var {")[1].split('name: "')[1].split('"')[0]
 
 
-@dataclass(frozen=True)
-class Placement:
-    """Where a predictor runs: the CPU, or one GPU with its memory pool and precision (serving/placement.py)."""
-    device: str = "cpu"
-    device_id: int = 0
-    memory_mb: int = 1024
-    precision: str = "float32"
-
-    def describe(self) -> str:
-        return "cpu" if self.device == "cpu" else f"gpu:{self.device_id} {self.precision}"
-
-
-def create_predictor(export_dir: Path, ir_optim: bool = False, prefix: str = MODEL_PREFIX, threads: int = 1,
-                     placement: Placement = Placement()):
-    """A paddle.inference predictor for one of the graphs, configured as the served model is: on CPU with `threads`
-    math threads (ir_optim off), or on one GPU (`placement`)."""
-    from paddle import inference
-
-    config = inference.Config(str(export_dir / f"{prefix}.pdmodel"), str(export_dir / f"{prefix}.pdiparams"))
-    if placement.device == "gpu":
-        precision = {"float32": inference.PrecisionType.Float32, "float16": inference.PrecisionType.Half,
-                     "bfloat16": inference.PrecisionType.Bfloat16}[placement.precision]
-        config.enable_use_gpu(placement.memory_mb, placement.device_id, precision)
-        # (a reduced precision is applied by Paddle Inference's mixed-precision IR pass: optimisation on)
-        ir_optim = ir_optim or placement.precision != "float32"
-    else:
-        config.disable_gpu()
-        config.set_cpu_math_library_num_threads(threads)
-    config.disable_glog_info()
-    # Generation feeds a new sequence length at every step; with IR optimisation on, the CPU predictor measured
-    # 2x slower per generated token. Same setting as the served model (ir_optim: false).
-    config.switch_ir_optim(ir_optim)
-    return inference.create_predictor(config)
-
-
-def run(predictor, *inputs: np.ndarray) -> list[np.ndarray]:
-    """Feed the inputs in the graph's input order; all outputs in its output order."""
-    for name, value in zip(predictor.get_input_names(), inputs):
-        _feed(predictor.get_input_handle(name), value)
-    predictor.run()
-    return [predictor.get_output_handle(name).copy_to_cpu() for name in predictor.get_output_names()]
-
-
-def predict(predictor, input_ids: np.ndarray) -> np.ndarray:
-    """The full-sequence graph: logits [B, T, V]."""
-    return run(predictor, input_ids.astype("int64"))[0]
-
-
 def past_input(kind: str, layer: int) -> str:
     return f"{kind}_{layer}"
-
-
-def cache_session(export_dir: Path, threads: int = 1, placement: Placement = Placement()):
-    """(prefill, decode) functions over this process's own predictors of the cache programs (one session per thread
-    or process: paddle.inference predictors are not thread-safe):
-
-        prefill(ids, positions, mask) -> logits [B,V], keys [L,B,Hkv,T,D], values
-        decode(ids, positions, mask, keys [L,B,Hkv,P,D], values) -> logits [B,V], keys [L,B,Hkv,P+1,D], values
-
-    The decode program takes each layer's cache as an input of its own and returns only the new token's keys and
-    values (training/kv_cache.py); they are appended here, the one copy of the cache a step. Exports made before
-    (one stacked cache in, the grown caches out) are read too."""
-    export_dir = Path(export_dir)
-    prefill = create_predictor(export_dir, prefix=PREFILL_PREFIX, threads=threads, placement=placement)
-    decode = create_predictor(export_dir, prefix=DECODE_PREFIX, threads=threads, placement=placement)
-    names = decode.get_input_names()
-    if PAST_KINDS[0] in names:  # (the earlier form: one stacked input per kind)
-        return (lambda *feeds: run(prefill, *feeds)), (lambda *feeds: run(decode, *feeds))
-    layers = sum(past_input(PAST_KINDS[0], layer) in names for layer in range(len(names)))
-    layer_inputs = [[decode.get_input_handle(past_input(kind, layer)) for layer in range(layers)]
-                    for kind in PAST_KINDS]
-    step_inputs = [decode.get_input_handle(name) for name in (FEED_NAME, POSITIONS_NAME, KEY_MASK_NAME)]
-    outputs = [decode.get_output_handle(name) for name in decode.get_output_names()]
-
-    def decode_step(ids, positions, mask, keys, values):
-        for handle, value in zip(step_inputs, (ids, positions, mask)):
-            _feed(handle, value)
-        for handles, cache in zip(layer_inputs, (keys, values)):
-            for layer, handle in enumerate(handles):
-                _feed(handle, cache[layer])  # (cache[layer]: a contiguous view, copied once into the predictor)
-        decode.run()
-        logits, new_keys, new_values = (handle.copy_to_cpu() for handle in outputs)
-        return logits, np.concatenate([keys, new_keys], axis=3), np.concatenate([values, new_values], axis=3)
-
-    return (lambda *feeds: run(prefill, *feeds)), decode_step
-
-
-def _feed(handle, value: np.ndarray) -> None:
-    handle.reshape(list(value.shape))
-    handle.copy_from_cpu(np.ascontiguousarray(value))
 
 
 def has_cache_programs(export_dir: Path) -> bool:

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from core import exportdir, tracking
+from serving.engine import runtime
 from core.config import Config, ConfigError
 
 PROMPTS = ("人工智能", "这本书", "快递很快，", "价格便宜", "我们今天", "手机很好用", "质量不错，", "服务态度")
@@ -100,11 +101,11 @@ def _source_data(client, meta: dict) -> dict:
 # -- the measurements -------------------------------------------------------------------------------------------------
 def token_loss(export_dir: Path, blocks: np.ndarray) -> tuple[float, int]:
     """Token-weighted cross-entropy of the exported graph over blocks (inputs block[:-1], labels block[1:])."""
-    predictor = exportdir.create_predictor(export_dir)
+    predictor = runtime.create_predictor(export_dir)
     total, count = 0.0, 0
     for start in range(0, len(blocks), BATCH):
         batch = blocks[start:start + BATCH]
-        logits = exportdir.predict(predictor, batch[:, :-1]).astype(np.float64)
+        logits = runtime.predict(predictor, batch[:, :-1]).astype(np.float64)
         top = logits.max(axis=-1, keepdims=True)
         logz = np.log(np.exp(logits - top).sum(axis=-1)) + top[..., 0]
         picked = np.take_along_axis(logits, batch[:, 1:, None], axis=-1)[..., 0]
@@ -114,8 +115,8 @@ def token_loss(export_dir: Path, blocks: np.ndarray) -> tuple[float, int]:
 
 
 def generate_prompts(export_dir: Path) -> list[dict]:
-    from serving.generation import GenerationSettings
-    from serving.model import ExportedModel
+    from serving.engine.generation import GenerationSettings
+    from serving.engine.exported import ExportedModel
 
     model = ExportedModel(export_dir)
     session = model.cached_session() if exportdir.has_cache_programs(export_dir) else None
@@ -124,8 +125,8 @@ def generate_prompts(export_dir: Path) -> list[dict]:
     if session is not None:
         new = model.generate_batch(session, prompts, settings)
     else:
-        predictor = exportdir.create_predictor(export_dir)
-        new = [model.generate(lambda ids: exportdir.predict(predictor, ids), p, s) for p, s in zip(prompts, settings)]
+        predictor = runtime.create_predictor(export_dir)
+        new = [model.generate(lambda ids: runtime.predict(predictor, ids), p, s) for p, s in zip(prompts, settings)]
     return [{"prompt": p, "text": model.decode(ids), "token_ids": [i for i in ids if i != model.eos_id]}
             for p, ids in zip(PROMPTS, new)]
 

@@ -3,7 +3,7 @@ artifacts + registered model version.
 
     select()          the best checkpoint (lowest export.metric) of the best FINISHED run, or of RUN_ID
     fetch_inputs()    its checkpoint, config and tokenizer: from this machine's disk or the run's artifacts
-    build()           convert (training/convert.py), gate on logits and on greedy tokens, write the export
+    build()           convert (export/convert.py), gate on logits and on greedy tokens, write the export
                       directory's files (core/exportdir.py) in a staging directory
     publish()         log the directory to the source run (`exports/<name>/v<N>/`), register `runs:/...` (MLflow's
                       convention, which a tracking server accepts; a local path it refuses), rename staging into place
@@ -23,11 +23,8 @@ from pathlib import Path
 import core  # noqa: F401  (zlib before paddle)
 from core import REPO_ROOT, exportdir, tracking
 from core.config import DEFAULT_CONFIG, Config, ConfigError, load_config
+from export import ExportError
 from training.checkpoints import COMPLETE_MARKER
-
-
-class ExportError(ConfigError):
-    """A reason the export cannot proceed; nothing has been published."""
 
 
 @dataclass
@@ -163,22 +160,23 @@ def build(chosen: Selection, config: Config, checkpoint: Path, tokenizer_dir: Pa
     through serving's ExportedModel) and written again by publish once the version is known."""
     import paddle
 
-    from training import convert
+    from export import convert, gates, programs
+    from serving.engine import runtime
     print(f"run {chosen.run_id} ({chosen.run_name}); checkpoint step {chosen.step} ({chosen.metric} "
           f"{chosen.metric_value:.5f}): {checkpoint}", flush=True)
     timings = {}
     t0 = time.time()
     model = convert.load_checkpoint(checkpoint)
-    layout_error = fused_weights_gate(model, checkpoint, config)
+    layout_error = gates.fused_weights_gate(model, checkpoint, config)
     timings["load_s"] = time.time() - t0
     t0 = time.time()
-    convert.save_static(model, staging)
-    convert.save_cache_programs(model, staging)
+    programs.save_full_sequence(model, staging)
+    programs.save_programs(model, staging)
     timings["convert_s"] = time.time() - t0
     t0 = time.time()
-    error = logits_gate(model, staging, config)
+    error = gates.logits_gate(model, staging, config)
     shutil.copytree(tokenizer_dir, exportdir.tokenizer_dir(staging))
-    predictor = exportdir.create_predictor(staging)
+    predictor = runtime.create_predictor(staging)
     exportdir.write_serving_conf(staging, predictor.get_input_names()[0], predictor.get_output_names()[0],
                                  model.config.vocab_size)
     meta = {
@@ -189,7 +187,7 @@ def build(chosen: Selection, config: Config, checkpoint: Path, tokenizer_dir: Pa
         "checkpoint_uri": f"runs:/{chosen.run_id}/{chosen.info['artifact']}" if chosen.info.get("artifact") else "",
         "metric": chosen.metric, "metric_value": chosen.metric_value, "config_hash": config.digest(),
         "paddle_version": paddle.__version__, "parity_max_abs_error": error,
-        "parity_tolerance": config.export.parity_tolerance, "parity_shapes": [list(s) for s in convert.PARITY_SHAPES],
+        "parity_tolerance": config.export.parity_tolerance, "parity_shapes": [list(s) for s in gates.PARITY_SHAPES],
         "vocab_size": model.config.vocab_size, "seq_length": config.training.seq_length,
         "max_position_embeddings": config.model.max_position_embeddings, "eos_token_id": model.config.eos_token_id,
         "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -198,95 +196,13 @@ def build(chosen: Selection, config: Config, checkpoint: Path, tokenizer_dir: Pa
         "fused_vs_portable_max_abs_error": layout_error,
     }
     exportdir.write_meta(staging, meta)
-    references = tokens_gate(convert.dynamic_forward(model), predictor, staging, config)
+    references = gates.tokens_gate(convert.dynamic_forward(model), predictor, staging, config)
     exportdir.write_references(staging, references)
     timings["parity_s"] = time.time() - t0  # (in meta["timings_s"]: publish writes export.json with the version)
     t0 = time.time()
-    mlflow_model_gate(staging, references)
+    gates.mlflow_model_gate(staging, references)
     timings["mlflow_model_s"] = time.time() - t0
     return meta
-
-
-def fused_weights_gate(model, checkpoint: Path, config: Config) -> float | None:
-    """A checkpoint trained with fused q/k/v or gate/up weights (performance.fuse_attention_qkv/ffn) is exported as
-    the portable, unfused model (what the cache programs read); the fused model loaded as trained must give the
-    same logits. None when the checkpoint is not fused."""
-    from training import convert
-    from training.model import is_fused, load_merged
-
-    if not is_fused(checkpoint):
-        return None
-    trained = load_merged(checkpoint, portable=False)
-    trained.eval()
-    error = convert.weight_layout_error(model, trained, model.config.vocab_size, config.training.seq_length)
-    if error > config.export.parity_tolerance:
-        raise ExportError(f"the unfused model of the fused checkpoint {checkpoint} differs from it by {error:.2e} > "
-                          f"export.parity_tolerance; nothing was published")
-    print(f"fused q/k/v / gate-up weights: exported unfused; max |unfused - fused as trained| = {error:.2e}",
-          flush=True)
-    return error
-
-
-def mlflow_model_gate(staging: Path, references: dict[str, list[int]]) -> None:
-    """The export directory is also an MLflow `python_function` model (serving/pyfunc.py); loaded as MLflow loads
-    it, it must generate the references token for token."""
-    from serving import pyfunc
-
-    pyfunc.write_mlflow_model(staging, pyfunc.pinned_requirements(REPO_ROOT), exportdir.REFERENCE_PROMPTS[0])
-    differ = pyfunc.check(staging, references)
-    if differ:
-        raise ExportError(f"the MLflow pyfunc model generates other tokens than the exported graph for {differ}; "
-                          f"nothing was published")
-    print(f"MLflow model: python_function flavor; mlflow.pyfunc.load_model reproduces the greedy tokens of "
-          f"{len(references)} prompts", flush=True)
-
-
-def logits_gate(model, staging: Path, config: Config) -> float:
-    """Every exported program against the dynamic model: the full-sequence graph under both predictor
-    configurations users run (plain, as served: bit-identical kernels; IR-optimised: fused passes change the
-    arithmetic slightly) and the prefill/decode cache programs step by step. The gate takes the worst."""
-    from training import convert
-    vocab, seq = model.config.vocab_size, config.training.seq_length
-    full = max(convert.parity_error(model, exportdir.create_predictor(staging, ir_optim), vocab, seq)
-               for ir_optim in (False, True))
-    cached = convert.cache_parity_error(model, *exportdir.cache_session(staging), vocab, seq)
-    error, tolerance = max(full, cached), config.export.parity_tolerance
-    print(f"parity: max |dynamic - paddle.inference| = {full:.3e} (full graph, shapes {convert.PARITY_SHAPES}, "
-          f"ir_optim off/on), {cached:.3e} (prefill + decode, padded batch) (tolerance {tolerance:.0e})", flush=True)
-    if not error <= tolerance:
-        raise ExportError(f"parity check failed: max logit difference {error:.3e} > export.parity_tolerance "
-                          f"{tolerance:.0e}; nothing was published")
-    return error
-
-
-def tokens_gate(dynamic_forward, predictor, staging: Path, config: Config) -> dict[str, list[int]]:
-    """Greedy continuations: the full graph and the cache programs (each prompt alone, and all of them in one batch
-    of mixed lengths) must produce the dynamic model's tokens exactly, for the reference prompts and longer ones up
-    to the serving prompt limit. The reference prompts' tokens are stored (reference.json) so that smoke can check a
-    running server without the checkpoint."""
-    from serving.generation import GenerationSettings
-    from serving.model import ExportedModel
-
-    exported = ExportedModel(staging)
-    session = exported.cached_session()
-    settings = GenerationSettings(max_new_tokens=exportdir.REFERENCE_NEW_TOKENS)
-    text = "".join(exportdir.REFERENCE_PROMPTS) * 16
-    limit = min(config.serving.max_prompt_chars, exported.max_length - exportdir.REFERENCE_NEW_TOKENS - 1)
-    prompts = [*exportdir.REFERENCE_PROMPTS, text[:limit // 3], text[:limit]]
-    encoded = [exported.encode(p) for p in prompts]
-    expected = [exported.generate(dynamic_forward, ids, settings) for ids in encoded]
-    paths = {"exported graph": [exported.generate(lambda x: exportdir.predict(predictor, x), ids, settings)
-                                for ids in encoded],
-             "cache programs": [exported.generate_batch(session, [ids], [settings])[0] for ids in encoded],
-             "cache programs, batched": exported.generate_batch(session, encoded, [settings] * len(encoded))}
-    for path, got in paths.items():
-        for prompt, a, b in zip(prompts, got, expected):
-            if a != b:
-                raise ExportError(f"parity check failed: greedy tokens of the {path} for {prompt[:20]!r} "
-                                  f"({len(prompt)} chars) are {a}, the dynamic model's {b}; nothing was published")
-    print(f"greedy tokens: exported graph == cache programs (alone and batched) == dynamic model for {len(prompts)} "
-          f"prompts of {min(map(len, encoded))}-{max(map(len, encoded))} tokens", flush=True)
-    return dict(zip(exportdir.REFERENCE_PROMPTS, expected))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -7,8 +7,8 @@ from pipeline import models
 
 from core import tracking
 from core.config import Config, ConfigError
-from serving import server
-from serving.smoke import run_smoke
+from serving.entrypoints import server
+from serving.entrypoints.smoke import run_smoke
 from serving.state import default_state_dir, read_state, read_worker
 
 
@@ -54,7 +54,7 @@ def smoke(config: Config) -> int:
 def samples(state: dict, max_new_tokens: int) -> str:
     """What the served model is: its eval metric and greedy continuations of the reference prompts."""
     from core import exportdir
-    from serving.client import GenerationClient
+    from serving.entrypoints.client import GenerationClient
 
     meta = exportdir.read_meta(Path(state["model_dir"]))
     metric, value = meta.get("metric", "eval_loss"), float(meta.get("metric_value", "nan"))

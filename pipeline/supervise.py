@@ -26,7 +26,7 @@ def launch_command(layout: ParallelLayout, run_dir: Path, resume_from: Path | No
     worker = ["--run-dir", str(run_dir)] + (["--resume-from", str(resume_from)] if resume_from else []) + \
         (["--pending-config", str(pending_config)] if pending_config else [])
     if layout.world_size == 1:
-        return [sys.executable, "-m", "training.worker", *worker]
+        return [sys.executable, "-m", "training.rank", *worker]
     cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(layout.procs_per_node),
            "--max_restart", "0", "--log_dir", str(nodes.log_dir(run_dir, layout.nnodes))]
     if layout.nnodes > 1:

@@ -264,7 +264,7 @@ def summary(run_dir: Path, config: Config, seconds: float) -> str:
 
 def performance_text(config: Config, layout: ParallelLayout) -> str:
     """The performance settings as they will reach PaddleNLP (config.performance, translated by training/)."""
-    from training.worker import performance_values
+    from training.rank import performance_values
 
     values = performance_values(config, layout)
     default = PerformanceConfig()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from serving.generation import GenerationSettings
+from serving.engine.generation import GenerationSettings
 
 # kind: (err_no of Paddle Serving's answers, HTTP status of the OpenAI routes)
 KINDS = {"bad_request": (8001, 400), "internal": (8002, 500), "busy": (8003, 429), "deadline": (8004, 504),

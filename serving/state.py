@@ -31,7 +31,7 @@ WORKER_FILE = "worker.json"
 
 
 def read_worker(state_dir: Path) -> dict:
-    """The current generation worker (serving/dispatch.py writes it each time one is ready): pid, load time, memory,
+    """The current generation worker (serving/engine/dispatch.py writes it each time one is ready): pid, load time, memory,
     restarts so far. {} before the first is ready."""
     try:
         return json.loads((Path(state_dir) / WORKER_FILE).read_text())

@@ -64,7 +64,7 @@ def make_init_weights(config_file: Path, runs_dir: Path, out: Path) -> Path:
     """Seeded random weights of the single-device model, saved once, so every layout starts from the same point."""
     from core.config import load_config
     from training.data import prepare
-    from training.model import build_model
+    from model.llama import build_model
 
     import paddle
 

@@ -104,7 +104,7 @@ class SemiAutoMethods:
     def _sampler(self, dataset, batch_size):
         from paddle.io import DistributedBatchSampler
 
-        # One global order for every rank (and every layout: training/worker.py make_trainer).
+        # One global order for every rank (and every layout: training/rank.py make_trainer).
         return DistributedBatchSampler(dataset, batch_size=batch_size, shuffle=True, num_replicas=1, rank=0,
                                        drop_last=self.args.dataloader_drop_last)
 

@@ -1,14 +1,8 @@
-"""Every workaround for a Paddle / PaddleNLP / Paddle Serving bug or limit, in one place. When a pinned version
-changes (requirements/lock.txt), this is the folder to review; each module names the bug and the versions it fixes.
-
-    (this file)       zlib before paddle; warnings known to be harmless           Paddle 2.6.2
-    cpu_runtime       MKL's slow path on AMD CPUs, thread counts, OpenMP spin      Paddle 2.6.2 (MKL 2023 / iomp5)
-    cpu_llama_ops     PaddleNLP's Llama on slow CPU kernels (pow, broadcasts, casts) PaddleNLP 2.8.1 / Paddle 2.6.2
-    cpu_gloo          hybrid parallel (tensor/pipeline/sharding) on CPU over gloo  paddlepaddle 2.6.2 fleet
-    paddlenlp_resume  resuming a multi-rank checkpoint on another layout           PaddleNLP 2.8.1
-    dy2static_fix     dy2static of PaddleNLP's Llama (compiled training)           Paddle 2.6.2 / PaddleNLP 2.8.1
-    paddle_serving    the client package the server imports; its log directory     Paddle Serving 0.9.0
-    cuda_libraries    the CUDA 11.8 runtime from NVIDIA's pip packages (GPU wheel)  paddlepaddle-gpu 2.6.2
+"""Patches of Paddle / PaddleNLP / Paddle Serving code, one module per bug (this folder), and OVERRIDES below: the
+one table of every place in the project that replaces or overrides their code, with the bug and the versions it is
+for. When a pin in requirements/lock.txt changes, review the table. tests/unit/test_overrides.py finds every
+override in the source (assignments into their modules, classes or objects; their private methods overridden in a
+subclass) and fails on one that is not in the table, or on a row that no longer matches the code.
 
 zlib: libpaddle.so (Paddle 2.6.2) exports its own zlib symbols; if it is loaded first, later zlib users (grpc,
 safetensors, zip files) fail with "inconsistent stream state" or segfault. `core/__init__.py` imports zlib before
@@ -16,6 +10,52 @@ anything else, and everything imports `core` first.
 """
 import zlib  # noqa: F401  (see the docstring: must precede every `import paddle`)
 import warnings
+from typing import NamedTuple
+
+
+class Override(NamedTuple):
+    module: str  # the file, from the repository root
+    targets: tuple[str, ...]  # what it replaces: `Class.method`, `function`, or `attribute` of their objects
+    bug: str  # why
+    versions: str  # what it was verified against
+
+
+OVERRIDES = (
+    Override("core/workarounds/__init__.py", (), "libpaddle's own zlib symbols break later zlib users unless zlib "
+             "loads first; warnings known to be harmless", "Paddle 2.6.2"),
+    Override("core/workarounds/cpu_runtime.py", (), "MKL's generic kernels on AMD CPUs, Paddle's 1-thread default, "
+             "Intel OpenMP's spin-wait (environment and set_num_threads only)", "Paddle 2.6.2 (MKL 2019.0.5, iomp5)"),
+    Override("core/workarounds/cpu_gloo.py",
+             ("broadcast_input_data", "ProcessGroupGloo.send_on_calc_stream", "ProcessGroupGloo.recv_on_calc_stream",
+              "_legacy_C_ops", "_c_concat", "ParallelEnv._device_id", "batch_send_recv_on_calc_stream", "_sync_send",
+              "_new_process_group_impl", "PipelineParallelWithInterleave._check_sanity"),
+             "hybrid parallel (tensor / pipeline / sharding) assumes GPU collectives; on CPU over gloo they are "
+             "missing, non-blocking or asserted away", "paddlepaddle 2.6.2 fleet"),
+    Override("core/workarounds/paddlenlp_resume.py", ("load_single_card_checkpoint", "load_single_card_optimizer"),
+             "resuming a checkpoint written by several ranks on one rank reads only the first shard", "PaddleNLP 2.8.1"),
+    Override("core/workarounds/paddle_serving.py", ("ThreadChannel.push",),
+             "the client package has no Python 3.11 build (stand-in in serving_compat/); logs land in the working "
+             "directory; every channel push wakes every waiting thread; DEBUG records built per request",
+             "Paddle Serving 0.9.0"),
+    Override("core/workarounds/cuda_libraries.py", (), "the GPU wheel dlopens unversioned CUDA library names that "
+             "NVIDIA's pip packages do not provide (links + LD_LIBRARY_PATH)", "paddlepaddle-gpu 2.6.2, CUDA 11.8"),
+    Override("model/llama.py", ("LlamaRMSNorm.forward", "apply_rotary_pos_emb", "LlamaPretrainingCriterion.forward"),
+             "slow CPU kernels under PaddleNLP's Llama (pow, rotate_half, middle-axis broadcast, float32 cast)",
+             "PaddleNLP 2.8.1 / Paddle 2.6.2"),
+    Override("model/llama.py", ("LlamaMLP.forward",), "dy2static mis-transforms the early returns of LlamaRMSNorm / "
+             "LlamaMLP.forward (NameError: __return_N) in whole-graph compiled training", "Paddle 2.6.2 / PaddleNLP 2.8.1"),
+    Override("model/llama.py", ("LlamaForCausalLMPipe._segment_network",), "LlamaForCausalLMPipe hard-codes an even "
+             "split of decoder layers over pipeline stages", "PaddleNLP 2.8.1"),
+    Override("training/rank.py", ("Trainer._get_train_sampler",), "Trainer shuffles differently in one process and "
+             "in several, so layouts would see different batches", "PaddleNLP 2.8.1"),
+    Override("training/rank.py", ("Trainer._save_checkpoint", "Trainer._wrap_model"), "no hook when a save starts "
+             "(checkpoint stall) or on the pipeline engine the Trainer wraps the model in (stage timing)",
+             "PaddleNLP 2.8.1"),
+    Override("training/stage_timing.py", ("_forward_step", "_backward_step"), "the fleet pipeline engine has no "
+             "per-micro-batch timing; its methods are wrapped on the one instance", "paddlepaddle 2.6.2 fleet"),
+    Override("training/async_checkpoint.py", ("file_save_async_or_sync",), "PaddleNLP's async_save spawns a "
+             "process per file that nothing waits for or fsyncs, and is ignored on one process", "PaddleNLP 2.8.1"),
+)
 
 # Warnings known to be harmless here, silenced where every process starts (anything else still shows):
 HARMLESS_WARNINGS = (

@@ -7,7 +7,7 @@ the list of blockers (see docs/training.md "Hybrid parallel on CPU"):
   1. tensor-parallel input broadcast (`broadcast_input_data`) asserts the place is gpu/xpu/custom;
   2. `ProcessGroupGloo` lacks the `*_on_calc_stream` methods fleet calls (NCCL-only API);
   3. `c_identity`, `c_split` and `c_concat` have no CPU kernels (c_softmax_with_cross_entropy neither: the model is
-     built with `tensor_parallel_output=False` on CPU instead, see training/model.py);
+     built with `tensor_parallel_output=False` on CPU instead, see model/llama.py);
   4. `ParallelEnv._device_id` is only set for gpu/xpu, and `PipelineLayer` reads it;
   5. pipeline send/recv: gloo sends block until the peer receives, so the batched "on calc stream" p2p must run as
      blocking calls in an order that cannot wait in a cycle (pair by pair: the interleaved schedule's ring);

@@ -1,6 +1,6 @@
 """CPU math runtime: MKL's CPU-vendor check and the intra-op thread count. Platform workaround module.
 
-Two facts about Paddle 2.6.2's CPU build (measured on these machines, see docs/platform-notes.md):
+Three facts about Paddle 2.6.2's CPU build (measured on these machines, see docs/platform-notes.md):
 
 1. It bundles MKL 2019.0.5 (`paddle/libs/libmklml_intel.so`). On AMD CPUs MKL's dispatcher chooses its generic
    kernels: fp32 matmul on 2 threads ~34 GFLOP/s, ~120 GFLOP/s with `MKL_DEBUG_CPU_TYPE=5` (use the AVX2 kernels),
@@ -16,9 +16,11 @@ Two facts about Paddle 2.6.2's CPU build (measured on these machines, see docs/p
    the cores this process may use and the processes that share them (`parallel.cpu_threads` overrides).
 3. Paddle's MKL runs on Intel OpenMP (`libiomp5.so`), whose worker threads spin for KMP_BLOCKTIME (200 ms) after
    every parallel region -- while Python dispatches the next small eager op, so the spinning threads take the
-   cores the op needs (a 60-step run: ~30 s of system time out of ~89 CPU-s). `prepare_process()` sets
+   cores the op needs (system time a large share of a run's CPU time; docs/platform-notes.md). `prepare_process()` sets
    `KMP_BLOCKTIME=0` (threads sleep at once) unless KMP_BLOCKTIME or OMP_WAIT_POLICY is set;
    `PIPELINE_OMP_PASSIVE=off` leaves it alone (for before/after benchmarks).
+
+`PIPELINE_CPU_LLAMA_OPS=off` turns off the model's CPU ops (model/llama.py); read here because runs report it.
 """
 from __future__ import annotations
 
@@ -27,13 +29,17 @@ import importlib.util
 import os
 from pathlib import Path
 
-from core.workarounds import cpu_llama_ops
 
 MKL_SWITCH = "MKL_DEBUG_CPU_TYPE"
 FIX_ENV = "PIPELINE_MKL_AMD_FIX"
 _VERSION_ENV = "PIPELINE_MKL_VERSION"  # cache for child processes: reading it loads the 130 MB library
 BLOCKTIME = "KMP_BLOCKTIME"
 PASSIVE_ENV = "PIPELINE_OMP_PASSIVE"
+CPU_LLAMA_OPS_ENV = "PIPELINE_CPU_LLAMA_OPS"
+
+
+def cpu_llama_ops_enabled(environ=os.environ) -> bool:
+    return environ.get(CPU_LLAMA_OPS_ENV, "auto") != "off"
 
 
 def cpu_vendor() -> str:
@@ -141,4 +147,4 @@ def describe(threads: int) -> dict[str, str]:
     return {"cpu_vendor": cpu_vendor() or "unknown", "mkl_version": mkl_version() or "none",
             "mkl_debug_cpu_type": os.environ.get(MKL_SWITCH, "unset"), "threads": str(threads),
             "kmp_blocktime": os.environ.get(BLOCKTIME, "unset"), "cores": str(available_cores()),
-            "cpu_llama_ops": "on" if cpu_llama_ops.enabled() else "off"}
+            "cpu_llama_ops": "on" if cpu_llama_ops_enabled() else "off"}

@@ -27,7 +27,7 @@ def test_bench_harness_quick(store_uri, tmp_path):
     # OpenMP threads sleep between ops (KMP_BLOCKTIME=0) in the project's setting, spin as before in "before"
     assert (settings["before"]["runtime"]["kmp_blocktime"],
             settings["threads+mkl+compile+passive+ops"]["runtime"]["kmp_blocktime"]) == ("unset", "0")
-    # PaddleNLP's own Llama ops before, the CPU replacements now (core/workarounds/cpu_llama_ops.py)
+    # PaddleNLP's own Llama ops before, the CPU replacements now (model/llama.py)
     assert (settings["before"]["runtime"]["cpu_llama_ops"],
             settings["threads+mkl+compile+passive+ops"]["runtime"]["cpu_llama_ops"]) == ("off", "on")
     for v in settings.values():

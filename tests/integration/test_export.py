@@ -50,7 +50,7 @@ def test_export_of_the_best_run(exported):
 
 
 def test_exported_graph_loads_in_a_fresh_process(exported, tmp_path):
-    from training.model import load_merged
+    from model.llama import load_merged
 
     import paddle
 
@@ -63,7 +63,7 @@ def test_exported_graph_loads_in_a_fresh_process(exported, tmp_path):
     np.save(tmp_path / "ids.npy", ids)
     code = ("import core, sys, numpy as np\n"
             "from pathlib import Path\n"
-            "from core.exportdir import create_predictor, predict\n"
+            "from serving.engine.runtime import create_predictor, predict\n"
             "p = create_predictor(Path(sys.argv[1]))\n"
             "np.save(sys.argv[3], predict(p, np.load(sys.argv[2])))\n")
     subprocess.run([sys.executable, "-c", code, str(exported["export_dir"]), str(tmp_path / "ids.npy"),

@@ -104,7 +104,7 @@ def test_checkpoint_merges_into_a_single_model(world, layout):
         train(world, layout)
     from training.checkpoints import checkpoint_info, latest_complete
     from training.data.read import validation_dataset
-    from training.model import load_merged
+    from model.llama import load_merged
 
     import paddle
 
@@ -124,7 +124,7 @@ def test_checkpoint_merges_into_a_single_model(world, layout):
         from pipeline import export
         from core.config import load_config
 
-        from training.model import is_fused
+        from model.llama import is_fused
 
         assert is_fused(checkpoint) and not model.config.fuse_attention_qkv
         error = export.fused_weights_gate(model, checkpoint, load_config(runs / layout / "config.yaml"))
@@ -144,8 +144,8 @@ def test_a_tp2pp2_run_exports_like_its_merged_model(world):
     export_dir = world["root"] / "exports" / "parallel-model" / "1"
     meta = json.loads((export_dir / "export.json").read_text())
     assert meta["source_run_id"] == run_id and Path(meta["checkpoint"]).parent.parent == runs / "tp2pp2"
-    from core.exportdir import create_predictor, predict
-    from training.model import load_merged
+    from serving.engine.runtime import create_predictor, predict
+    from model.llama import load_merged
 
     import paddle
 
@@ -197,7 +197,7 @@ def test_a_killed_rank_fails_the_job(world):
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         wait_for_event(runs / "victim", lambda e: e["kind"] == "log" and e["step"] >= 2, proc, "step 2")
-        victim = next(pid for pid in map(int, subprocess.run(["pgrep", "-f", "training/worker.py"],
+        victim = next(pid for pid in map(int, subprocess.run(["pgrep", "-f", "training/rank.py"],
                                                              capture_output=True, text=True).stdout.split())
                       if f"PADDLE_TRAINER_ID=1\0" in Path(f"/proc/{pid}/environ").read_text(errors="replace")
                       and str(runs / "victim") in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"))

@@ -96,7 +96,7 @@ def test_serving_manifest_matches_the_servers_cli_routes_and_ports(manifest, mon
     the server's real health routes on the api port, the Service exposes the config's four ports, and the pod's
     grace period outlasts the drain. The GPU variant serves on GPU with one worker per GPU the pod gets."""
     from pipeline.__main__ import parser, verb_config
-    from serving import api
+    from serving.entrypoints import openai_api as api
 
     deployment, service = yaml.safe_load_all(manifest.read_text())
     assert (deployment["kind"], service["kind"]) == ("Deployment", "Service")
@@ -122,7 +122,7 @@ def test_serving_manifest_matches_the_servers_cli_routes_and_ports(manifest, mon
         gpus = container["resources"]["limits"]["nvidia.com/gpu"]
         assert container["resources"]["requests"]["nvidia.com/gpu"] == gpus >= 1
         assert pod["spec"]["nodeSelector"] and s.device == "gpu" and s.workers == 0
-        from serving.placement import placements
+        from serving.engine.placement import placements
 
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(gpus)))  # (what the plugin sets)
         assert [p.device_id for p in placements(s)] == list(range(gpus))

@@ -1,10 +1,10 @@
-"""Continuous batching (serving/engine.py) on the hand-made cache model of test_generation: answers equal each
+"""Continuous batching (serving/engine/scheduler.py) on the hand-made cache model of test_generation: answers equal each
 request alone, whenever it joins; limits, deadlines, cancellation, the static policy. Fast."""
 import pytest
 from test_generation import EOS, PAD, REQUESTS, ScriptedCache, batch
 
-from serving.engine import Job, Scheduler
-from serving.generation import GenerationSettings
+from serving.engine.scheduler import Job, Scheduler
+from serving.engine.generation import GenerationSettings
 
 
 def scheduler(cache=None, **options):

@@ -3,7 +3,7 @@ itself, so `generate`'s own behaviour is pinned here against a hand-made model."
 import numpy as np
 import pytest
 
-from serving.generation import GenerationSettings, generate, generate_batch
+from serving.engine.generation import GenerationSettings, generate, generate_batch
 
 VOCAB = 12  # ids 0..9 usable, 10..11 padding rows of the embedding
 EOS, PAD = 3, 0
@@ -143,7 +143,7 @@ def test_finished_requests_leave_the_batch_and_limits_hold():
 
 
 def test_choosing_for_a_batch_equals_choosing_row_by_row():
-    from serving.generation import choose, choose_rows
+    from serving.engine.generation import choose, choose_rows
 
     logits = np.random.default_rng(0).normal(size=(6, VOCAB)).astype("float32")
     settings = [GenerationSettings(), GenerationSettings(temperature=1.0, seed=3),
@@ -173,7 +173,7 @@ def _reference_choice(logits_row, settings, rng, banned, usable_vocab):
 
 
 def test_batched_sampling_draws_what_generator_choice_draws():
-    from serving.generation import choose_rows
+    from serving.engine.generation import choose_rows
 
     vocab, usable = 4608, 4600
     data = np.random.default_rng(1)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from core import exportdir
+from serving.engine import runtime
 from core.config import ConfigError, load_config
 from core.workarounds import cuda_libraries
 
@@ -33,7 +34,7 @@ def recorded(monkeypatch):
 
 
 def test_a_cpu_predictor_asks_for_no_gpu(recorded):
-    assert exportdir.create_predictor(Path("/x"), threads=3) == "predictor"
+    assert runtime.create_predictor(Path("/x"), threads=3) == "predictor"
     names = [c[0] for c in recorded]
     assert ("disable_gpu",) in recorded and ("set_cpu_math_library_num_threads", 3) in recorded
     assert ("switch_ir_optim", False) in recorded and "enable_use_gpu" not in names
@@ -44,8 +45,8 @@ def test_a_cpu_predictor_asks_for_no_gpu(recorded):
 def test_a_gpu_predictor_asks_for_its_device_memory_and_precision(recorded, precision, kind, ir_optim):
     from paddle import inference
 
-    placement = exportdir.Placement("gpu", 3, 2048, precision)
-    exportdir.create_predictor(Path("/x"), prefix=exportdir.DECODE_PREFIX, threads=4, placement=placement)
+    placement = runtime.Placement("gpu", 3, 2048, precision)
+    runtime.create_predictor(Path("/x"), prefix=exportdir.DECODE_PREFIX, threads=4, placement=placement)
     assert recorded[0] == ("Config", "decode.pdmodel", "decode.pdiparams")
     assert ("enable_use_gpu", 2048, 3, getattr(inference.PrecisionType, kind)) in recorded
     assert ("switch_ir_optim", ir_optim) in recorded
@@ -54,9 +55,9 @@ def test_a_gpu_predictor_asks_for_its_device_memory_and_precision(recorded, prec
 
 
 def test_the_cache_session_passes_the_placement_to_both_programs(recorded, tmp_path, monkeypatch):
-    monkeypatch.setattr(exportdir, "create_predictor", lambda d, prefix, threads, placement: FakeDecode(prefix,
+    monkeypatch.setattr(runtime, "create_predictor", lambda d, prefix, threads, placement: FakeDecode(prefix,
                                                                                                         placement))
-    exportdir.cache_session(tmp_path, 1, exportdir.Placement("gpu", 1))
+    runtime.cache_session(tmp_path, 1, runtime.Placement("gpu", 1))
     assert FakeDecode.made == [("prefill", "gpu:1 float32"), ("decode", "gpu:1 float32")]
 
 
@@ -75,7 +76,7 @@ def serving(*overrides):
 
 
 def test_workers_and_their_gpus(monkeypatch):
-    from serving import placement
+    from serving.engine import placement
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
     placed = placement.placements(serving("serving.device=gpu", "serving.precision=float16"))
@@ -88,30 +89,30 @@ def test_workers_and_their_gpus(monkeypatch):
     with pytest.raises(ConfigError, match="serving.device=gpu: no GPU visible"):
         placement.placements(serving("serving.device=gpu"))
     from core.workarounds import cpu_runtime
-    from serving.service import predictor_threads
+    from serving.entrypoints.paddle_serving_op import predictor_threads
 
-    assert placement.placements(serving()) == [exportdir.Placement()] * cpu_runtime.available_cores()
+    assert placement.placements(serving()) == [runtime.Placement()] * cpu_runtime.available_cores()
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
     assert predictor_threads(serving("serving.device=gpu")) == 1
 
 
 def test_the_worker_reads_the_placement_the_dispatcher_sends(monkeypatch):
-    from serving import worker
-    from serving.dispatch import placement_args
+    from serving.engine import worker
+    from serving.engine.dispatch import placement_args
 
-    sent = exportdir.Placement("gpu", 2, 512, "bfloat16")
+    sent = runtime.Placement("gpu", 2, 512, "bfloat16")
     seen = {}
     monkeypatch.setattr(sys, "argv", ["worker", "--model", "m", "--fd", "9", *placement_args(sent)])
     monkeypatch.setattr(worker, "ExportedModel", lambda d: (_ for _ in ()).throw(SystemExit(0)))
     monkeypatch.setattr("core.processes.die_with_parent", lambda: None)
     monkeypatch.setattr(worker, "Connection", lambda fd: seen.setdefault("fd", fd))
-    real = exportdir.Placement.__init__
+    real = runtime.Placement.__init__
 
     def spy(self, *args):
         real(self, *args)
         seen["placement"] = self
 
-    monkeypatch.setattr(exportdir.Placement, "__init__", spy)
+    monkeypatch.setattr(runtime.Placement, "__init__", spy)
     with pytest.raises(SystemExit):
         worker.main()
     assert seen["placement"] == sent and seen["fd"] == 9
@@ -120,14 +121,14 @@ def test_the_worker_reads_the_placement_the_dispatcher_sends(monkeypatch):
 def test_a_reduced_precision_is_checked_against_float32():
     import numpy as np
 
-    from serving.placement import check_precision
+    from serving.engine.placement import check_precision
 
     base = np.linspace(-3, 3, 40).reshape(1, 2, 20)
-    ok = exportdir.Placement("gpu", 0, 64, "float16")
+    ok = runtime.Placement("gpu", 0, 64, "float16")
     assert check_precision("x", ok, lambda p: base + (0.01 if p.precision == "float16" else 0)) == pytest.approx(0.01)
     with pytest.raises(ConfigError, match=r"serving.precision=float16: logits differ from float32 by 0.5"):
         check_precision("x", ok, lambda p: base + (0.5 if p.precision == "float16" else 0))
-    assert check_precision("x", exportdir.Placement(), lambda p: 1 / 0) == 0.0  # (float32: nothing to compare)
+    assert check_precision("x", runtime.Placement(), lambda p: 1 / 0) == 0.0  # (float32: nothing to compare)
 
 
 def test_precision_and_gpus_need_serving_on_gpu():

@@ -3,8 +3,12 @@ lazy imports included.
 
     top      bench/ (the benchmark suite: drives the verbs)
              pipeline/ (the verbs)
+             export/ (checkpoint -> export directory, checked with serving's runtime)
     stages   training/                    serving/          (neither imports the other)
+             model/ (the model: training and export build it)
     bottom   core/ (shared vocabulary, platform workarounds: imports nothing above it)
+
+Inside serving/, the engine (serving/engine/) never imports the entrypoints (serving/entrypoints/).
 
 A module's layer is its package's; a new package must be given a layer here (the test says so).
 """
@@ -14,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from core import REPO_ROOT
-LAYERS = {"core": 0, "training": 1, "serving": 1, "pipeline": 2, "bench": 3}
+LAYERS = {"core": 0, "model": 1, "training": 2, "serving": 2, "export": 3, "pipeline": 4, "bench": 5}
 PACKAGES = tuple(LAYERS)
 
 
@@ -61,9 +65,9 @@ def layer(name: str) -> int:
 def test_the_parser_sees_lazy_and_from_imports(tmp_path):
     source = tmp_path / "m.py"
     source.write_text("from typing import TYPE_CHECKING\nimport pipeline\nfrom core import tracking\n"
-                      "def f():\n    from serving.model import ExportedModel\n"
+                      "def f():\n    from serving.engine.exported import ExportedModel\n"
                       "if TYPE_CHECKING:\n    from training import data\n")
-    assert imports_of(source, {"core.tracking"}) == {"pipeline", "core.tracking", "serving.model"}
+    assert imports_of(source, {"core.tracking"}) == {"pipeline", "core.tracking", "serving.engine.exported"}
 
 
 def test_every_package_has_a_layer():
@@ -83,11 +87,17 @@ def test_imports_only_go_down():
 
 
 def test_the_layer_rule_catches_upward_and_sideways_imports():
-    g = {"core.config": {"training.data"}, "training.data": {"serving.model", "core.layout"},
-         "serving.model": {"core.exportdir"}, "pipeline.train": {"bench.suite", "training.worker"},
+    g = {"core.config": {"training.data"}, "training.data": {"serving.engine.exported", "core.layout"},
+         "serving.engine.exported": {"core.exportdir"}, "pipeline.train": {"bench.suite", "training.rank"},
          "bench.suite": {"pipeline.plan"}}
     assert sorted(violations(g)) == [("core.config", "training.data"), ("pipeline.train", "bench.suite"),
-                                     ("training.data", "serving.model")]
+                                     ("training.data", "serving.engine.exported")]
+
+
+def test_the_serving_engine_never_imports_its_entrypoints():
+    wrong = [(m, i) for m, deps in graph().items() if m.startswith("serving.engine")
+             for i in deps if i.startswith("serving.entrypoints")]
+    assert not wrong, wrong
 
 
 def test_no_import_cycles():

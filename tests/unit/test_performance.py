@@ -34,8 +34,8 @@ def tokenizer(tmp_path_factory):
 def translate(config, tokenizer):
     from paddlenlp.trainer import TrainingArguments
 
-    from training.model import llama_config
-    from training.worker import training_argument_values
+    from model.llama import llama_config
+    from training.rank import training_argument_values
 
     layout = ParallelLayout.from_config(config)
     values = training_argument_values(config, layout, Path("unused"))

@@ -5,8 +5,9 @@ import json
 import pandas as pd
 import pytest
 
-from serving import api, protocol
-from serving.generation import GenerationSettings
+from serving import protocol
+from serving.entrypoints import openai_api as api
+from serving.engine.generation import GenerationSettings
 from serving.protocol import Limits, RequestError
 
 LIMITS = Limits(max_prompt_chars=10, max_new_tokens_limit=8, default_max_new_tokens=4, max_request_bytes=300,
@@ -50,8 +51,8 @@ BAD = [
 
 @pytest.mark.parametrize("values, message, server_limit", BAD)
 def test_every_entry_point_refuses_the_same_values_with_the_same_message(values, message, server_limit):
-    from serving import client, pyfunc
-    from serving.service import parse_fields
+    from serving.entrypoints import client, pyfunc
+    from serving.entrypoints.paddle_serving_op import parse_fields
 
     with pytest.raises(RequestError, match=message) as direct:
         protocol.parse(values, LIMITS)
@@ -84,7 +85,7 @@ def test_every_entry_point_refuses_the_same_values_with_the_same_message(values,
     ({"prompt": "x" * 300}, "request is 30[0-9] bytes; the limit is 300"),
 ])
 def test_key_value_requests(fields, message):
-    from serving.service import parse_fields
+    from serving.entrypoints.paddle_serving_op import parse_fields
 
     with pytest.raises(RequestError, match=message):
         parse_fields(fields, LIMITS)

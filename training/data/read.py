@@ -51,7 +51,7 @@ class Samples:
     """PaddleNLP's {"text": seq_length + 1 tokens} samples as the {"input_ids", "labels"} examples the Trainer feeds
     to the model (PaddleNLP's Llama criterion does not shift labels itself). The length is cut to a multiple of the
     global batch: the distributed sampler pads a length that its replicas do not divide, which would shuffle another
-    list on another layout (training/worker.py make_trainer)."""
+    list on another layout (training/rank.py make_trainer)."""
 
     def __init__(self, samples, multiple: int = 1):
         self.samples = samples

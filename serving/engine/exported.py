@@ -6,8 +6,9 @@ from pathlib import Path
 
 import serving  # noqa: F401  (zlib first)
 from core import exportdir
+from serving.engine import runtime
 from core.tokenizer import decode, load_tokenizer
-from serving.generation import GenerationSettings, generate, generate_batch
+from serving.engine.generation import GenerationSettings, generate, generate_batch
 from serving.protocol import RequestError, bad  # noqa: F401  (RequestError: what encode raises)
 
 
@@ -42,9 +43,9 @@ class ExportedModel:
         return generate(forward, prompt_ids, settings, self.eos_id, self.banned_ids, len(self.tokenizer),
                         self.max_length)
 
-    def cached_session(self, threads: int = 1, placement: exportdir.Placement = exportdir.Placement()):
-        """(prefill, decode) over this process's own predictors of the cache programs (core/exportdir.py)."""
-        return exportdir.cache_session(self.dir, threads, placement)
+    def cached_session(self, threads: int = 1, placement: runtime.Placement = runtime.Placement()):
+        """(prefill, decode) over this process's own predictors of the cache programs (serving/engine/runtime.py)."""
+        return runtime.cache_session(self.dir, threads, placement)
 
     def generate_batch(self, session, prompts: list[list[int]], settings: list[GenerationSettings]) -> list[list[int]]:
         prefill, decode = session

@@ -1,11 +1,11 @@
 """The generation worker: one process that owns the model's predictors and the continuous-batching scheduler.
 
-    python -m serving.worker --model <export dir> --fd <socket fd> [--threads N] [--max-batch-size N] ...
+    python -m serving.engine.worker --model <export dir> --fd <socket fd> [--threads N] [--max-batch-size N] ...
 
-Started (and restarted, if it dies) by the server process (serving/dispatch.py), which talks to it over a socket:
+Started (and restarted, if it dies) by the server process (serving/engine/dispatch.py), which talks to it over a socket:
 it sends ("generate", id, prompt, settings, deadline) / ("cancel", id) / ("stop",) and receives ("ready", info),
 ("done", id, result), ("error", id, kind, message) and ("state", waiting, running). The worker tokenizes, schedules
-(serving/engine.py), generates and decodes; it exits when the server's end of the socket closes (the server is gone).
+(serving/engine/scheduler.py), generates and decodes; it exits when the server's end of the socket closes (the server is gone).
 """
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ from multiprocessing.connection import Connection
 
 import serving  # noqa: F401  (zlib first)
 from core import exportdir
-from serving.engine import Job, Scheduler
-from serving.generation import GenerationSettings
-from serving.model import ExportedModel
+from serving.engine import runtime
+from serving.engine.scheduler import Job, Scheduler
+from serving.engine.generation import GenerationSettings
+from serving.engine.exported import ExportedModel
 from serving.protocol import RequestError
 
 WARM_UP_PROMPT = "你好"
@@ -46,12 +47,12 @@ def full_sequence_session(forward):
 
 
 def build_scheduler(model: ExportedModel, threads: int, generation: str,
-                    placement: exportdir.Placement = exportdir.Placement(), **options) -> Scheduler:
+                    placement: runtime.Placement = runtime.Placement(), **options) -> Scheduler:
     if generation == "kv_cache" and exportdir.has_cache_programs(model.dir):
         prefill, decode = model.cached_session(threads, placement)
     else:  # (an old export, or serving.generation: full)
-        predictor = exportdir.create_predictor(model.dir, threads=threads, placement=placement)
-        prefill, decode = full_sequence_session(lambda ids: exportdir.predict(predictor, ids))
+        predictor = runtime.create_predictor(model.dir, threads=threads, placement=placement)
+        prefill, decode = full_sequence_session(lambda ids: runtime.predict(predictor, ids))
     return Scheduler(prefill, decode, model.eos_id, model.banned_ids, len(model.tokenizer), model.max_length,
                      pad_id=model.tokenizer.pad_token_id, stop_check=lambda job: stop_position(model, job) is not None,
                      **options)
@@ -78,15 +79,15 @@ def streamable_text(model: ExportedModel, job: Job) -> str:
     return text[:len(text) - hold] if hold else text
 
 
-def check_precision(model: ExportedModel, placement: exportdir.Placement) -> float:
-    """A reduced precision's logits against float32 on the same device (serving/placement.py), before serving."""
+def check_precision(model: ExportedModel, placement: runtime.Placement) -> float:
+    """A reduced precision's logits against float32 on the same device (serving/engine/placement.py), before serving."""
     import numpy as np
 
-    from serving.placement import check_precision as check
+    from serving.engine.placement import check_precision as check
 
     probe_ids = np.asarray([model.tokenizer(WARM_UP_PROMPT, add_special_tokens=False)["input_ids"]], dtype="int64")
     return check(model.dir, placement,
-                 lambda where: exportdir.predict(exportdir.create_predictor(model.dir, placement=where), probe_ids))
+                 lambda where: runtime.predict(runtime.create_predictor(model.dir, placement=where), probe_ids))
 
 
 class Worker:
@@ -190,7 +191,7 @@ def main() -> None:
     p.add_argument("--gpu-memory-mb", type=int, default=1024)
     p.add_argument("--precision", default="float32", choices=("float32", "float16", "bfloat16"))
     args = p.parse_args()
-    placement = exportdir.Placement(args.device, args.device_id, args.gpu_memory_mb, args.precision)
+    placement = runtime.Placement(args.device, args.device_id, args.gpu_memory_mb, args.precision)
     from core.processes import die_with_parent
 
     die_with_parent()

@@ -4,7 +4,7 @@
   sequence for every new token (the exported `model.pdmodel`, the dynamic model): O(T) per token; kept as the
   reference and for `serving.generation: full`.
 - `generate_batch(prefill, decode, ...)`: the key/value-cache path (`prefill.pdmodel` / `decode.pdmodel`, see
-  training/kv_cache.py) for several requests at once: prompts left-padded to a common length, one decode call per
+  export/programs.py) for several requests at once: prompts left-padded to a common length, one decode call per
   step for the whole batch, finished rows dropped from the batch. Each row's logits do not depend on the other rows
   (masked attention, its own positions) and each request samples with its own seeded generator, so a request's
   output does not depend on what it was batched with.

@@ -60,10 +60,10 @@ def make_trainer(device: str = "cpu", **kwargs):
 
 
 def prepare_model(config, model):
-    """The model as it trains: with training.compile, its forward runs as one static program (dy2static_fix)."""
+    """The model as it trains: with training.compile, its forward runs as one static program (model/llama.py)."""
     if config.training.compile:
-        from core.workarounds import dy2static_fix
-        dy2static_fix.compile_forward(model)
+        from model.llama import compile_forward
+        compile_forward(model)
     return model
 
 
@@ -85,7 +85,7 @@ PERFORMANCE_ARGUMENTS = ("amp_master_grad", "tensor_parallel_config", "pipeline_
 
 def performance_values(config, layout: ParallelLayout) -> dict:
     """{"LlamaConfig": ..., "TrainingArguments": ...}: the performance settings exactly as they reach PaddleNLP."""
-    from training.model import performance_model_settings
+    from model.llama import performance_model_settings
 
     values = training_argument_values(config, layout, Path("."))
     return {"LlamaConfig": performance_model_settings(config),
@@ -223,7 +223,7 @@ def model_and_trainer_class(config: Config, layout: ParallelLayout, train_args, 
     Trainer constructor that fits it."""
     import paddle
 
-    from training.model import build_model
+    from model.llama import build_model
 
     paddle.seed(config.training.seed)
     if layout.mode == "semi_auto":

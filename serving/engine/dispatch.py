@@ -2,7 +2,7 @@
 and keep the workers running.
 
 - **Workers**: `serving.workers` processes (0 = one per core), each with its own predictors and continuous-batching
-  scheduler (serving/worker.py). A request goes to the ready worker with the fewest requests in flight.
+  scheduler (serving/engine/worker.py). A request goes to the ready worker with the fewest requests in flight.
 - **Bounded**: at most `max_batch_size + max_queue` requests in flight per worker; one more is refused at once
   (busy).
 - **Deadlines**: a request not answered within its deadline (`serving.request_timeout_s`) gets a deadline error and
@@ -30,9 +30,9 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from core import REPO_ROOT
-from core.exportdir import Placement
+from serving.engine.runtime import Placement
 from core.processes import child_dies_with_parent
-from serving.generation import GenerationSettings
+from serving.engine.generation import GenerationSettings
 from serving.state import WORKER_FILE
 
 from serving.protocol import KINDS, RequestError
@@ -93,7 +93,7 @@ class WorkerHandle:
     def _spawn(self) -> None:
         d, s = self.dispatcher, self.dispatcher.settings
         ours, theirs = socket.socketpair()
-        cmd = [sys.executable, "-m", "serving.worker", "--model", str(d.model_dir), "--fd", str(theirs.fileno()),
+        cmd = [sys.executable, "-m", "serving.engine.worker", "--model", str(d.model_dir), "--fd", str(theirs.fileno()),
                "--threads", str(d.threads), "--generation", s.generation, "--max-batch-size",
                str(s.max_batch_size), "--max-batch-tokens", str(s.max_batch_tokens), "--policy", s.scheduler,
                *placement_args(d.placements[self.index % len(d.placements)])]
@@ -174,7 +174,7 @@ def per_worker_capacity(serving_config, workers: int) -> int:
 
 
 def placement_args(placement: Placement) -> list[str]:
-    """serving/worker.py's options for where its predictors run."""
+    """serving/engine/worker.py's options for where its predictors run."""
     return ["--device", placement.device, "--device-id", str(placement.device_id), "--gpu-memory-mb",
             str(placement.memory_mb), "--precision", placement.precision]
 
@@ -192,7 +192,7 @@ class Dispatcher:
         self.draining, self.stopping, self.fatal = False, False, ""
         self.deaths: deque[float] = deque()
         self.workers = [WorkerHandle(i, self) for i in range(workers)]
-        from serving.placement import placements
+        from serving.engine.placement import placements
 
         self.placements = placements(s) if s.device == "gpu" else [Placement()]
         self.meta: dict = {}

@@ -1,4 +1,4 @@
-"""core/workarounds/cpu_llama_ops.py: the CPU replacements compute what PaddleNLP's Llama code computes."""
+"""model/llama.py: the CPU replacements compute what PaddleNLP's Llama code computes."""
 import numpy as np
 import pytest
 
@@ -6,15 +6,16 @@ import core  # noqa: F401  (zlib before paddle)
 import paddle  # noqa: E402
 import paddlenlp.transformers.llama.modeling as llama  # noqa: E402
 
-from core.workarounds import cpu_llama_ops  # noqa: E402
+from model import llama as model  # noqa: E402
+from core.workarounds import cpu_runtime  # noqa: E402
 
 
 @pytest.fixture
 def originals():
-    cpu_llama_ops.restore()
+    model.restore_cpu_ops()
     saved = llama.LlamaRMSNorm.forward, llama.apply_rotary_pos_emb, llama.LlamaPretrainingCriterion.forward
     yield saved
-    cpu_llama_ops.restore()
+    model.restore_cpu_ops()
 
 
 def _grad_of(fn, *inputs, seed=0):
@@ -37,7 +38,7 @@ def test_rotary_is_bitwise_paddlenlps(originals, kv_heads, with_positions):
     cos, sin = rotary(paddle.to_tensor(q), seq_len=7)
     positions = paddle.to_tensor(np.tile(np.arange(7), (3, 1))[:, ::-1].copy()) if with_positions else None
     expected = _grad_of(lambda a, b: originals[1](a, b, cos, sin, positions), q, k)
-    got = _grad_of(lambda a, b: cpu_llama_ops._apply_rotary_pos_emb(a, b, cos, sin, positions), q, k)
+    got = _grad_of(lambda a, b: model._apply_rotary_pos_emb(a, b, cos, sin, positions), q, k)
     for e, g in zip(expected[0] + expected[1], got[0] + got[1]):
         assert e.shape == g.shape and np.array_equal(e, g)
 
@@ -51,7 +52,7 @@ def test_loss_is_bitwise_paddlenlps_and_skips_ignored_labels(originals):
     labels[0, :4] = -100  # ignore_index: not in the mean
     label_tensor = paddle.to_tensor(labels)
     expected = _grad_of(lambda x: originals[2](criterion, x, label_tensor), logits)
-    got = _grad_of(lambda x: cpu_llama_ops._criterion_forward(criterion, x, label_tensor), logits)
+    got = _grad_of(lambda x: model._criterion_forward(criterion, x, label_tensor), logits)
     assert np.array_equal(expected[0][0], got[0][0]) and np.array_equal(expected[1][0], got[1][0])
     assert np.abs(expected[1][0][0, :4]).max() == 0  # ignored positions get no gradient
 
@@ -62,7 +63,7 @@ def test_norm_uses_an_exact_square(originals):
     norm.weight.set_value(paddle.to_tensor(np.random.RandomState(3).randn(64).astype("float32")))
     x = np.random.RandomState(4).randn(5, 6, 64).astype("float32")
     expected = _grad_of(lambda a: originals[0](norm, a), x)
-    got = _grad_of(lambda a: cpu_llama_ops._rms_norm_forward(norm, a), x)
+    got = _grad_of(lambda a: model._rms_norm_forward(norm, a), x)
     # pow(x, 2) is 1 ulp off on some elements, square is not: the norm agrees to float32 rounding
     np.testing.assert_allclose(got[0][0], expected[0][0], rtol=2e-6, atol=1e-7)
     np.testing.assert_allclose(got[1][0], expected[1][0], rtol=2e-5, atol=1e-6)
@@ -89,17 +90,17 @@ def test_a_model_trains_the_same_with_and_without(originals):
         return losses, [p.numpy() for p in model.parameters()]
 
     before = three_steps()
-    assert cpu_llama_ops.apply() and llama.apply_rotary_pos_emb is cpu_llama_ops._apply_rotary_pos_emb
+    assert model.apply_cpu_ops() and llama.apply_rotary_pos_emb is model._apply_rotary_pos_emb
     after = three_steps()
     np.testing.assert_allclose(after[0], before[0], rtol=1e-6)
     for a, b in zip(after[1], before[1]):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
-    cpu_llama_ops.restore()
+    model.restore_cpu_ops()
     assert (llama.LlamaRMSNorm.forward, llama.apply_rotary_pos_emb,
             llama.LlamaPretrainingCriterion.forward) == originals
 
 
 def test_the_off_switch_leaves_paddlenlp_alone(originals, monkeypatch):
-    monkeypatch.setenv(cpu_llama_ops.OFF_ENV, "off")
-    assert cpu_llama_ops.apply() is False
+    monkeypatch.setenv(cpu_runtime.CPU_LLAMA_OPS_ENV, "off")
+    assert model.apply_cpu_ops() is False
     assert llama.apply_rotary_pos_emb is originals[1] and llama.LlamaRMSNorm.forward is originals[0]

@@ -1,6 +1,6 @@
-"""training/kv_cache.py's cache programs on a small random model with grouped-query attention (the trained
+"""export/programs.py's cache programs on a small random model with grouped-query attention (the trained
 fixtures have as many key/value heads as query heads): prefill + decode step by step equal the dynamic model, and
-the decode program returns only the new token's keys and values (core/exportdir.py appends them)."""
+the decode program returns only the new token's keys and values (serving/engine/runtime.py appends them)."""
 import numpy as np
 
 import core  # noqa: F401  (zlib before paddle)
@@ -8,7 +8,8 @@ import paddle  # noqa: E402
 from paddlenlp.transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from core import exportdir  # noqa: E402
-from training import convert, kv_cache  # noqa: E402
+from export import gates, programs  # noqa: E402
+from serving.engine import runtime  # noqa: E402
 
 
 def test_cache_programs_with_grouped_query_attention_match_the_dynamic_model(tmp_path):
@@ -17,12 +18,12 @@ def test_cache_programs_with_grouped_query_attention_match_the_dynamic_model(tmp
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     model = LlamaForCausalLM(config)
     model.eval()
-    kv_cache.save_programs(model, tmp_path)
+    programs.save_programs(model, tmp_path)
 
-    decode = exportdir.create_predictor(tmp_path, prefix=exportdir.DECODE_PREFIX)
+    decode = runtime.create_predictor(tmp_path, prefix=exportdir.DECODE_PREFIX)
     assert decode.get_input_names() == ["input_ids", "position_ids", "key_mask", "past_keys_0", "past_keys_1",
                                         "past_values_0", "past_values_1"]
-    prefill, step = exportdir.cache_session(tmp_path)
+    prefill, step = runtime.cache_session(tmp_path)
     ids, positions, mask = np.array([[5, 6, 7]]), np.array([[0, 1, 2]]), np.ones((1, 3), "float32")
     _, keys, values = prefill(ids, positions, mask)
     assert keys.shape == values.shape == (2, 1, 2, 3, 8)  # [layers, batch, key/value heads, positions, head dim]
@@ -30,5 +31,5 @@ def test_cache_programs_with_grouped_query_attention_match_the_dynamic_model(tmp
     assert grown.shape == (2, 1, 2, 4, 8) and np.array_equal(grown[:, :, :, :3], keys)
 
     # two rows, one left-padded, 12 decode steps each checked against the dynamic model's logits
-    error = convert.cache_parity_error(model, prefill, step, config.vocab_size, seq_length=24)
+    error = gates.cache_parity_error(model, prefill, step, config.vocab_size, seq_length=24)
     assert error < 1e-4, error

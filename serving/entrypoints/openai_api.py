@@ -326,7 +326,7 @@ class Generation:
             try:
                 index, event, value = await asyncio.wait_for(self.queue.get(), max(left, 0.0))
             except asyncio.TimeoutError:
-                from serving.dispatch import deadline_error
+                from serving.engine.dispatch import deadline_error
 
                 raise deadline_error(self.request.timeout_s) from None
             if event == "error":

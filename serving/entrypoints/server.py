@@ -1,4 +1,4 @@
-"""`make serve` / `make stop`: run the server (serving/service.py) for an export directory in the background.
+"""`make serve` / `make stop`: run the server (serving/entrypoints/paddle_serving_op.py) for an export directory in the background.
 
 The server runs in its own process group (setsid) with its working directory in a serving state directory
 (`runs/serving/` by default), where Paddle Serving writes PipelineServingLogs/ and ProcessInfo.json, next to our
@@ -21,8 +21,8 @@ from core import REPO_ROOT, exportdir
 from core.config import Config, ConfigError
 from core.processes import group_alive, log_tail, port_in_use, proc_stat, start_group, stop_group, wait_ready
 from core.workarounds.paddle_serving import COMPAT_DIR
-from serving.client import GenerationClient
-from serving.service import render_config
+from serving.entrypoints.client import GenerationClient
+from serving.entrypoints.paddle_serving_op import render_config
 from serving.state import clear_state, read_state, write_state
 
 
@@ -43,7 +43,7 @@ def prepare(config: Config, model_dir: Path, state_dir: Path) -> tuple[list[str]
     (state_dir / "service.yaml").write_text(config.to_yaml())
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), str(COMPAT_DIR)]), SERVING_HOME=str(state_dir),
                SERVING_LOG_PATH=str(state_dir), GLOG_minloglevel="2", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "serving.service", "--config", str(state_dir / "config.yml"), "--service-config",
+    cmd = [sys.executable, "-m", "serving.entrypoints.paddle_serving_op", "--config", str(state_dir / "config.yml"), "--service-config",
            str(state_dir / "service.yaml"), "--model", str(model_dir), "--state-dir", str(state_dir)]
     api = f"http://127.0.0.1:{s.api_port}"
     state = {"pid": os.getpid(), "http_port": s.http_port, "rpc_port": s.rpc_port, "api_port": s.api_port,

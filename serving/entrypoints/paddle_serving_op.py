@@ -1,6 +1,6 @@
 """The server process: Paddle Serving's Pipeline (HTTP + gRPC), the OpenAI-compatible and health routes
-(serving/api.py) and the metrics port (serving/metrics.py), all in front of the generation worker processes
-(serving/worker.py, managed by serving/dispatch.py).
+(serving/entrypoints/openai_api.py) and the metrics port (serving/entrypoints/metrics.py), all in front of the generation worker processes
+(serving/engine/worker.py, managed by serving/engine/dispatch.py).
 
 Request  (HTTP `POST /<service>/prediction`, or gRPC PipelineClient): key/value lists of strings, the fields of
     serving/protocol.py: prompt (required), max_new_tokens, temperature (0 = greedy, the default), top_k, top_p,
@@ -12,11 +12,11 @@ Response: err_no 0 and key/value lists: text, token_ids (JSON list), finish_reas
     died (retry), 8006 unavailable (starting or shutting down), with a message; the server stays up.
 
 The Op runs as threads (one per request in flight) that hand requests to the worker and wait: the worker batches
-them between decode steps (serving/engine.py), which Paddle Serving's own batching cannot (it hands an Op a whole
+them between decode steps (serving/engine/scheduler.py), which Paddle Serving's own batching cannot (it hands an Op a whole
 batch). SIGTERM drains: readiness goes false, new requests are refused, those in flight finish within
 `serving.drain_grace_s`, then the process exits 0.
 
-Run by `make serve` as `python -m serving.service --config <rendered config.yml> --service-config <yaml> --model
+Run by `make serve` as `python -m serving.entrypoints.paddle_serving_op --config <rendered config.yml> --service-config <yaml> --model
 <export dir> --state-dir <dir>`.
 """
 from __future__ import annotations
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import serving  # noqa: F401  (zlib first; paddle_serving_client stand-in)
-from serving.dispatch import Dispatcher
-from serving.model import lineage
+from serving.engine.dispatch import Dispatcher
+from serving.engine.exported import lineage
 from serving.protocol import KINDS, Limits, Request, RequestError, bad, check_unique_keys, from_strings, parse
 
 BAD_REQUEST, INTERNAL_ERROR = KINDS["bad_request"][0], KINDS["internal"][0]
@@ -154,15 +154,15 @@ def timings(result: dict) -> dict[str, str]:
 
 def workers(serving_config) -> int:
     """Generation worker processes: serving.workers, or (0) one per core this server may use (one per GPU on
-    serving.device=gpu: serving/placement.py)."""
-    from serving.placement import worker_count
+    serving.device=gpu: serving/engine/placement.py)."""
+    from serving.engine.placement import worker_count
 
     return worker_count(serving_config)
 
 
 def capacity(serving_config) -> int:
-    """Requests in flight at most: each worker's running batch and queue (serving/dispatch.py)."""
-    from serving.dispatch import per_worker_capacity
+    """Requests in flight at most: each worker's running batch and queue (serving/engine/dispatch.py)."""
+    from serving.engine.dispatch import per_worker_capacity
 
     n = workers(serving_config)
     return n * per_worker_capacity(serving_config, n)
@@ -212,8 +212,8 @@ def main() -> None:
     from core import exportdir
     from core.config import load_config
     from core.workarounds.paddle_serving import server_fixes
-    from serving.api import ApiServer
-    from serving.metrics import ServingMetrics
+    from serving.entrypoints.openai_api import ApiServer
+    from serving.entrypoints.metrics import ServingMetrics
 
     config = load_config(args.service_config)
     s = config.serving

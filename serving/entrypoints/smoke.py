@@ -12,9 +12,10 @@ from pathlib import Path
 
 import serving  # noqa: F401
 from core import exportdir
-from serving.client import GenerationClient
-from serving.generation import GenerationSettings
-from serving.model import ExportedModel
+from serving.engine import runtime
+from serving.entrypoints.client import GenerationClient
+from serving.engine.generation import GenerationSettings
+from serving.engine.exported import ExportedModel
 
 
 def run_smoke(state: dict, registry_client=None, log=print) -> list[str]:
@@ -31,7 +32,7 @@ def run_smoke(state: dict, registry_client=None, log=print) -> list[str]:
         status = _status(f"{state['api_url']}/health/{route}")
         check(status == 200, f"/health/{route} answers 200 (got {status})")
     model = ExportedModel(Path(state["model_dir"]))
-    predictor = exportdir.create_predictor(model.dir)
+    predictor = runtime.create_predictor(model.dir)
     recorded = exportdir.read_references(model.dir)
     check(set(recorded) == set(exportdir.REFERENCE_PROMPTS),
           f"the export recorded the dynamic model's greedy tokens for {len(recorded)} reference prompts")
@@ -43,7 +44,7 @@ def run_smoke(state: dict, registry_client=None, log=print) -> list[str]:
         log(f"     {prompt!r} -> {http.text!r} {http.token_ids}")
         check(http.token_ids == grpc.token_ids and http.text == grpc.text, f"{prompt!r}: HTTP == gRPC")
         check(0 < len(http.token_ids) <= n, f"{prompt!r}: 1..{n} new tokens")
-        in_process = model.generate(lambda ids: exportdir.predict(predictor, ids), model.encode(prompt), settings)
+        in_process = model.generate(lambda ids: runtime.predict(predictor, ids), model.encode(prompt), settings)
         check(http.token_ids == in_process, f"{prompt!r}: served greedy == in-process paddle.inference greedy")
         if prompt in recorded:
             check(http.token_ids == recorded[prompt], f"{prompt!r}: served greedy == the dynamic model's greedy "

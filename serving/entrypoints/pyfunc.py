@@ -2,18 +2,16 @@
 `mlflow.pyfunc.load_model("models:/<name>/<version>")` (notebooks, batch), `mlflow models serve -m models:/...`
 (a quick REST endpoint), `mlflow.pyfunc.spark_udf` (batch generation on Spark).
 
-The MLflow model *is* the export directory: `write_mlflow_model` adds MLflow's metadata (`MLmodel`, the pickled
+The MLflow model *is* the export directory: export adds MLflow's metadata (export/mlflow_model.py: (`MLmodel`, the pickled
 model class, `code/` with the serving code, the pinned requirements, the signature and an input example) next to
-the graph, cache programs and tokenizer, and the model's one artifact points at the directory itself, so nothing is
+the graph, cache programs and tokenizer), and the model's one artifact points at the directory itself, so nothing is
 copied. Generation is serving's: the same prefill/decode programs and sampling rule as the Paddle Serving endpoint
-(serving/generation.py), so greedy answers are the endpoint's, token for token.
+(serving/engine/generation.py), so greedy answers are the endpoint's, token for token.
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import serving  # noqa: F401,I001  (first: zlib before paddle; the paddle_serving_client stand-in)
@@ -25,7 +23,7 @@ EXPORT_ARTIFACT = "export_dir"
 # the serving protocol, serving/protocol.py, like every entry point's requests).
 OPTIONAL_INPUTS = {"max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float, "seed": int}
 DEFAULT_MAX_NEW_TOKENS = 16
-BATCH = 8  # rows generated together (answers do not depend on the batch: serving/generation.py)
+BATCH = 8  # rows generated together (answers do not depend on the batch: serving/engine/generation.py)
 
 
 def signature():
@@ -50,15 +48,16 @@ class GenerationModel(mlflow.pyfunc.PythonModel):
 
     def load_context(self, context):
         from core import exportdir
-        from serving.model import ExportedModel
+        from serving.engine import runtime
+        from serving.engine.exported import ExportedModel
 
         self.model = ExportedModel(context.artifacts[EXPORT_ARTIFACT])
         threads = max(1, len(os.sched_getaffinity(0)))
         if exportdir.has_cache_programs(self.model.dir):
             self.session, self.forward = self.model.cached_session(threads), None
         else:  # an export made before the cache programs existed: the full-sequence graph
-            predictor = exportdir.create_predictor(self.model.dir, threads=threads)
-            self.session, self.forward = None, (lambda ids: exportdir.predict(predictor, ids))
+            predictor = runtime.create_predictor(self.model.dir, threads=threads)
+            self.session, self.forward = None, (lambda ids: runtime.predict(predictor, ids))
 
     def predict(self, context, model_input, params=None):
         import pandas as pd
@@ -116,68 +115,7 @@ def _parse(i: int, row: dict, max_length: int):
     return request.prompt, request.settings
 
 
-def write_mlflow_model(export_dir: Path, pip_requirements: list[str], input_prompt: str) -> None:
-    """Add MLflow's metadata for a `python_function` model to an export directory, in place.
-
-    MLflow's `save_model` copies artifacts into the model directory; an export is tens of MB to TBs, so the model
-    is saved with a placeholder artifact in a scratch directory, its metadata moved into the export directory, and
-    the artifact's path set to `.` (the model's own root), which is where pyfunc resolves artifacts from."""
-    from mlflow.models import Model
-
-    repo = Path(serving.__file__).resolve().parent.parent
-    with tempfile.TemporaryDirectory(prefix="pyfunc-") as scratch:
-        placeholder = Path(scratch) / "placeholder"
-        placeholder.mkdir()
-        code = []  # the serving code and the vocabulary it imports (core/), without bytecode caches
-        for package in ("serving", "core"):
-            code.append(shutil.copytree(repo / package, Path(scratch) / "code" / package,
-                                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc")))
-        model_dir = Path(scratch) / "model"
-        mlflow.pyfunc.save_model(
-            str(model_dir), python_model=GenerationModel(), artifacts={EXPORT_ARTIFACT: str(placeholder)},
-            code_paths=[str(c) for c in code], pip_requirements=pip_requirements,
-            signature=signature(), input_example={"prompt": input_prompt, "max_new_tokens": 8})
-        shutil.rmtree(model_dir / "artifacts")
-        model = Model.load(str(model_dir))
-        model.flavors["python_function"]["artifacts"][EXPORT_ARTIFACT]["path"] = "."
-        model.save(str(model_dir / "MLmodel"))
-        for item in model_dir.iterdir():
-            target = Path(export_dir) / item.name
-            if target.exists():
-                raise FileExistsError(f"{target} exists: the export directory already holds an MLflow model")
-            shutil.move(str(item), target)
-
-
-# Not needed to generate, and their declared pins cannot install on Python 3.11 (the project installs them with
-# --no-deps): left out, so that pip can resolve the rest when `mlflow models serve` builds an environment.
-NOT_FOR_PYFUNC = ("paddle-serving-server", "paddle-serving-app")
-
-
-def pinned_requirements(repo: Path) -> list[str]:
-    """The project's exact pins (requirements/lock.txt plus the CPU Paddle build) but Paddle Serving's: what
-    `mlflow models serve` installs when it builds an environment."""
-    lines = []
-    for name in ("lock.txt", "paddle-cpu.txt"):
-        for line in (repo / "requirements" / name).read_text().splitlines():
-            line = line.split("#", 1)[0].strip()
-            if line and not line.startswith("-") and not line.lower().startswith(NOT_FOR_PYFUNC):
-                lines.append(line)
-    return lines
-
-
-def check(export_dir: Path, references: dict[str, list[int]]) -> dict[str, list[int]]:
-    """Load the directory as MLflow would (`mlflow.pyfunc.load_model`) and generate the reference prompts greedily;
-    returns the prompts whose tokens differ (empty when the model answers as recorded)."""
-    import pandas as pd
-
-    model = mlflow.pyfunc.load_model(str(export_dir))
-    prompts = list(references)
-    n = max(len(v) for v in references.values())
-    out = model.predict(pd.DataFrame({"prompt": prompts, "max_new_tokens": [n] * len(prompts)}))
-    return {p: list(map(int, ids)) for p, ids in zip(prompts, out["token_ids"]) if list(map(int, ids)) != references[p]}
-
-
-def main() -> None:  # python -m serving.pyfunc <export dir> [prompt]: one generation, as MLflow loads it
+def main() -> None:  # python -m serving.entrypoints.pyfunc <export dir> [prompt]: one generation, as MLflow loads it
     import sys
 
     model = mlflow.pyfunc.load_model(sys.argv[1])

@@ -1,7 +1,7 @@
 """Continuous batching over the key/value-cache programs: requests join the running batch between decode steps.
 
 The Scheduler is pure logic around two functions (the exported prefill and decode programs, or any functions with
-their signatures: serving/generation.py), so it is tested with a hand-made model. Each `step()`:
+their signatures: serving/engine/generation.py), so it is tested with a hand-made model. Each `step()`:
 
 1. drops waiting requests whose deadline passed and cancelled ones;
 2. admits waiting requests while the batch has room (`max_batch_size` sequences, `max_batch_tokens` cache
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from serving.generation import GenerationSettings, budget, choose_rows, token_logprobs
+from serving.engine.generation import GenerationSettings, budget, choose_rows, token_logprobs
 
 
 @dataclass

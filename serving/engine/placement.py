@@ -15,7 +15,7 @@ import shutil
 import subprocess
 
 from core.errors import ConfigError
-from core.exportdir import Placement
+from serving.engine.runtime import Placement
 
 # Max |logit difference| against float32 accepted at a worker's start (float16 keeps ~3 decimal digits, bfloat16 ~2).
 PRECISION_TOLERANCE = {"float16": 5e-2, "bfloat16": 2.5e-1}

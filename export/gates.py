@@ -1,0 +1,149 @@
+"""Export's gates: every program it writes against the dynamic model, before anything is published.
+
+    logits_gate        the full-sequence graph (predictor plain and IR-optimised) and the prefill/decode programs
+                       step by step (a left-padded batch): the worst logit difference <= export.parity_tolerance
+    tokens_gate        greedy tokens of the graph and the cache programs (alone and batched) == the dynamic model's
+    fused_weights_gate a checkpoint trained with fused q/k/v or gate/up weights == its unfused form
+    mlflow_model_gate  the MLflow model, loaded as MLflow loads it, generates the same tokens
+
+Each predictor is serving's own (serving/engine/runtime.py): the gate checks what will be served.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from core import REPO_ROOT, exportdir
+from core.config import Config
+from export import ExportError, mlflow_model
+from export.convert import dynamic_forward
+from serving.engine import runtime
+
+# Parity batches: (batch, sequence length) pairs of different shapes; 0 = the training sequence length.
+PARITY_SHAPES = ((1, 5), (2, 17), (3, 0))
+
+
+def fused_weights_gate(model, checkpoint: Path, config: Config) -> float | None:
+    """A checkpoint trained with fused q/k/v or gate/up weights (performance.fuse_attention_qkv/ffn) is exported as
+    the portable, unfused model (what the cache programs read); the fused model loaded as trained must give the
+    same logits. None when the checkpoint is not fused."""
+    from model.llama import is_fused, load_merged
+
+    if not is_fused(checkpoint):
+        return None
+    trained = load_merged(checkpoint, portable=False)
+    trained.eval()
+    error = weight_layout_error(model, trained, model.config.vocab_size, config.training.seq_length)
+    if error > config.export.parity_tolerance:
+        raise ExportError(f"the unfused model of the fused checkpoint {checkpoint} differs from it by {error:.2e} > "
+                          f"export.parity_tolerance; nothing was published")
+    print(f"fused q/k/v / gate-up weights: exported unfused; max |unfused - fused as trained| = {error:.2e}",
+          flush=True)
+    return error
+
+
+def mlflow_model_gate(staging: Path, references: dict[str, list[int]]) -> None:
+    """The export directory is also an MLflow `python_function` model (serving/entrypoints/pyfunc.py); loaded as MLflow loads
+    it, it must generate the references token for token."""
+    mlflow_model.write(staging, mlflow_model.pinned_requirements(REPO_ROOT), exportdir.REFERENCE_PROMPTS[0])
+    differ = mlflow_model.check(staging, references)
+    if differ:
+        raise ExportError(f"the MLflow pyfunc model generates other tokens than the exported graph for {differ}; "
+                          f"nothing was published")
+    print(f"MLflow model: python_function flavor; mlflow.pyfunc.load_model reproduces the greedy tokens of "
+          f"{len(references)} prompts", flush=True)
+
+
+def logits_gate(model, staging: Path, config: Config) -> float:
+    """Every exported program against the dynamic model: the full-sequence graph under both predictor
+    configurations users run (plain, as served: bit-identical kernels; IR-optimised: fused passes change the
+    arithmetic slightly) and the prefill/decode cache programs step by step. The gate takes the worst."""
+    vocab, seq = model.config.vocab_size, config.training.seq_length
+    full = max(parity_error(model, runtime.create_predictor(staging, ir_optim), vocab, seq)
+               for ir_optim in (False, True))
+    cached = cache_parity_error(model, *runtime.cache_session(staging), vocab, seq)
+    error, tolerance = max(full, cached), config.export.parity_tolerance
+    print(f"parity: max |dynamic - paddle.inference| = {full:.3e} (full graph, shapes {PARITY_SHAPES}, "
+          f"ir_optim off/on), {cached:.3e} (prefill + decode, padded batch) (tolerance {tolerance:.0e})", flush=True)
+    if not error <= tolerance:
+        raise ExportError(f"parity check failed: max logit difference {error:.3e} > export.parity_tolerance "
+                          f"{tolerance:.0e}; nothing was published")
+    return error
+
+
+def tokens_gate(dynamic_forward, predictor, staging: Path, config: Config) -> dict[str, list[int]]:
+    """Greedy continuations: the full graph and the cache programs (each prompt alone, and all of them in one batch
+    of mixed lengths) must produce the dynamic model's tokens exactly, for the reference prompts and longer ones up
+    to the serving prompt limit. The reference prompts' tokens are stored (reference.json) so that smoke can check a
+    running server without the checkpoint."""
+    from serving.generation import GenerationSettings
+    from serving.engine.exported import ExportedModel
+
+    exported = ExportedModel(staging)
+    session = exported.cached_session()
+    settings = GenerationSettings(max_new_tokens=exportdir.REFERENCE_NEW_TOKENS)
+    text = "".join(exportdir.REFERENCE_PROMPTS) * 16
+    limit = min(config.serving.max_prompt_chars, exported.max_length - exportdir.REFERENCE_NEW_TOKENS - 1)
+    prompts = [*exportdir.REFERENCE_PROMPTS, text[:limit // 3], text[:limit]]
+    encoded = [exported.encode(p) for p in prompts]
+    expected = [exported.generate(dynamic_forward, ids, settings) for ids in encoded]
+    paths = {"exported graph": [exported.generate(lambda x: runtime.predict(predictor, x), ids, settings)
+                                for ids in encoded],
+             "cache programs": [exported.generate_batch(session, [ids], [settings])[0] for ids in encoded],
+             "cache programs, batched": exported.generate_batch(session, encoded, [settings] * len(encoded))}
+    for path, got in paths.items():
+        for prompt, a, b in zip(prompts, got, expected):
+            if a != b:
+                raise ExportError(f"parity check failed: greedy tokens of the {path} for {prompt[:20]!r} "
+                                  f"({len(prompt)} chars) are {a}, the dynamic model's {b}; nothing was published")
+    print(f"greedy tokens: exported graph == cache programs (alone and batched) == dynamic model for {len(prompts)} "
+          f"prompts of {min(map(len, encoded))}-{max(map(len, encoded))} tokens", flush=True)
+    return dict(zip(exportdir.REFERENCE_PROMPTS, expected))
+
+
+def parity_error(model, predictor, vocab: int, seq_length: int, seed: int = 0) -> float:
+    """Max |dynamic - paddle.inference| logit difference over batches of different shapes."""
+    return _max_logit_error(dynamic_forward(model), lambda ids: runtime.predict(predictor, ids), vocab, seq_length,
+                            seed)
+
+
+def weight_layout_error(portable, trained, vocab: int, seq_length: int, seed: int = 2) -> float:
+    """Max |portable - as trained| logit difference: a checkpoint trained with fused q/k/v or gate/up weights is
+    exported as the unfused model (PaddleNLP splits the weights on load); both must compute the same function."""
+    return _max_logit_error(dynamic_forward(portable), dynamic_forward(trained), vocab, seq_length, seed)
+
+
+def _max_logit_error(a, b, vocab: int, seq_length: int, seed: int) -> float:
+    """Max |a(ids) - b(ids)| over seeded random batches of PARITY_SHAPES."""
+    rng = np.random.RandomState(seed)
+    worst = 0.0
+    for batch, length in PARITY_SHAPES:
+        ids = rng.randint(5, vocab, size=(batch, length or seq_length)).astype("int64")
+        worst = max(worst, float(np.abs(a(ids) - b(ids)).max()))
+    return worst
+
+
+def cache_parity_error(model, prefill, decode, vocab: int, seq_length: int, seed: int = 1) -> float:
+    """Max |dynamic - cache programs| logit difference (prefill, decode: runtime.cache_session): two rows (the
+    second left-padded by 3), the first half of the sequence through prefill, the rest one decode step at a time,
+    each step against the full dynamic forward."""
+    rng = np.random.RandomState(seed)
+    length, pad = max(8, seq_length), 3
+    ids = rng.randint(5, vocab, size=(2, length)).astype("int64")
+    forward = dynamic_forward(model)
+    expected = [forward(ids[:1]), forward(ids[1:, pad:])]  # row 1 is shorter by `pad` tokens
+    half = length // 2
+    prompt, mask = ids[:, :half].copy(), np.ones((2, half), "float32")
+    positions = np.tile(np.arange(half), (2, 1)).astype("int64")
+    prompt[1, :pad], mask[1, :pad], positions[1] = 0, 0.0, np.maximum(np.arange(half) - pad, 0)
+    logits, keys, values = prefill(prompt, positions, mask)
+    worst = max(float(np.abs(logits[0] - expected[0][0, half - 1]).max()),
+                float(np.abs(logits[1] - expected[1][0, half - 1 - pad]).max()))
+    for t in range(half, length):
+        mask = np.concatenate([mask, np.ones((2, 1), "float32")], axis=1)
+        step_positions = np.array([[t], [t - pad]], dtype="int64")
+        logits, keys, values = decode(ids[:, t:t + 1], step_positions, mask, keys, values)
+        worst = max(worst, float(np.abs(logits[0] - expected[0][0, t]).max()),
+                    float(np.abs(logits[1] - expected[1][0, t - pad]).max()))
+    return worst

@@ -1,0 +1,101 @@
+"""Serving's runtime over an export directory's programs: paddle.inference predictors, configured as served, and
+the key/value-cache session that generation drives. Export's parity gates use the same functions, so what is checked
+is what is served."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+import serving  # noqa: F401  (zlib before paddle)
+from core.exportdir import (DECODE_PREFIX, FEED_NAME, KEY_MASK_NAME, MODEL_PREFIX, PAST_KINDS, POSITIONS_NAME,
+                            PREFILL_PREFIX, past_input)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a predictor runs: the CPU, or one GPU with its memory pool and precision (serving/engine/placement.py)."""
+    device: str = "cpu"
+    device_id: int = 0
+    memory_mb: int = 1024
+    precision: str = "float32"
+
+    def describe(self) -> str:
+        return "cpu" if self.device == "cpu" else f"gpu:{self.device_id} {self.precision}"
+
+
+def create_predictor(export_dir: Path, ir_optim: bool = False, prefix: str = MODEL_PREFIX, threads: int = 1,
+                     placement: Placement = Placement()):
+    """A paddle.inference predictor for one of the graphs, configured as the served model is: on CPU with `threads`
+    math threads (ir_optim off), or on one GPU (`placement`)."""
+    from paddle import inference
+
+    config = inference.Config(str(export_dir / f"{prefix}.pdmodel"), str(export_dir / f"{prefix}.pdiparams"))
+    if placement.device == "gpu":
+        precision = {"float32": inference.PrecisionType.Float32, "float16": inference.PrecisionType.Half,
+                     "bfloat16": inference.PrecisionType.Bfloat16}[placement.precision]
+        config.enable_use_gpu(placement.memory_mb, placement.device_id, precision)
+        # (a reduced precision is applied by Paddle Inference's mixed-precision IR pass: optimisation on)
+        ir_optim = ir_optim or placement.precision != "float32"
+    else:
+        config.disable_gpu()
+        config.set_cpu_math_library_num_threads(threads)
+    config.disable_glog_info()
+    # Generation feeds a new sequence length at every step; with IR optimisation on, the CPU predictor measured
+    # 2x slower per generated token. Same setting as the served model (ir_optim: false).
+    config.switch_ir_optim(ir_optim)
+    return inference.create_predictor(config)
+
+
+def run(predictor, *inputs: np.ndarray) -> list[np.ndarray]:
+    """Feed the inputs in the graph's input order; all outputs in its output order."""
+    for name, value in zip(predictor.get_input_names(), inputs):
+        _feed(predictor.get_input_handle(name), value)
+    predictor.run()
+    return [predictor.get_output_handle(name).copy_to_cpu() for name in predictor.get_output_names()]
+
+
+def predict(predictor, input_ids: np.ndarray) -> np.ndarray:
+    """The full-sequence graph: logits [B, T, V]."""
+    return run(predictor, input_ids.astype("int64"))[0]
+
+
+def cache_session(export_dir: Path, threads: int = 1, placement: Placement = Placement()):
+    """(prefill, decode) functions over this process's own predictors of the cache programs (one session per thread
+    or process: paddle.inference predictors are not thread-safe):
+
+        prefill(ids, positions, mask) -> logits [B,V], keys [L,B,Hkv,T,D], values
+        decode(ids, positions, mask, keys [L,B,Hkv,P,D], values) -> logits [B,V], keys [L,B,Hkv,P+1,D], values
+
+    The decode program takes each layer's cache as an input of its own and returns only the new token's keys and
+    values (export/programs.py); they are appended here, the one copy of the cache a step. Exports made before
+    (one stacked cache in, the grown caches out) are read too."""
+    export_dir = Path(export_dir)
+    prefill = create_predictor(export_dir, prefix=PREFILL_PREFIX, threads=threads, placement=placement)
+    decode = create_predictor(export_dir, prefix=DECODE_PREFIX, threads=threads, placement=placement)
+    names = decode.get_input_names()
+    if PAST_KINDS[0] in names:  # (the earlier form: one stacked input per kind)
+        return (lambda *feeds: run(prefill, *feeds)), (lambda *feeds: run(decode, *feeds))
+    layers = sum(past_input(PAST_KINDS[0], layer) in names for layer in range(len(names)))
+    layer_inputs = [[decode.get_input_handle(past_input(kind, layer)) for layer in range(layers)]
+                    for kind in PAST_KINDS]
+    step_inputs = [decode.get_input_handle(name) for name in (FEED_NAME, POSITIONS_NAME, KEY_MASK_NAME)]
+    outputs = [decode.get_output_handle(name) for name in decode.get_output_names()]
+
+    def decode_step(ids, positions, mask, keys, values):
+        for handle, value in zip(step_inputs, (ids, positions, mask)):
+            _feed(handle, value)
+        for handles, cache in zip(layer_inputs, (keys, values)):
+            for layer, handle in enumerate(handles):
+                _feed(handle, cache[layer])  # (cache[layer]: a contiguous view, copied once into the predictor)
+        decode.run()
+        logits, new_keys, new_values = (handle.copy_to_cpu() for handle in outputs)
+        return logits, np.concatenate([keys, new_keys], axis=3), np.concatenate([values, new_values], axis=3)
+
+    return (lambda *feeds: run(prefill, *feeds)), decode_step
+
+
+def _feed(handle, value: np.ndarray) -> None:
+    handle.reshape(list(value.shape))
+    handle.copy_from_cpu(np.ascontiguousarray(value))
