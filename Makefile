@@ -23,7 +23,7 @@ DATA ?=
 ALIAS ?=
 FORCE ?=
 
-.PHONY: setup doctor data train evaluate promote export serve stop smoke all compare sweep bench plan test test-fast test-gpu-setup runs mlflow-ui mlflow-server mlflow-stop clean
+.PHONY: setup doctor data train evaluate promote export serve stop smoke reload generate all compare sweep bench plan test test-fast test-gpu-setup runs mlflow-ui mlflow-server mlflow-stop clean
 setup: $(STAMP)
 
 # One environment from exact pins (requirements/lock.txt, verified to install and import together) plus the Paddle
@@ -52,6 +52,10 @@ stop: $(STAMP)
 
 smoke: $(STAMP)
 	$(PY) -m pipeline smoke --config $(CONFIG) $(ARGS)
+
+# A server started with MODEL=models:/<name>@<alias> checks the alias now (it also does every serving.follow_interval_s).
+reload: $(STAMP)
+	$(PY) -m pipeline reload --config $(CONFIG) $(ARGS)
 
 # The main job on the embedded defaults: train -> export -> serve -> smoke -> stop (stop runs even if smoke fails).
 all: $(STAMP)

@@ -228,6 +228,8 @@ class ServingConfig:
     default_max_new_tokens: int = 16
     max_request_bytes: int = 16384
     start_timeout_s: int = 120
+    # MODEL=models:/<name>@<alias> (or /latest): seconds between checks of the registry; 0 = only on `make reload`
+    follow_interval_s: float = 30.0
     # Where the generation workers' predictors run (docs/gpu.md): cpu | gpu. On gpu, serving.workers=0 means one worker
     # per GPU in `gpus` ([] = every GPU CUDA_VISIBLE_DEVICES lets this server see), worker i pinned to gpus[i % n].
     device: str = "cpu"
@@ -555,6 +557,7 @@ def _validate_serving(s: ServingConfig) -> None:
     _one_of("serving.scheduler", s.scheduler, ("continuous", "static"))
     for key in ("workers", "predictor_threads", "rpc_workers", "max_batch_tokens", "max_worker_restarts"):
         _require(getattr(s, key) >= 0, f"serving.{key}: must be >= 0")
+    _require(s.follow_interval_s >= 0, "serving.follow_interval_s: must be >= 0 (0: only on `make reload`)")
     _require(s.max_queue >= -1, "serving.max_queue: must be >= 0, or -1 (enough for 128 requests in flight)")
     for key in ("max_batch_size", "max_prompt_chars", "max_new_tokens_limit", "max_request_bytes", "start_timeout_s",
                 "request_timeout_s", "drain_grace_s", "restart_window_s"):

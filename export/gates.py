@@ -77,7 +77,7 @@ def tokens_gate(dynamic_forward, predictor, staging: Path, config: Config) -> di
     of mixed lengths) must produce the dynamic model's tokens exactly, for the reference prompts and longer ones up
     to the serving prompt limit. The reference prompts' tokens are stored (reference.json) so that smoke can check a
     running server without the checkpoint."""
-    from serving.generation import GenerationSettings
+    from serving.engine.generation import GenerationSettings
     from serving.engine.exported import ExportedModel
 
     exported = ExportedModel(staging)

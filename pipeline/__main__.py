@@ -67,7 +67,9 @@ def parser() -> argparse.ArgumentParser:
                                                                  "supervisors): its exit code, its signals")
     serve.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. serving.http_port=18280")
     for verb, text in (("stop", "drain and stop the running endpoint (SIGTERM, then its whole process group)"),
-                       ("smoke", "real HTTP/gRPC calls against the running endpoint")):
+                       ("smoke", "real HTTP/gRPC calls against the running endpoint"),
+                       ("reload", "the running endpoint resolves its models:/ reference again and switches if it "
+                                  "moved")):
         v = sub.add_parser(verb, help=text)
         v.add_argument("--config", default=None, help=config_help)
         v.add_argument("overrides", nargs="*")
@@ -207,8 +209,8 @@ def _mlflow_server(config: Config, args) -> int:
 
 
 VERBS = {"data": _data, "train": _train, "export": _export, "serve": _serve_verb("serve"), "stop": _serve_verb("stop"),
-         "smoke": _serve_verb("smoke"), "compare": _compare, "sweep": _sweep, "runs": _runs, "plan": _plan, "doctor": _doctor, "evaluate": _evaluate,
-         "promote": _promote,
+         "smoke": _serve_verb("smoke"), "reload": _serve_verb("reload"), "compare": _compare, "sweep": _sweep,
+         "runs": _runs, "plan": _plan, "doctor": _doctor, "evaluate": _evaluate, "promote": _promote,
          "mlflow-server": _mlflow_server, "mlflow-stop": _mlflow_server}
 
 if __name__ == "__main__":

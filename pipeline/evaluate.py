@@ -34,7 +34,7 @@ HEADLINE = ("eval_loss", "perplexity", "distinct_1", "distinct_2", "repetition_r
 
 
 def run(config: Config, model: str, data: str = "") -> dict:
-    from pipeline import models
+    from core import registry as models
 
     if not model:
         raise ConfigError("MODEL=models:/<name>/<version> (or @<alias>): which registered version to evaluate")

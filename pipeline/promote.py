@@ -18,7 +18,7 @@ METRICS = ("eval_loss", "perplexity")  # lower is better
 
 
 def run(config: Config, model: str, alias: str = "champion", metric: str = "eval_loss", force: bool = False) -> int:
-    from pipeline.models import parse_models_uri
+    from core.registry import parse_models_uri
 
     name, version, by_alias = parse_models_uri(model) if model else (None, None, None)
     if not name or by_alias or version in (None, "latest"):

@@ -12,6 +12,10 @@ and keep the workers running.
   ready. More than `max_worker_restarts` deaths within `restart_window_s` is fatal: `on_fatal` gets the reason (the
   server then exits non-zero, so that its supervisor restarts it) -- never a live server that serves nothing.
 - **Drain**: no new requests; the ones in flight finish (up to a grace period); then the workers stop.
+- **Switch** (`switch`: another export directory, e.g. when a registry alias moves): a new set of workers loads the
+  new model beside the old ones; once every one of them is ready, new requests go to them and the old workers stop
+  after answering what they hold; if one fails to load, the switch is abandoned and the old model keeps serving.
+  Every result carries the lineage of the worker's model (`lineage`), so each answer names its version.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from pathlib import Path
 from core import REPO_ROOT
 from serving.engine.runtime import Placement
 from core.processes import child_dies_with_parent
+from serving.engine.exported import lineage
 from serving.engine.generation import GenerationSettings
 from serving.state import WORKER_FILE
 
@@ -67,8 +72,12 @@ class WorkerHandle:
     """One worker process: started and read by its own manager thread (which must outlive the process: the
     worker's parent-death signal follows the thread that started it)."""
 
-    def __init__(self, index: int, dispatcher: "Dispatcher"):
+    def __init__(self, index: int, dispatcher: "Dispatcher", model_dir: Path, meta: dict, standby: bool = False):
         self.index, self.dispatcher = index, dispatcher
+        self.model_dir, self.lineage = Path(model_dir), lineage(meta) if meta else {}
+        # standby: loading for a switch (not routed to; a death abandons the switch instead of a restart);
+        # retired: replaced by a switch (answers what it holds, then stops; never restarted)
+        self.standby, self.retired, self.failed = standby, False, threading.Event()
         self.pending: dict[int, _Pending] = {}
         self.ready = threading.Event()
         self.conn: Connection | None = None
@@ -79,7 +88,7 @@ class WorkerHandle:
 
     def manage(self) -> None:
         d = self.dispatcher
-        while not d.stopping:
+        while not d.stopping and not self.retired:
             try:
                 self._spawn()
                 self._read()
@@ -87,13 +96,16 @@ class WorkerHandle:
                 d.log(f"generation worker {self.index} failed: {exc.__class__.__name__}: {exc}")
                 if self.proc and self.proc.poll() is None:
                     self.proc.kill()
-            if d.stopping or not d.worker_died(self):
+            if self.standby and not self.retired:
+                self.failed.set()  # (a model that cannot load: the switch is abandoned, not retried)
+                return
+            if d.stopping or self.retired or not d.worker_died(self):
                 return
 
     def _spawn(self) -> None:
         d, s = self.dispatcher, self.dispatcher.settings
         ours, theirs = socket.socketpair()
-        cmd = [sys.executable, "-m", "serving.engine.worker", "--model", str(d.model_dir), "--fd", str(theirs.fileno()),
+        cmd = [sys.executable, "-m", "serving.engine.worker", "--model", str(self.model_dir), "--fd", str(theirs.fileno()),
                "--threads", str(d.threads), "--generation", s.generation, "--max-batch-size",
                str(s.max_batch_size), "--max-batch-tokens", str(s.max_batch_tokens), "--policy", s.scheduler,
                *placement_args(d.placements[self.index % len(d.placements)])]
@@ -136,7 +148,7 @@ class WorkerHandle:
         if pending is None:
             return  # (already answered: deadline)
         if message[0] == "done":
-            pending.finish(result=message[2])
+            pending.finish(result={**message[2], "lineage": self.lineage})
         else:
             pending.finish(error=RequestError(message[2], message[3]))
 
@@ -191,14 +203,16 @@ class Dispatcher:
         self.ids = itertools.count(1)
         self.draining, self.stopping, self.fatal = False, False, ""
         self.deaths: deque[float] = deque()
-        self.workers = [WorkerHandle(i, self) for i in range(workers)]
         from serving.engine.placement import placements
 
+        self.meta: dict = _meta_of(self.model_dir)
+        self.workers = [WorkerHandle(i, self, self.model_dir, self.meta) for i in range(workers)]
+        self.retiring: list[WorkerHandle] = []
+        self.switch_lock = threading.Lock()
         self.placements = placements(s) if s.device == "gpu" else [Placement()]
-        self.meta: dict = {}
 
-    def start(self) -> None:
-        for worker in self.workers:
+    def start(self, workers: list[WorkerHandle] | None = None) -> None:
+        for worker in workers or self.workers:
             threading.Thread(target=worker.manage, name=f"worker-{worker.index}", daemon=True).start()
 
     @property
@@ -208,7 +222,55 @@ class Dispatcher:
     @property
     def in_flight(self) -> int:
         with self.lock:
-            return sum(len(w.pending) for w in self.workers)
+            return sum(len(w.pending) for w in [*self.workers, *self.retiring])
+
+    # -- switching models -------------------------------------------------------------------------------------------
+    def switch(self, model_dir: Path, load_timeout_s: float = 300.0) -> bool:
+        """Serve `model_dir` from now on (see the module's docstring). Blocks until the new workers are ready (True)
+        or one of them failed to load, or load_timeout_s passed (False: the current model keeps serving)."""
+        from core import exportdir
+
+        model_dir = Path(model_dir)
+        meta = exportdir.read_meta(model_dir)
+        with self.switch_lock:
+            if self.draining or self.stopping:
+                return False
+            new = [WorkerHandle(i, self, model_dir, meta, standby=True) for i in range(len(self.workers))]
+            self.start(new)
+            deadline = time.monotonic() + load_timeout_s
+            while not all(w.ready.is_set() for w in new):
+                if any(w.failed.is_set() for w in new) or time.monotonic() > deadline or self.stopping:
+                    for w in new:
+                        w.retired = True
+                        w.stop()
+                    self.log(f"switch to {model_dir} abandoned: its workers did not all load; still serving "
+                             f"{self.model_dir}")
+                    return False
+                time.sleep(0.05)
+            with self.lock:
+                old, self.workers = self.workers, new
+                self.model_dir, self.meta = model_dir, meta
+                for w in new:
+                    w.standby = False
+                for w in old:
+                    w.retired = True
+                self.retiring.extend(old)
+            self._write_worker_file()
+            self.log(f"switched to {meta['registered_model_name']} v{meta['version']} ({model_dir}); "
+                     f"{sum(len(w.pending) for w in old)} request(s) finish on the previous model")
+        threading.Thread(target=self._retire, args=(old,), name="retire", daemon=True).start()
+        return True
+
+    def _retire(self, old: list[WorkerHandle]) -> None:
+        """The replaced workers answer what they hold (each request's own deadline bounds it), then stop."""
+        deadline = time.monotonic() + self.settings.request_timeout_s + 5
+        while any(w.pending for w in old) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for w in old:
+            w.stop()
+            w.fail_all(RequestError("worker_died", "the previous model's worker stopped before answering; retry"))
+        with self.lock:
+            self.retiring = [w for w in self.retiring if w not in old]
 
     # -- the workers' lives -----------------------------------------------------------------------------------------
     def worker_ready(self, worker: WorkerHandle) -> None:
@@ -249,8 +311,9 @@ class Dispatcher:
         if not self.state_dir:
             return
         with self.lock:
-            info = {"workers": [dict(w.info, index=w.index) for w in self.workers if w.ready.is_set()],
-                    "restarts": len(self.deaths)}
+            info = {"workers": [dict(w.info, index=w.index, model_dir=str(w.model_dir), **w.lineage)
+                                for w in self.workers if w.ready.is_set()],
+                    "restarts": len(self.deaths), "model_dir": str(self.model_dir)}
             tmp = self.state_dir / f".{WORKER_FILE}.tmp"
             try:
                 tmp.write_text(json.dumps(info))
@@ -342,8 +405,18 @@ class Dispatcher:
 
     def stop(self) -> None:
         self.stopping = True
-        for worker in self.workers:
+        for worker in [*self.workers, *self.retiring]:
             worker.stop()
+
+
+def _meta_of(model_dir: Path) -> dict:
+    from core import exportdir
+    from core.errors import ConfigError
+
+    try:
+        return exportdir.read_meta(model_dir)
+    except ConfigError:
+        return {}
 
 
 def deadline_error(timeout_s: float) -> RequestError:

@@ -29,7 +29,8 @@ from serving.protocol import Limits, Request, RequestError, bad, parse
 
 LIVE, READY, MODELS, COMPLETIONS, CHAT = ("/health/live", "/health/ready", "/v1/models", "/v1/completions",
                                           "/v1/chat/completions")
-ROUTES = {"GET": (LIVE, READY, MODELS), "POST": (COMPLETIONS, CHAT)}
+RELOAD = "/admin/reload"  # follow the registry now (serving/entrypoints/follow.py)
+ROUTES = {"GET": (LIVE, READY, MODELS), "POST": (COMPLETIONS, CHAT, RELOAD)}
 # OpenAI's names -> the protocol's (serving/protocol.py); the rest are the same
 RENAMED = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
 IGNORED = ("user", "presence_penalty", "frequency_penalty", "logit_bias", "suffix", "best_of", "stream_options",
@@ -145,13 +146,21 @@ def chat_template(model_dir) -> str:
 
 
 class ApiServer:
-    def __init__(self, dispatcher, limits: Limits, meta: dict, metrics=None, model_dir=None, api_key: str = ""):
-        self.dispatcher, self.limits, self.meta, self.metrics = dispatcher, limits, meta, metrics
-        name, version = meta["registered_model_name"], str(meta["version"])
-        self.model_ids = {name, f"{name}/{version}"}
+    def __init__(self, dispatcher, limits: Limits, metrics=None, model_dir=None, api_key: str = "", follower=None):
+        self.dispatcher, self.limits, self.metrics, self.follower = dispatcher, limits, metrics, follower
         self.template = chat_template(model_dir) if model_dir else DEFAULT_CHAT_TEMPLATE
         self.api_key = api_key or os.environ.get("PIPELINE_API_KEY", "")
         self.server = None
+
+    @property
+    def meta(self) -> dict:
+        """The model new requests go to (it changes when the server follows an alias: serving/entrypoints/follow.py)."""
+        return self.dispatcher.meta
+
+    @property
+    def model_ids(self) -> set[str]:
+        name, version = self.meta["registered_model_name"], str(self.meta["version"])
+        return {name, f"{name}/{version}"}
 
     def app(self):
         from fastapi import FastAPI
@@ -181,6 +190,15 @@ class ApiServer:
                 {"id": self.meta["registered_model_name"], "object": "model",
                  "created": int(self.meta.get("created_at", 0) or 0), "owned_by": "paddle-train-to-serve",
                  "version": str(self.meta["version"]), "source_run_id": self.meta["source_run_id"]}]}
+
+        @app.post(RELOAD)
+        async def reload(request: HttpRequest):
+            """Resolve the served reference again and switch if it moved (the answer says what is served now)."""
+            self._authorize(request)
+            if self.follower is None:
+                raise bad("this server serves a fixed export directory; start it with MODEL=models:/<name>@<alias> "
+                          "(or /latest) to follow the registry")
+            return JSONResponse(await asyncio.get_running_loop().run_in_executor(None, self.follower.check))
 
         @app.post(COMPLETIONS)
         async def completions(request: HttpRequest):
@@ -258,7 +276,7 @@ class ApiServer:
             else:
                 choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
             body = {"id": ident, "object": kind, "created": created, "model": request.extra["model"],
-                    "choices": [choice]}
+                    "system_fingerprint": fingerprint(run.tickets[index].worker.lineage), "choices": [choice]}
             if request.extra["include_usage"]:
                 body["usage"] = None
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
@@ -369,7 +387,13 @@ def completion_body(request: Request, results: list[dict], chat: bool) -> dict:
                     "finish_reason": r["finish_reason"]} for i, r in enumerate(results)]
     return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": request.extra["model"], "choices": choices, "usage": usage_of(request, results)}
+            "model": request.extra["model"], "system_fingerprint": fingerprint(results[0]["lineage"]),
+            "lineage": results[0]["lineage"], "choices": choices, "usage": usage_of(request, results)}
+
+
+def fingerprint(lineage: dict) -> str:
+    """OpenAI's `system_fingerprint`: which model version generated the answer (`<name>/<version>`)."""
+    return f"{lineage.get('model_name', '')}/{lineage.get('model_version', '')}"
 
 
 def chat_logprobs(logprobs: dict | None):

@@ -33,7 +33,6 @@ from pathlib import Path
 
 import serving  # noqa: F401  (zlib first; paddle_serving_client stand-in)
 from serving.engine.dispatch import Dispatcher
-from serving.engine.exported import lineage
 from serving.protocol import KINDS, Limits, Request, RequestError, bad, check_unique_keys, from_strings, parse
 
 BAD_REQUEST, INTERNAL_ERROR = KINDS["bad_request"][0], KINDS["internal"][0]
@@ -123,17 +122,18 @@ class GenerateMethods:
         answer = fetch_dict["result"][0]
         if "error" in answer:
             return {}, *answer["error"]
-        return answer_fields(answer["request"], answer["choices"], answer["arrived"], self.dispatcher.meta), None, ""
+        return answer_fields(answer["request"], answer["choices"], answer["arrived"]), None, ""
 
 
-def answer_fields(request: Request, choices: list[dict], arrived: float, meta: dict) -> dict[str, str]:
+def answer_fields(request: Request, choices: list[dict], arrived: float) -> dict[str, str]:
     """Paddle Serving's answer: the first choice's text and token ids (echo: the prompt before the text), its
-    finish reason and timings, the lineage; `choices` (n > 1) and `logprobs` as JSON when asked for."""
+    finish reason and timings, the lineage of the model that generated it; `choices` (n > 1) and `logprobs` as JSON
+    when asked for."""
     first = {**choices[0], "arrived": arrived}
     prefix = request.prompt if request.echo else ""
     out = {"text": prefix + first["text"], "token_ids": json.dumps(first["token_ids"]),
            "finish_reason": first["finish_reason"], "batch_size": str(first["batch_size"]), **timings(first),
-           **lineage(meta)}
+           **first["lineage"]}
     if request.n > 1:
         out["choices"] = json.dumps([{"text": prefix + c["text"], "token_ids": c["token_ids"],
                                       "finish_reason": c["finish_reason"]} for c in choices], ensure_ascii=False)
@@ -208,8 +208,8 @@ def main() -> None:
     parser.add_argument("--service-config", required=True, help="the pipeline's resolved YAML config")
     parser.add_argument("--model", required=True, help="export directory")
     parser.add_argument("--state-dir", required=True, help="where worker.json is kept")
+    parser.add_argument("--follow", default="", help="a models:/ reference to follow (serving/entrypoints/follow.py)")
     args = parser.parse_args()
-    from core import exportdir
     from core.config import load_config
     from core.workarounds.paddle_serving import server_fixes
     from serving.entrypoints.openai_api import ApiServer
@@ -222,16 +222,31 @@ def main() -> None:
     metrics.serve(s.metrics_port, s.host)
     dispatcher = Dispatcher(s, model_dir, predictor_threads(s), workers(s), metrics, Path(args.state_dir),
                             on_fatal=_exit_fatal)
-    dispatcher.meta = exportdir.read_meta(model_dir)
     dispatcher.start()
+    follower = _follower(config, dispatcher, args.follow)
     limits = Limits.from_config(s)
-    ApiServer(dispatcher, limits, dispatcher.meta, metrics, model_dir, s.api_key).start(s.host, s.api_port)
+    ApiServer(dispatcher, limits, metrics, model_dir, s.api_key, follower).start(s.host, s.api_port)
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=_drain, args=(dispatcher, s.drain_grace_s),
                                                               daemon=True).start())
+    if follower:
+        signal.signal(signal.SIGHUP, lambda *_: follower.trigger())
     server_fixes()  # (Paddle Serving: one Op thread woken per request, not all of them; no per-request log records)
     service = _make_op_classes(dispatcher, limits, metrics)(name=s.service_name)
     service.prepare_pipeline_config(args.config)
     service.run_service()
+
+
+def _follower(config, dispatcher: Dispatcher, reference: str):
+    """A follower of `reference` (models:/...), or None when the server was given a directory."""
+    if not reference:
+        return None
+    from core import registry
+    from serving.entrypoints.follow import Follower
+
+    follower = Follower(dispatcher, lambda: registry.resolve(config, reference),
+                        config.serving.follow_interval_s, lambda text: print(text, flush=True))
+    follower.start()
+    return follower
 
 
 def _drain(dispatcher: Dispatcher, grace_s: float) -> None:

@@ -26,8 +26,9 @@ from serving.entrypoints.paddle_serving_op import render_config
 from serving.state import clear_state, read_state, write_state
 
 
-def prepare(config: Config, model_dir: Path, state_dir: Path) -> tuple[list[str], dict, dict]:
-    """Check the model and the ports, write the state directory's files: (command, environment, state)."""
+def prepare(config: Config, model_dir: Path, state_dir: Path, follow: str = "") -> tuple[list[str], dict, dict]:
+    """Check the model and the ports, write the state directory's files: (command, environment, state). `follow`: a
+    models:/ reference the server keeps following (serving/entrypoints/follow.py)."""
     model_dir = model_dir.resolve()
     exportdir.read_meta(model_dir)  # a clear error when MODEL is not an export directory
     state = read_state(state_dir)
@@ -43,22 +44,24 @@ def prepare(config: Config, model_dir: Path, state_dir: Path) -> tuple[list[str]
     (state_dir / "service.yaml").write_text(config.to_yaml())
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), str(COMPAT_DIR)]), SERVING_HOME=str(state_dir),
                SERVING_LOG_PATH=str(state_dir), GLOG_minloglevel="2", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "serving.entrypoints.paddle_serving_op", "--config", str(state_dir / "config.yml"), "--service-config",
-           str(state_dir / "service.yaml"), "--model", str(model_dir), "--state-dir", str(state_dir)]
+    cmd = [sys.executable, "-m", "serving.entrypoints.paddle_serving_op", "--config", str(state_dir / "config.yml"),
+           "--service-config", str(state_dir / "service.yaml"), "--model", str(model_dir), "--state-dir",
+           str(state_dir), *(["--follow", follow] if follow else [])]
     api = f"http://127.0.0.1:{s.api_port}"
     state = {"pid": os.getpid(), "http_port": s.http_port, "rpc_port": s.rpc_port, "api_port": s.api_port,
              "metrics_port": s.metrics_port, "service": s.service_name, "model_dir": str(model_dir),
              "http_url": f"http://127.0.0.1:{s.http_port}/{s.service_name}/prediction",
              "rpc_address": f"127.0.0.1:{s.rpc_port}", "api_url": api, "openai_base_url": f"{api}/v1",
              "metrics_url": f"http://127.0.0.1:{s.metrics_port}/metrics", "started_at": time.time(),
-             "generation": s.generation, "scheduler": s.scheduler, "drain_grace_s": s.drain_grace_s}
+             "generation": s.generation, "scheduler": s.scheduler, "drain_grace_s": s.drain_grace_s,
+             "follows": follow}
     return cmd, env, state
 
 
-def start(config: Config, model_dir: Path, state_dir: Path) -> dict:
+def start(config: Config, model_dir: Path, state_dir: Path, follow: str = "") -> dict:
     """Start the server in its own process group and return once it is ready (/health/ready: a worker is loaded and
     answered a tiny generation; Paddle Serving's HTTP answers too)."""
-    cmd, env, state = prepare(config, model_dir, state_dir)
+    cmd, env, state = prepare(config, model_dir, state_dir, follow)
     proc = start_group(cmd, state_dir / "server.log", state_dir, env)
     state["pid"] = proc.pid
     write_state(state_dir, state)
@@ -76,10 +79,10 @@ def start(config: Config, model_dir: Path, state_dir: Path) -> dict:
     return state
 
 
-def run_foreground(config: Config, model_dir: Path, state_dir: Path) -> None:
+def run_foreground(config: Config, model_dir: Path, state_dir: Path, follow: str = "") -> None:
     """The server as this very process (a container's main process: signals reach it directly; its exit code is
     the server's). Logs go to stdout/stderr."""
-    cmd, env, state = prepare(config, model_dir, state_dir)
+    cmd, env, state = prepare(config, model_dir, state_dir, follow)
     write_state(state_dir, state)  # (this pid: exec keeps it)
     os.chdir(state_dir)
     os.execvpe(cmd[0], cmd, env)

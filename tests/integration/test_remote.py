@@ -75,7 +75,7 @@ def test_train_here_export_there_serve_a_registered_version(remote):
         stopped = cli(["stop", *overrides], url)
         assert stopped.returncode == 0
     # an alias resolves to the same version, already on this machine (no second download)
-    from pipeline import models
+    from core import registry as models
     from core.config import load_config
 
     client.set_registered_model_alias("remote-model", "champion", "1")

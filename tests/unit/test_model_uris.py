@@ -2,7 +2,7 @@
 import pytest
 
 from core.config import ConfigError
-from pipeline.models import parse_models_uri
+from core.registry import parse_models_uri
 
 
 @pytest.mark.parametrize("uri, expected", [

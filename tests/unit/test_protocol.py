@@ -138,16 +138,16 @@ def test_a_tokenizer_chat_template_is_used_when_the_export_has_one(tmp_path):
 
 class IdleDispatcher:
     fatal, draining, ready, in_flight = "", False, True, 0
+    meta = {"registered_model_name": "m", "version": 1, "source_run_id": "r"}
 
 
 def test_the_api_key_guards_the_v1_routes_and_not_the_probes(monkeypatch):
     from fastapi.testclient import TestClient
 
-    meta = {"registered_model_name": "m", "version": 1, "source_run_id": "r"}
     monkeypatch.delenv("PIPELINE_API_KEY", raising=False)
-    open_app = TestClient(api.ApiServer(IdleDispatcher(), LIMITS, meta).app())
+    open_app = TestClient(api.ApiServer(IdleDispatcher(), LIMITS).app())
     assert open_app.get("/v1/models").status_code == 200
-    guarded = TestClient(api.ApiServer(IdleDispatcher(), LIMITS, meta, api_key="s3cret").app())
+    guarded = TestClient(api.ApiServer(IdleDispatcher(), LIMITS, api_key="s3cret").app())
     refused = guarded.post("/v1/completions", json={"model": "m", "prompt": "x"})
     assert refused.status_code == 401 and refused.json()["error"]["code"] == "unauthorized"
     assert guarded.get("/v1/models").status_code == 401
@@ -155,7 +155,10 @@ def test_the_api_key_guards_the_v1_routes_and_not_the_probes(monkeypatch):
     assert guarded.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).json()["data"][0]["id"] == "m"
     assert guarded.get("/health/live").status_code == 200 and guarded.get("/health/ready").status_code == 200
     monkeypatch.setenv("PIPELINE_API_KEY", "from-env")
-    env_keyed = TestClient(api.ApiServer(IdleDispatcher(), LIMITS, meta).app())
+    env_keyed = TestClient(api.ApiServer(IdleDispatcher(), LIMITS).app())
     assert env_keyed.get("/v1/models", headers={"Authorization": "Bearer from-env"}).status_code == 200
     assert env_keyed.get("/v1/models").status_code == 401
+    assert guarded.post("/admin/reload").status_code == 401
+    reload = guarded.post("/admin/reload", headers={"Authorization": "Bearer s3cret"})
+    assert reload.status_code == 400 and "fixed export directory" in reload.json()["error"]["message"]
     assert guarded.get("/nope").status_code == 404 and guarded.get("/nope").json()["error"]["code"] == "not_found"
