@@ -80,6 +80,13 @@ runs: $(STAMP)
 plan: $(STAMP)
 	$(PY) -m pipeline plan --config $(CONFIG) $(ARGS)
 
+# Batch generation over a table, resumable: make generate MODEL=models:/<name>@champion INPUT=prompts.jsonl OUTPUT=out.jsonl
+INPUT ?=
+OUTPUT ?=
+ENGINE ?= local
+generate: $(STAMP)
+	$(PY) -m pipeline generate --config $(CONFIG) $(if $(MODEL),--model $(MODEL)) --input "$(INPUT)" --output "$(OUTPUT)" --engine $(ENGINE) $(ARGS)
+
 # A registered version on a fixed held-out set (the source run's validation split, or DATA=<corpus>) and prompt set.
 evaluate: $(STAMP)
 	$(PY) -m pipeline evaluate --config $(CONFIG) $(if $(MODEL),--model $(MODEL)) $(if $(DATA),--data $(DATA)) $(ARGS)

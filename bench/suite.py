@@ -174,8 +174,9 @@ def run(quick: bool = False, out: Path | None = None) -> dict:
     meta = _export(single["run_id"], uri)
     results["export"] = {"wall_s": time.perf_counter() - t0, **meta["timings_s"],
                          "parity_max_abs_error": meta["parity_max_abs_error"]}
-    from bench import data_prep, serving_load
+    from bench import batch_generate, data_prep, serving_load
     results["serving"] = serving_load.run(Path(meta["export_dir"]), out, quick)
+    results["generate"] = batch_generate.run(Path(meta["export_dir"]), out, quick)
     results["data"] = data_prep.run(out, uri, quick)
     results.pop("runs", None)
     (out / "bench.json").write_text(json.dumps(results, indent=2))
@@ -390,9 +391,11 @@ def markdown(r: dict) -> str:
 
 def _stage_sections(r: dict) -> list[str]:
     """The serving and data sections, as their own modules write them."""
-    from bench import data_prep, serving_load
+    from bench import batch_generate, data_prep, serving_load
 
     lines = serving_load.markdown(r["serving"])
+    if "generate" in r:
+        lines += [""] + batch_generate.markdown(r["generate"])
     if "data" in r:
         lines += [""] + data_prep.markdown(r["data"])
     return lines

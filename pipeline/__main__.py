@@ -74,6 +74,16 @@ def parser() -> argparse.ArgumentParser:
         v.add_argument("--config", default=None, help=config_help)
         v.add_argument("overrides", nargs="*")
 
+    generate = sub.add_parser("generate", help="batch generation over a table (jsonl/parquet), resumable")
+    generate.add_argument("--config", default=None, help=config_help)
+    generate.add_argument("--model", default="", help="as for serve (default: the newest registered version)")
+    generate.add_argument("--input", default="", help="prompts: .jsonl or .parquet with `prompt` (and `id`, settings)")
+    generate.add_argument("--output", default="", help=".jsonl or .parquet; rows already there are not generated again")
+    generate.add_argument("--engine", default="local", help="local (one worker process per core) or ray (Ray Data)")
+    generate.add_argument("--workers", type=int, default=0, help="worker processes / Ray actors (0 = one per core)")
+    generate.add_argument("--ray-address", default="", help="a Ray cluster (default: a local instance)")
+    generate.add_argument("overrides", nargs="*")
+
     compare = sub.add_parser("compare", help="compare the runs of an experiment (table, Markdown, CSV, PNG)")
     compare.add_argument("--config", default=None, help=config_help + "; names the default experiment")
     compare.add_argument("--experiment", default="")
@@ -196,6 +206,13 @@ def _promote(config: Config, args) -> int:
     return promote.run(config, args.model, args.alias, args.metric, args.force)
 
 
+def _generate(config: Config, args) -> int:
+    from pipeline import generate
+
+    generate.run(config, args.model, args.input, args.output, args.engine, args.workers, args.ray_address)
+    return 0
+
+
 def _doctor(config: Config, args) -> int:
     from pipeline import doctor
 
@@ -211,6 +228,7 @@ def _mlflow_server(config: Config, args) -> int:
 VERBS = {"data": _data, "train": _train, "export": _export, "serve": _serve_verb("serve"), "stop": _serve_verb("stop"),
          "smoke": _serve_verb("smoke"), "reload": _serve_verb("reload"), "compare": _compare, "sweep": _sweep,
          "runs": _runs, "plan": _plan, "doctor": _doctor, "evaluate": _evaluate, "promote": _promote,
+         "generate": _generate,
          "mlflow-server": _mlflow_server, "mlflow-stop": _mlflow_server}
 
 if __name__ == "__main__":

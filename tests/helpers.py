@@ -109,3 +109,14 @@ def wait_for_event(run_dir: Path, condition, proc: subprocess.Popen, what: str, 
         assert proc.poll() is None, f"training ended (exit code {proc.returncode}) while waiting for {what}"
         assert time.time() < deadline, f"no {what} within {timeout_s:g}s"
         time.sleep(0.1)
+
+
+def serving_ports() -> list[str]:
+    """Four distinct free ports for a server's http, rpc, api and metrics ports, as overrides."""
+    chosen: list[int] = []
+    while len(chosen) < 4:
+        port = free_port()
+        if port not in chosen:
+            chosen.append(port)
+    return [f"serving.{key}={port}" for key, port in zip(("http_port", "rpc_port", "api_port", "metrics_port"),
+                                                          chosen)]

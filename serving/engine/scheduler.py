@@ -16,6 +16,8 @@ batched with or when it joined (tests/unit/test_engine.py; served: tests/integra
 """
 from __future__ import annotations
 
+import math
+
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -63,6 +65,7 @@ class Scheduler:
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []
         self.cancelled: set[int] = set()
+        self.earliest_deadline = math.inf  # (of the waiting jobs, or earlier: the queue is scanned only from then)
         self.keys = self.values = self.mask = self.lengths = None
 
     # -- the queue ------------------------------------------------------------------------------------------------
@@ -70,6 +73,7 @@ class Scheduler:
         job.budget = budget(len(job.prompt_ids), job.settings, self.max_length)
         job.rng = np.random.default_rng(job.settings.seed)
         self.waiting.append(job)
+        self.earliest_deadline = min(self.earliest_deadline, job.deadline)
 
     def cancel(self, job_id: int) -> None:
         self.cancelled.add(job_id)
@@ -90,6 +94,8 @@ class Scheduler:
         return out
 
     def _drop_waiting(self, now: float) -> list[Outcome]:
+        if not self.cancelled and now < self.earliest_deadline:
+            return []  # (nothing to drop: no pass over a long queue at every step)
         out, keep = [], deque()
         for job in self.waiting:
             if job.id in self.cancelled:
@@ -100,6 +106,7 @@ class Scheduler:
             else:
                 keep.append(job)
         self.waiting = keep
+        self.earliest_deadline = min((job.deadline for job in keep), default=math.inf)
         return out
 
     def _drop_running(self) -> list[Outcome]:

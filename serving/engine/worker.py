@@ -160,21 +160,40 @@ class Worker:
         if outcome.status == "deadline":
             self.send("error", job.id, "deadline", "the request waited past its deadline before generation began")
         elif outcome.status == "done":
-            stopped = job.stop_at is not None or bool(job.new and job.new[-1] == self.model.eos_id)
-            self.send("done", job.id, {
-                "token_ids": job.new, "text": answer_text(self.model, job), "prompt_tokens": len(job.prompt_ids),
-                "prompt_token_ids": job.prompt_ids, "batch_size": max(1, job.peak_batch), "received": job.received,
-                "first_token_at": job.first_token_at, "finished_at": time.monotonic(),
-                "finish_reason": "stop" if stopped else "length", "streamed": job.streamed,
-                **({"logprobs": self.logprobs(job)} if job.settings.logprobs >= 0 else {})})
+            self.send("done", job.id, job_result(self.model, job))
         # (cancelled: the server already answered the client)
 
-    def logprobs(self, job: Job) -> dict:
-        """OpenAI's completion logprobs: each new token's text, log-probability and top alternatives (as text)."""
-        piece = lambda i: self.model.decode([i]) if i != self.model.eos_id else ""  # noqa: E731
-        kept = job.logprobs[:len(job.new)]
-        return {"tokens": [piece(e["token"]) for e in kept], "token_logprobs": [e["logprob"] for e in kept],
-                "top_logprobs": [{piece(i): lp for i, lp in e["top"]} for e in kept]}
+
+def job_result(model: ExportedModel, job: Job) -> dict:
+    """A finished job as every entrypoint receives it: text (stop strings cut), token ids, finish reason, timings."""
+    stopped = job.stop_at is not None or bool(job.new and job.new[-1] == model.eos_id)
+    return {"token_ids": job.new, "text": answer_text(model, job), "prompt_tokens": len(job.prompt_ids),
+            "prompt_token_ids": job.prompt_ids, "batch_size": max(1, job.peak_batch), "received": job.received,
+            "first_token_at": job.first_token_at, "finished_at": time.monotonic(),
+            "finish_reason": "stop" if stopped else "length", "streamed": job.streamed,
+            **({"logprobs": logprobs(model, job)} if job.settings.logprobs >= 0 else {})}
+
+
+def logprobs(model: ExportedModel, job: Job) -> dict:
+    """OpenAI's completion logprobs: each new token's text, log-probability and top alternatives (as text)."""
+    piece = lambda i: model.decode([i]) if i != model.eos_id else ""  # noqa: E731
+    kept = job.logprobs[:len(job.new)]
+    return {"tokens": [piece(e["token"]) for e in kept], "token_logprobs": [e["logprob"] for e in kept],
+            "top_logprobs": [{piece(i): lp for i, lp in e["top"]} for e in kept]}
+
+
+def generate_all(model: ExportedModel, scheduler: Scheduler, requests: list[tuple[str, GenerationSettings]]) -> list:
+    """In this process, to completion: each request's result, or its RequestError (a prompt the model refuses)."""
+    results: list = [None] * len(requests)
+    for i, (prompt, settings) in enumerate(requests):
+        try:
+            scheduler.add(Job(i, model.encode(prompt), settings))
+        except RequestError as exc:
+            results[i] = exc
+    while not scheduler.idle:
+        for outcome in scheduler.step():
+            results[outcome.job.id] = job_result(model, outcome.job)
+    return results
 
 
 def main() -> None:

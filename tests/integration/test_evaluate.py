@@ -1,11 +1,13 @@
 """`make evaluate` and `make promote` on a real registry: evaluation reproduces training's eval loss and repeats
 exactly; the alias moves only on evidence from the same held-out set, FORCE overrides, every move is recorded."""
 import json
+import threading
+import time
 
 import pytest
 
 from core import tracking
-from helpers import cli, metric_history
+from helpers import cli, metric_history, serving_ports
 
 pytestmark = pytest.mark.slow
 
@@ -71,3 +73,65 @@ def test_evaluation_reproduces_training_and_promotion_follows_the_evidence(versi
     assert rc == 0 and str(client.get_model_version_by_alias("test-model", "champion").version) == "1"
     record = json.loads(client.get_model_version("test-model", "1").tags["promotion.champion"])
     assert record["from"] == "2" and not record["forced"]
+
+
+LOAD_S, MOVE_AT_S, CLIENTS = 20.0, 6.0, 8
+
+
+def test_a_server_follows_its_alias_under_load_without_failing_a_request(versions):
+    """8 clients (OpenAI route and Paddle Serving's HTTP) for 20 s while `make promote` moves the alias v1 -> v2: no
+    request fails, every answer names v1 or v2, and every request sent after the first v2 answer is answered by v2."""
+    import requests
+
+    client = versions["client"]
+    client.set_registered_model_alias("test-model", "champion", "1")
+    overrides = [*versions["overrides"], *serving_ports(), "serving.follow_interval_s=1"]
+    proc = cli(["serve", *versions["base"], "--model", "models:/test-model@champion", *overrides], versions["uri"])
+    assert proc.returncode == 0 and "follows models:/test-model@champion" in proc.stdout, proc.stderr[-3000:]
+    state = json.loads((versions["root"] / "runs" / "serving" / "server.json").read_text())
+    answers, failures, stop = [], [], threading.Event()
+
+    def load(i: int) -> None:
+        session = requests.Session()
+        while not stop.is_set():
+            sent = time.monotonic()
+            try:
+                if i % 2:
+                    r = session.post(f"{state['openai_base_url']}/completions", timeout=30,
+                                     json={"model": "test-model", "prompt": "人工智能", "max_tokens": 8})
+                    version = r.json()["lineage"]["model_version"] if r.status_code == 200 else None
+                else:
+                    r = session.post(state["http_url"], timeout=30, json={"key": ["prompt", "max_new_tokens"],
+                                                                          "value": ["这本书", "8"]})
+                    body = r.json()
+                    version = dict(zip(body["key"], body["value"]))["model_version"] if body["err_no"] == 0 else None
+                if version is None:
+                    failures.append(r.text[:300])
+                else:
+                    answers.append((sent, time.monotonic(), version))
+            except Exception as exc:  # noqa: BLE001
+                failures.append(repr(exc))
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(CLIENTS)]
+    began = time.monotonic()
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(MOVE_AT_S)
+        rc, out = promote(versions, 2, "--force")
+        assert rc == 0, out
+        time.sleep(max(0.0, LOAD_S - (time.monotonic() - began)))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        reloaded = cli(["reload", *versions["base"], *overrides], versions["uri"])
+        stopped = cli(["stop", *versions["base"], *overrides], versions["uri"])
+    assert not failures, failures[:5]
+    assert {v for _, _, v in answers} == {"1", "2"}, {v for _, _, v in answers}
+    first_v2 = min(received for _, received, v in answers if v == "2")
+    late = [v for sent, _, v in answers if sent > first_v2]
+    assert late and set(late) == {"2"}, f"{late.count('1')} answers by v1 after the switch"
+    assert len(answers) > CLIENTS * 20  # (the load really ran through the switch)
+    assert reloaded.returncode == 0 and "still serving test-model v2" in reloaded.stdout, reloaded.stdout
+    assert stopped.returncode == 0

@@ -8,21 +8,10 @@ import sys
 import pytest
 import requests
 
-from helpers import cli, env_for, free_port
+from helpers import cli, env_for, free_port, serving_ports as ports
 from core import REPO_ROOT, tracking
 
 pytestmark = pytest.mark.slow
-
-
-def ports() -> list[str]:
-    """Four distinct free ports for the server's http, rpc, api and metrics ports."""
-    chosen: list[int] = []
-    while len(chosen) < 4:
-        port = free_port()
-        if port not in chosen:
-            chosen.append(port)
-    return [f"serving.{key}={port}" for key, port in zip(("http_port", "rpc_port", "api_port", "metrics_port"),
-                                                          chosen)]
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import time
 
-from core import REPO_ROOT
 from core.errors import ConfigError
 
 
@@ -103,17 +102,10 @@ class RayEngine:
     def run(self, tasks: list[dict], what: str, log) -> list[dict]:
         if not tasks:
             return []
-        try:
-            import ray
-        except ImportError:
-            raise ConfigError("data.engine=ray needs the ray package (pip install ray)") from None
-        if not ray.is_initialized():
-            env = {"env_vars": {"PYTHONPATH": str(REPO_ROOT), "RAYON_NUM_THREADS": "1",
-                                "TOKENIZERS_PARALLELISM": "false"}}
-            ray.init(address=self.address or None, num_cpus=(self.workers or cores()) if not self.address else None,
-                     include_dashboard=False, log_to_driver=False, runtime_env=env,
-                     logging_level="ERROR", configure_logging=True)
+        from core.cluster import init_ray
         from training.data import shards
+
+        ray = init_ray(self.address, self.workers or cores())
 
         remote = ray.remote(num_cpus=1, max_retries=2)(shards.run)
         progress, results = _Progress(what, tasks, log), {}

@@ -1,0 +1,54 @@
+"""`make generate MODEL=... INPUT=prompts.jsonl|.parquet OUTPUT=generations.jsonl|.parquet [ENGINE=local|ray]`:
+batch generation over a table with the serving engine (serving/entrypoints/batch.py), resumable after a kill.
+
+MODEL is what `make serve` takes (an export directory, models:/<name>/<version>, @<alias> or /latest). Per-row
+settings and limits are the serving protocol's, with `serving.max_new_tokens_limit` and
+`serving.default_max_new_tokens` from the config; prompts are limited only by the model's context. Workers: one per
+core (`--workers`), each batching up to `serving.max_batch_size` rows. On Spark, the same model is
+`mlflow.pyfunc.spark_udf(spark, "models:/<name>/<version>")` over the registered version (docs/serving.md).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from core import registry
+from core.config import Config, ConfigError
+
+
+def run(config: Config, model: str, input_path: str, output_path: str, engine: str = "local", workers: int = 0,
+        ray_address: str = "") -> dict:
+    from core.workarounds import cpu_runtime
+    from serving.entrypoints import batch
+    from serving.protocol import Limits
+
+    if not input_path or not output_path:
+        raise ConfigError("make generate needs INPUT=<prompts .jsonl/.parquet> and OUTPUT=<.jsonl/.parquet>")
+    if engine not in ("local", "ray"):
+        raise ConfigError(f"ENGINE={engine}: expected local or ray")
+    rows = batch.read_table(Path(input_path))
+    output = batch.Output(Path(output_path))  # (checks the format before the model loads)
+    model_dir = registry.resolve(config, model)
+    s = config.serving
+    limits = Limits(max_prompt_chars=1 << 24, max_new_tokens_limit=s.max_new_tokens_limit,
+                    default_max_new_tokens=s.default_max_new_tokens, max_request_bytes=1 << 30)
+    todo = [r for r in rows if batch.row_key(r["id"]) not in output.done]
+    workers = workers or cpu_runtime.available_cores()
+    print(f"generate: {len(rows):,} rows in {input_path}, {len(rows) - len(todo):,} already in {output_path}; "
+          f"{len(todo):,} to generate with {model_dir} on {workers} {engine} worker(s)", flush=True)
+    progress = batch.Progress(len(todo))
+
+    def write(row: dict) -> None:
+        output.write(row)
+        progress.step(row)
+
+    try:
+        if engine == "ray":
+            batch.run_ray(model_dir, todo, s, limits, workers, ray_address, write)
+        else:
+            batch.run_local(model_dir, todo, s, limits, workers, 1, write, on_ready=progress.restart)
+    finally:
+        output.close()
+    summary = {**progress.summary(), "skipped": len(rows) - len(todo), "output": str(output_path), "engine": engine}
+    print("generate: done " + json.dumps(summary), flush=True)
+    return summary
