@@ -12,10 +12,15 @@ def main(argv: list[str] | None = None) -> int:
                                                                     "MLflow experiment bench)")
     p.add_argument("--quick", action="store_true", help="tiny settings: checks the harness, not the machine")
     p.add_argument("--out", default="", help="output directory (default reports/bench)")
+    p.add_argument("--sections", default="", help="comma-separated subset of: runtime, scaling, serving, generate, data")
     args = p.parse_args(argv)
     from bench import suite
 
-    suite.run(quick=args.quick, out=args.out or None)
+    sections = tuple(s for s in args.sections.split(",") if s) or suite.SECTIONS
+    unknown = set(sections) - set(suite.SECTIONS)
+    if unknown:
+        p.error(f"unknown section(s) {', '.join(sorted(unknown))}; choose from {', '.join(suite.SECTIONS)}")
+    suite.run(quick=args.quick, out=args.out or None, sections=sections)
     return 0
 
 

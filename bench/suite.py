@@ -145,22 +145,43 @@ print("BARE", json.dumps(out.metrics))
     return json.loads(line[5:])["train_runtime"] / steps
 
 
-def run(quick: bool = False, out: Path | None = None) -> dict:
+SECTIONS = ("runtime", "scaling", "serving", "generate", "data")  # (serving and generate serve the scaling run's export)
+
+
+def run(quick: bool = False, out: Path | None = None, sections: tuple[str, ...] = SECTIONS) -> dict:
     out = Path(out) if out else REPO_ROOT / "reports" / "bench"
     out.mkdir(parents=True, exist_ok=True)
     uri = f"sqlite:///{out / 'bench-mlflow.db'}"
-    steps = 6 if quick else 40
     results: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "quick": quick,
                      "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}"}
-    results["runtime"] = runtime_trials(out, repeats=1 if quick else 3, steps=6 if quick else 16, quick=quick)
-    for name, v in results["runtime"]["settings"].items():
-        print(f"[bench] {name}: {v['tokens_per_s']['median']:.0f} tok/s ({v['speedup_vs_before']:.2f}x before), "
-              f"MFU {v['mfu']['median']:.1%}, peak {v['matmul_peak_gflops']['median']:.0f} GFLOP/s", flush=True)
+    if "runtime" in sections:
+        results["runtime"] = runtime_trials(out, repeats=1 if quick else 3, steps=6 if quick else 16, quick=quick)
+        for name, v in results["runtime"]["settings"].items():
+            print(f"[bench] {name}: {v['tokens_per_s']['median']:.0f} tok/s ({v['speedup_vs_before']:.2f}x before), "
+                  f"MFU {v['mfu']['median']:.1%}, peak {v['matmul_peak_gflops']['median']:.0f} GFLOP/s", flush=True)
+    if {"scaling", "serving", "generate"} & set(sections):
+        _scaling_and_export(results, out, uri, quick, sections)
+    if "data" in sections:
+        from bench import data_prep
+        results["data"] = data_prep.run(out, uri, quick)
+    results.pop("runs", None)
+    (out / "bench.json").write_text(json.dumps(results, indent=2))
+    (out / "bench.md").write_text(markdown(results))
+    _log_to_mlflow(results, out)
+    print(markdown(results))
+    return results
+
+
+def _scaling_and_export(results: dict, out: Path, uri: str, quick: bool, sections: tuple[str, ...]) -> None:
+    """The layouts' runs, the plan against them, the step against a bare Trainer, checkpoint stalls; then the single
+    run's export, served (serving) and generated over a table (generate)."""
+    steps = 6 if quick else 40
     stamp = time.strftime("%H%M%S")
     scaling = _scaling(out, uri, steps, stamp, quick)
     results.update(scaling)
-    peak = list(results["runtime"]["settings"].values())[-1]["matmul_peak_gflops"]["median"]
-    results["plan_vs_measured"] = plan_vs_measured(scaling["runs"], peak)
+    if "runtime" in results:
+        peak = list(results["runtime"]["settings"].values())[-1]["matmul_peak_gflops"]["median"]
+        results["plan_vs_measured"] = plan_vs_measured(scaling["runs"], peak)
     single = scaling["runs"]["single"]
     if not quick:  # (the runtime trials already compare the project's step with a bare loop)
         bare = bare_trainer_step_time(Path(single["run_dir"]), steps)
@@ -174,16 +195,11 @@ def run(quick: bool = False, out: Path | None = None) -> dict:
     meta = _export(single["run_id"], uri)
     results["export"] = {"wall_s": time.perf_counter() - t0, **meta["timings_s"],
                          "parity_max_abs_error": meta["parity_max_abs_error"]}
-    from bench import batch_generate, data_prep, serving_load
-    results["serving"] = serving_load.run(Path(meta["export_dir"]), out, quick)
-    results["generate"] = batch_generate.run(Path(meta["export_dir"]), out, quick)
-    results["data"] = data_prep.run(out, uri, quick)
-    results.pop("runs", None)
-    (out / "bench.json").write_text(json.dumps(results, indent=2))
-    (out / "bench.md").write_text(markdown(results))
-    _log_to_mlflow(results, out)
-    print(markdown(results))
-    return results
+    from bench import batch_generate, serving_load
+    if "serving" in sections:
+        results["serving"] = serving_load.run(Path(meta["export_dir"]), out, quick)
+    if "generate" in sections:
+        results["generate"] = batch_generate.run(Path(meta["export_dir"]), out, quick)
 
 
 def _scaling(out: Path, uri: str, steps: int, stamp: str, quick: bool) -> dict:
@@ -330,9 +346,16 @@ def _export(run_id: str, uri: str) -> dict:
 
 
 def markdown(r: dict) -> str:
-    s, rt = r["scaling"], r["runtime"]
-    lines = [f"Bench {r['date']} on {r['machine']}{' (quick)' if r['quick'] else ''}", "",
-             f"Training speed of {rt['config']} ({rt['batch_tokens']} tokens a step), each setting in a fresh "
+    lines = [f"Bench {r['date']} on {r['machine']}{' (quick)' if r['quick'] else ''}", ""]
+    if "runtime" in r:
+        lines += _runtime_lines(r["runtime"])
+    if "scaling" in r:
+        lines += _training_lines(r)
+    return "\n".join(lines + _stage_sections(r)) + "\n"
+
+
+def _runtime_lines(rt: dict) -> list[str]:
+    lines = [f"Training speed of {rt['config']} ({rt['batch_tokens']} tokens a step), each setting in a fresh "
              f"process, {rt['repeats']} interleaved rounds: median [min-max]. MFU: {FLOPS_NOTE}, against the fp32 "
              "matmul peak measured in the same process.", "",
              "| setting | threads | MKL_DEBUG_CPU_TYPE | KMP_BLOCKTIME | matmul peak GFLOP/s | tokens/s | vs before "
@@ -344,7 +367,12 @@ def markdown(r: dict) -> str:
                      f"{mm(v['matmul_peak_gflops'])} | {mm(v['tokens_per_s'])} | {v['speedup_vs_before']:.2f}x | "
                      f"{mm({k: x * 100 for k, x in v['mfu'].items()}, '{:.1f}')}% | {mm(v['bare_tokens_per_s'])} | "
                      f"{mm(v['ours_vs_bare'], '{:.2f}')} |")
-    lines += ["", "| figure | value |", "|---|---|"]
+    return lines
+
+
+def _training_lines(r: dict) -> list[str]:
+    s = r["scaling"]
+    lines = ["", "| figure | value |", "|---|---|"]
     lines += [f"| {name} tokens/s (vs single) | {v['tokens_per_s']:.0f} ({v['speedup_vs_single']:.2f}x) |"
               for name, v in s.items()]
     if "pipeline_schedules" in r:
@@ -386,14 +414,14 @@ def markdown(r: dict) -> str:
     lines.append(f"| export wall (load / convert / parity / MLflow model) | {e['wall_s']:.1f} s "
                  f"({e['load_s']:.1f} / {e['convert_s']:.1f} / {e['parity_s']:.1f} / {e.get('mlflow_model_s', 0):.1f} s), parity "
                  f"{e['parity_max_abs_error']:.1e} |")
-    return "\n".join(lines + _stage_sections(r)) + "\n"
+    return lines
 
 
 def _stage_sections(r: dict) -> list[str]:
     """The serving and data sections, as their own modules write them."""
     from bench import batch_generate, data_prep, serving_load
 
-    lines = serving_load.markdown(r["serving"])
+    lines = serving_load.markdown(r["serving"]) if "serving" in r else []
     if "generate" in r:
         lines += [""] + batch_generate.markdown(r["generate"])
     if "data" in r:

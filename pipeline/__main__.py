@@ -74,16 +74,6 @@ def parser() -> argparse.ArgumentParser:
         v.add_argument("--config", default=None, help=config_help)
         v.add_argument("overrides", nargs="*")
 
-    generate = sub.add_parser("generate", help="batch generation over a table (jsonl/parquet), resumable")
-    generate.add_argument("--config", default=None, help=config_help)
-    generate.add_argument("--model", default="", help="as for serve (default: the newest registered version)")
-    generate.add_argument("--input", default="", help="prompts: .jsonl or .parquet with `prompt` (and `id`, settings)")
-    generate.add_argument("--output", default="", help=".jsonl or .parquet; rows already there are not generated again")
-    generate.add_argument("--engine", default="local", help="local (one worker process per core) or ray (Ray Data)")
-    generate.add_argument("--workers", type=int, default=0, help="worker processes / Ray actors (0 = one per core)")
-    generate.add_argument("--ray-address", default="", help="a Ray cluster (default: a local instance)")
-    generate.add_argument("overrides", nargs="*")
-
     compare = sub.add_parser("compare", help="compare the runs of an experiment (table, Markdown, CSV, PNG)")
     compare.add_argument("--config", default=None, help=config_help + "; names the default experiment")
     compare.add_argument("--experiment", default="")
@@ -130,9 +120,22 @@ def add_lifecycle_verbs(sub, config_help: str) -> None:
     promote.add_argument("--metric", default="eval_loss")
     promote.add_argument("--force", action="store_true", help="move the alias even without or against the evidence")
     promote.add_argument("overrides", nargs="*")
+    add_generate_verb(sub, config_help)
     doctor = sub.add_parser("doctor", help="what this machine can run: Paddle's build, CUDA libraries, driver, GPUs")
     doctor.add_argument("--config", default=None, help=config_help + "; its layout is checked against the devices")
     doctor.add_argument("overrides", nargs="*")
+
+
+def add_generate_verb(sub, config_help: str) -> None:
+    generate = sub.add_parser("generate", help="batch generation over a table (jsonl/parquet), resumable")
+    generate.add_argument("--config", default=None, help=config_help)
+    generate.add_argument("--model", default="", help="as for serve (default: the newest registered version)")
+    generate.add_argument("--input", default="", help="prompts: .jsonl or .parquet with `prompt` (and `id`, settings)")
+    generate.add_argument("--output", default="", help=".jsonl or .parquet; rows already there are not generated again")
+    generate.add_argument("--engine", default="local", help="local (one worker process per core) or ray (Ray Data)")
+    generate.add_argument("--workers", type=int, default=0, help="worker processes / Ray actors (0 = one per core)")
+    generate.add_argument("--ray-address", default="", help="a Ray cluster (default: a local instance)")
+    generate.add_argument("overrides", nargs="*")
 
 
 def _data(config: Config, args) -> int:

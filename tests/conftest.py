@@ -75,9 +75,13 @@ _PRESENT_AT_START = {name for name in STRAYS if (Path(__file__).resolve().parent
 
 def pytest_sessionfinish(session):
     """Nothing generated lands in the repository: a test that wrote there fails the session (MLflow's default
-    ./mlruns, serving's PipelineServingLogs, the verbs' default reports/, exports/, runs/ ...)."""
+    ./mlruns, serving's PipelineServingLogs, the verbs' default reports/, exports/, runs/ ...). The session's home
+    goes away with it."""
+    import shutil
+
     from core import REPO_ROOT
 
+    shutil.rmtree(_HOME, ignore_errors=True)
     strays = [name for name in STRAYS if (REPO_ROOT / name).exists() and name not in _PRESENT_AT_START]
     if strays and session.exitstatus == 0:
         print(f"\ntests wrote into the repository: {', '.join(strays)}")

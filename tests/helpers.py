@@ -120,3 +120,9 @@ def serving_ports() -> list[str]:
             chosen.append(port)
     return [f"serving.{key}={port}" for key, port in zip(("http_port", "rpc_port", "api_port", "metrics_port"),
                                                           chosen)]
+
+
+def make_command(*args: str) -> list[str]:
+    """`make -s <args>` as a user types it in the checkout, but never the set-up: the environment's stamp is taken as
+    up to date (-o), so a test cannot rebuild .venv whatever the requirements files' times."""
+    return ["make", "-s", "-o", f".venv/.installed-{os.environ.get('DEVICE', 'cpu')}", *args]

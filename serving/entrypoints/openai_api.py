@@ -193,12 +193,7 @@ class ApiServer:
 
         @app.post(RELOAD)
         async def reload(request: HttpRequest):
-            """Resolve the served reference again and switch if it moved (the answer says what is served now)."""
-            self._authorize(request)
-            if self.follower is None:
-                raise bad("this server serves a fixed export directory; start it with MODEL=models:/<name>@<alias> "
-                          "(or /latest) to follow the registry")
-            return JSONResponse(await asyncio.get_running_loop().run_in_executor(None, self.follower.check))
+            return JSONResponse(await self._reload(request))
 
         @app.post(COMPLETIONS)
         async def completions(request: HttpRequest):
@@ -241,6 +236,14 @@ class ApiServer:
             raise RuntimeError(f"the OpenAI-compatible route could not listen on {host}:{port}")
 
     # -- the POST routes ------------------------------------------------------------------------------------------
+    async def _reload(self, request) -> dict:
+        """Resolve the served reference again and switch if it moved (the answer says what is served now)."""
+        self._authorize(request)
+        if self.follower is None:
+            raise bad("this server serves a fixed export directory; start it with MODEL=models:/<name>@<alias> "
+                      "(or /latest) to follow the registry")
+        return await asyncio.get_running_loop().run_in_executor(None, self.follower.check)
+
     def _authorize(self, request) -> None:
         if self.api_key and request.headers.get("authorization", "") != f"Bearer {self.api_key}":
             raise RequestError("unauthorized", "missing or wrong API key: send `Authorization: Bearer <key>`")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import LAYOUTS, env_for, metric_history, seeded_world
+from helpers import LAYOUTS, env_for, make_command, metric_history, seeded_world
 from core import REPO_ROOT, tracking
 from core.processes import descendants, signal_pids
 
@@ -39,7 +39,7 @@ def _train(world, name, *extra, make=False):
     """Start a training run in the background (through `make train` when asked, as a user would)."""
     if make:
         args = " ".join([*world["common"], f"training.run_name={name}", *extra])
-        cmd = ["make", "-s", "train", f"CONFIG={world['config']}", f"ARGS={args}"]
+        cmd = make_command("train", f"CONFIG={world['config']}", f"ARGS={args}")
     else:
         cmd = [sys.executable, "-m", "pipeline", "train", "--config", str(world["config"]), *world["common"],
                f"training.run_name={name}", *extra]

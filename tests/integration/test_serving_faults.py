@@ -1,7 +1,9 @@
 """The server under faults, as an operator meets them: overload (busy), short deadlines, a generation worker killed
 with SIGKILL (as the out-of-memory killer would), a worker that keeps dying, SIGTERM with requests in flight.
 The server runs in the foreground (`python -m pipeline serve --foreground`, as in a container) so its exit code
-is seen."""
+is seen. Each test stands alone: the ones that end or disturb their server start their own; the others share one
+and leave it as they found it. Waits are on conditions the server reports (its in-flight count, readiness,
+worker.json), not on sleeps."""
 import json
 import os
 import signal
@@ -14,9 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from helpers import env_for
+from helpers import env_for, serving_ports as ports
 from core import REPO_ROOT
-from test_serving import ports
 
 pytestmark = pytest.mark.slow
 LONG = "人工智能的发展"  # (a prompt whose continuation runs the whole max_new_tokens: no end token soon)
@@ -70,12 +71,28 @@ def probe(state, route) -> int:
         return -1
 
 
+def in_flight(state) -> int:
+    try:
+        return requests.get(f"{state['api_url']}/health/ready", timeout=2).json().get("in_flight", -1)
+    except (requests.RequestException, ValueError):
+        return -1
+
+
+def wait_until(condition, timeout_s: float = 30, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+TIGHT = ("serving.workers=1", "serving.max_batch_size=1", "serving.max_queue=2", "serving.max_new_tokens_limit=64",
+         "serving.request_timeout_s=20")
+
+
 @pytest.fixture(scope="module")
 def tight(exported, tmp_path_factory):
     """One worker, one sequence at a time and a queue of two: overload is easy to reach."""
-    proc, state, state_dir = start_foreground(exported, tmp_path_factory.mktemp("tight"), "serving.workers=1",
-                                              "serving.max_batch_size=1", "serving.max_queue=2",
-                                              "serving.max_new_tokens_limit=64", "serving.request_timeout_s=20")
+    proc, state, state_dir = start_foreground(exported, tmp_path_factory.mktemp("tight"), *TIGHT)
     yield {"proc": proc, "state": state, "state_dir": state_dir}
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -93,7 +110,7 @@ def test_overload_gets_busy_fast_and_a_short_deadline_gets_the_deadline_error(ti
     # a deadline shorter than the requests ahead of it: refused with the deadline error, at its deadline
     with ThreadPoolExecutor(3) as pool:
         ahead = [pool.submit(ask, state, LONG, 64, temperature=1.0, seed=i) for i in range(2)]
-        time.sleep(0.05)
+        wait_until(lambda: in_flight(state) == 2, what="two requests in flight")
         late = ask(state, LONG, 64, timeout_s=0.05)
         assert [f.result()[0] for f in ahead] == [0, 0]
     assert late[0] == 8004 and "deadline exceeded" in late[1] and late[2] < 1.5, late
@@ -103,7 +120,7 @@ def test_overload_gets_busy_fast_and_a_short_deadline_gets_the_deadline_error(ti
 def test_a_killed_worker_is_replaced_and_no_request_hangs(tight):
     """A steady trickle; SIGKILL the generation worker: the requests it held fail at once with a clear error, the
     others are never held past their deadline, readiness is false until a new worker answers, liveness stays true,
-    requests are answered again within 15 s, and the metrics count the restart."""
+    requests are answered again within 15 s, and the metrics count the restart (the shared server's first)."""
     state, state_dir = tight["state"], tight["state_dir"]
     (victim,) = worker_pids(state_dir)
     results, probes, stop = [], [], threading.Event()
@@ -121,15 +138,13 @@ def test_a_killed_worker_is_replaced_and_no_request_hangs(tight):
     threads = [threading.Thread(target=trickle), threading.Thread(target=trickle), threading.Thread(target=watch)]
     for thread in threads:
         thread.start()
-    time.sleep(1.0)
+    wait_until(lambda: sum(err == 0 for _, err, _, _ in results) >= 5, what="answers before the kill")
     killed_at = time.monotonic()
     os.kill(victim, signal.SIGKILL)
-    while time.monotonic() - killed_at < 15:
-        if any(t > killed_at + 0.5 and err == 0 and worker_pids(state_dir) not in ([], [victim])
-               for t, err, _, _ in results[-3:]):
-            break
-        time.sleep(0.2)
-    time.sleep(1.0)
+    wait_until(lambda: any(t > killed_at + 0.5 and err == 0 for t, err, _, _ in results[-3:])
+               and worker_pids(state_dir) not in ([], [victim]), 15, "an answer from the new worker")
+    recovered_at = time.monotonic()
+    wait_until(lambda: any(t > recovered_at and ready == 200 for t, _, ready in probes), what="ready again")
     stop.set()
     for thread in threads:
         thread.join()
@@ -149,23 +164,23 @@ def test_a_killed_worker_is_replaced_and_no_request_hangs(tight):
     assert "serving_worker_restarts_total 1.0" in metrics
 
 
-def test_sigterm_drains_the_requests_in_flight_then_exits_0(tight):
+def test_sigterm_drains_the_requests_in_flight_then_exits_0(exported, tmp_path):
     """Requests in flight complete; new ones are refused; the process exits 0 within the grace period."""
-    state, proc = tight["state"], tight["proc"]
+    proc, state, _ = start_foreground(exported, tmp_path, *TIGHT)
     with ThreadPoolExecutor(3) as pool:
         flying = [pool.submit(ask, state, LONG, 64, temperature=1.0, seed=i) for i in range(3)]
-        time.sleep(0.1)
+        wait_until(lambda: in_flight(state) == 3, what="three requests in flight")
         sent_at = time.monotonic()
         os.kill(proc.pid, signal.SIGTERM)
-        time.sleep(0.1)
+        wait_until(lambda: probe(state, "ready") != 200, what="readiness false")
         refused = ask(state)
         ready = probe(state, "ready")
         assert [f.result()[0] for f in flying] == [0, 0, 0]
     assert refused[0] != 0 and ready != 200, (refused, ready)
     assert proc.wait(timeout=30) == 0 and time.monotonic() - sent_at < 20
     output = proc.log.read_text()
-    assert "SIGTERM: draining" in output and "drained: all requests in flight were answered" in output, output[-2000:]
-    assert "generation worker 0 died (killed by SIGKILL)" in output  # (the previous test's restart, in the log)
+    assert "SIGTERM: draining 3 request(s) in flight" in output, output[-2000:]
+    assert "drained: all requests in flight were answered" in output, output[-2000:]
 
 
 def test_a_worker_that_keeps_dying_makes_the_server_exit_non_zero(exported, tmp_path):
@@ -179,7 +194,7 @@ def test_a_worker_that_keeps_dying_makes_the_server_exit_non_zero(exported, tmp_
             for pid in pids:
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
-            time.sleep(0.1)
+            time.sleep(0.01)  # (polling worker.json for the replacement)
         assert proc.wait(timeout=10) == 3 and len(killed) == 3, killed
         output = proc.log.read_text()
         assert "fatal: generation workers died 3 times within 60s (last: killed by SIGKILL); giving up" in output

@@ -136,3 +136,13 @@ def test_every_make_verb_is_one_module_away():
     makefile = (REPO_ROOT / "Makefile").read_text()
     for verb in verbs:
         assert f"-m pipeline {verb}" in makefile, verb
+
+
+def test_no_function_is_longer_than_60_lines():
+    """(a function that does not fit on a screen is a function to split)"""
+    long = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                long.append(f"{name}.{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not long, long

@@ -42,17 +42,18 @@ def run(items=40, threads=8):
                     taken.append(got["@DAGExecutor"].id)
         except channel.ChannelStopError:
             pass
+    def settled(done):  # (every consumer waits on the channel's condition again; `done` items taken)
+        deadline = time.time() + 5
+        while (len(taken) < done or len(ch._cv._waiters) < threads) and time.time() < deadline:
+            time.sleep(0.001)
     workers = [threading.Thread(target=consume) for _ in range(threads)]
     for w in workers:
         w.start()
-    time.sleep(0.2)
+    settled(0)
     start = tries[0]
     for i in range(items):
         ch.push(Item(i), "@DAGExecutor")
-        deadline = time.time() + 5
-        while len(taken) <= i and time.time() < deadline:
-            time.sleep(0.001)
-        time.sleep(0.005)  # (the other threads back to waiting)
+        settled(i + 1)
     ch.stop()
     for w in workers:
         w.join(5)

@@ -162,3 +162,18 @@ def test_the_api_key_guards_the_v1_routes_and_not_the_probes(monkeypatch):
     reload = guarded.post("/admin/reload", headers={"Authorization": "Bearer s3cret"})
     assert reload.status_code == 400 and "fixed export directory" in reload.json()["error"]["message"]
     assert guarded.get("/nope").status_code == 404 and guarded.get("/nope").json()["error"]["code"] == "not_found"
+
+
+def test_parse_completion_maps_every_openai_option_onto_the_protocol():
+    request = api.parse_completion({"model": "m", "prompt": "你好", "max_completion_tokens": 5, "n": 3, "echo": True,
+                                    "top_p": 0.5, "seed": 11, "logprobs": 2, "temperature": 0.3,
+                                    "stop": ["。", "！"], "user": "ignored"}, LIMITS, MODEL_IDS)
+    s = request.settings
+    assert (request.n, request.echo, s.max_new_tokens, s.top_p, s.seed, s.logprobs, s.temperature, s.stop) == \
+        (3, True, 5, 0.5, 11, 2, 0.3, ("。", "！"))
+    assert [request.choice_settings(i).seed for i in range(3)] == [11, 12, 13]
+    defaults = api.parse_completion({"model": "m", "prompt": "a"}, LIMITS, MODEL_IDS)
+    assert (defaults.n, defaults.settings.temperature, defaults.settings.logprobs, defaults.stream) == (1, 1.0, -1,
+                                                                                                         False)
+    with pytest.raises(RequestError, match="`n` must be in"):
+        api.parse_completion({"model": "m", "prompt": "a", "n": 9}, LIMITS, MODEL_IDS)
