@@ -64,8 +64,8 @@ class FakeWorkers:
     def serve(self, record):
         conn, handle = record.conn, record.handle
         if str(handle.model_dir) == str(self.fail_model):
-            conn.close()
             record.proc.end(1)
+            record.sock.shutdown(socket.SHUT_RDWR)  # (a process that exits while loading)
             return
         conn.send(("ready", {"pid": len(self.spawned), "load_s": 0.0, "rss_mb": 1.0}))
         while True:
@@ -75,8 +75,8 @@ class FakeWorkers:
                 return
             self.received.append((record, message))
             if message[0] == "stop":
-                conn.close()
                 record.proc.end(0)
+                record.sock.shutdown(socket.SHUT_RDWR)
                 return
             if message[0] == "generate":
                 threading.Thread(target=self.answer, args=(record, message[1], message[2]), daemon=True).start()
@@ -197,9 +197,8 @@ def test_a_switch_finishes_old_requests_on_the_old_model_and_sends_new_ones_to_t
     assert old.pending.result["lineage"]["model_version"] == "1"
     assert new.pending.result["lineage"]["model_version"] == "2"
     # the old workers stop once they hold nothing, and are never restarted
-    assert wait_until(lambda: all(r.proc.code == 0 for r in fakes.spawned[:2]))
-    time.sleep(0.1)
-    assert len(fakes.spawned) == 4 and not d.retiring
+    assert wait_until(lambda: all(r.proc.code == 0 for r in fakes.spawned[:2]) and not d.retiring)
+    assert len(fakes.spawned) == 4
     d.stop()
 
 
@@ -208,7 +207,7 @@ def test_a_model_that_cannot_load_leaves_the_current_one_serving(monkeypatch, tm
     d = started(settings(), workers=2)
     fakes.fail_model = tmp_path / "broken"
     monkeypatch.setattr("core.exportdir.read_meta", lambda path: {**META, "version": 9})
-    assert d.switch(tmp_path / "broken") is False
+    assert d.switch(tmp_path / "broken", load_timeout_s=10) is False
     assert d.meta["version"] == 1 and str(d.model_dir) == "/models/v1"
     assert d.generate("still", GenerationSettings())["text"] == "STILL"
     assert len(fakes.spawned) == 4  # (the broken model's workers were not restarted)
