@@ -8,8 +8,7 @@ batching (`serving.scheduler`), both measured in the same run on the same export
   p99, request latency p50, errors; and the per-request overhead of Paddle Serving's HTTP and gRPC and of the
   OpenAI-compatible HTTP route: p50 latency of a 1-token request from one client minus p50 of the same request in
   process, the four timed in turn (interleaved, 100 times a round). One new token: the cost of a request's trip,
-  without the decode steps whose time drifts with the machine more than the trip costs (measured with 32 tokens,
-  the overhead swung between -15 and +36 ms run to run).
+  without the decode steps, whose time drifts with the machine more than the trip costs.
 The two schedulers run in alternating rounds (static, continuous, static, ...) with the server restarted for each,
 so that drift of a noisy machine falls on both; figures are the median over rounds.
 """

@@ -1,8 +1,8 @@
 """`make bench`: the benchmark suite. Every figure is measured in this run and every ratio uses this run's numbers.
 
 1. CPU runtime (bench/training_speed.py): the default config's training tokens/s, MFU against the matmul peak
-   measured in the same process, and the project's step against a bare Paddle loop, for each runtime setting (as
-   before issue 12, + threads, + MKL's AMD switch, + compiled forward), fresh processes, interleaved rounds;
+   measured in the same process, and the project's step against a bare Paddle loop, for each runtime setting (the
+   baseline, + threads, + MKL's AMD switch, + compiled forward, ...), fresh processes, interleaved rounds;
 2. parallel scaling: tokens/s of every CPU layout (dp2, tp2, pp2, pp2 interleaved, sharding1x2, tp2pp2, dp2tp2,
    and dp2/tp2/dp2tp2 in semi-automatic mode) against single on the same global batch; per pipeline schedule the
    measured idle fraction against its analytic bubble; semi-auto against manual (tokens/s, peak memory); `make
@@ -66,7 +66,7 @@ QUICK = ["training.seq_length=32", "data.max_documents=2000"]
 
 
 def runtime_trials(out: Path, repeats: int, steps: int, quick: bool) -> dict:
-    """CPU runtime settings (issue 12) on the default config: each setting of bench/training_speed.py SETTINGS in a fresh process,
+    """CPU runtime settings on the default config: each setting of bench/training_speed.py SETTINGS in a fresh process,
     the settings interleaved (rotated each round) `repeats` times; median and min-max of every figure."""
     from bench.training_speed import SETTINGS
     from core.config import load_config

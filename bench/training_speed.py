@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 
 # setting -> (environment before paddle loads, config overrides)
-SPIN = {"PIPELINE_OMP_PASSIVE": "off"}  # OpenMP's default: threads spin 200 ms after each op (cpu_runtime fact 3)
-NO_OPS = {"PIPELINE_CPU_LLAMA_OPS": "off"}  # PaddleNLP's own RMSNorm / rotary / loss code (cpu_llama_ops)
+SPIN = {"PIPELINE_OMP_PASSIVE": "off"}  # OpenMP's default: threads spin 200 ms after each op (core/workarounds/cpu_runtime.py, fact 3)
+NO_OPS = {"PIPELINE_CPU_LLAMA_OPS": "off"}  # PaddleNLP's own RMSNorm / rotary / loss code (model/llama.py)
 SETTINGS = {
-    # as the project ran before issue 12: one math thread, MKL's own CPU detection, eager forward
+    # the baseline: one math thread, MKL's own CPU detection, eager forward, PaddleNLP's ops, spinning OpenMP threads
     "before": ({"PIPELINE_MKL_AMD_FIX": "off", **SPIN, **NO_OPS}, ["parallel.cpu_threads=1", "training.compile=false"]),
     "threads": ({"PIPELINE_MKL_AMD_FIX": "off", **SPIN, **NO_OPS}, ["parallel.cpu_threads=0", "training.compile=false"]),
     "threads+mkl": ({**SPIN, **NO_OPS}, ["parallel.cpu_threads=0", "training.compile=false"]),

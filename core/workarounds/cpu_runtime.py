@@ -3,9 +3,10 @@
 Three facts about Paddle 2.6.2's CPU build (measured on these machines, see docs/platform-notes.md):
 
 1. It bundles MKL 2019.0.5 (`paddle/libs/libmklml_intel.so`). On AMD CPUs MKL's dispatcher chooses its generic
-   kernels: fp32 matmul on 2 threads ~34 GFLOP/s, ~120 GFLOP/s with `MKL_DEBUG_CPU_TYPE=5` (use the AVX2 kernels),
-   an undocumented switch MKL reads at its first dispatch and honours up to 2020.0 (removed in 2020.1). On Intel CPUs
-   the switch is harmful (an AVX-512 Xeon: 174 -> 104 GFLOP/s on one thread), so it is set only on AMD. It must be in
+   kernels, several times slower at fp32 matmul than its AVX2 kernels, which `MKL_DEBUG_CPU_TYPE=5` selects: an
+   undocumented switch MKL reads at its first dispatch and honours up to 2020.0 (removed in 2020.1). On Intel CPUs
+   the switch is harmful (AVX-512 machines lose their AVX-512 kernels), so it is set only on AMD (the measured
+   figures: docs/platform-notes.md). It must be in
    the environment before MKL's first call: `prepare_process()` runs from `core/__init__.py`, the module every
    entry point imports before paddle (the same place as the zlib rule), and child processes inherit it.
    `PIPELINE_MKL_AMD_FIX=off` leaves the environment alone (for before/after benchmarks); a value of
@@ -14,7 +15,7 @@ Three facts about Paddle 2.6.2's CPU build (measured on these machines, see docs
    machine has (setting the variable instead makes Paddle print a warning at every import).
    `apply_threads(n)` calls `paddle.base.core.set_num_threads(n)` after import; `threads_per_process` derives n from
    the cores this process may use and the processes that share them (`parallel.cpu_threads` overrides).
-3. Paddle's MKL runs on Intel OpenMP (`libiomp5.so`), whose worker threads spin for KMP_BLOCKTIME (200 ms) after
+3. Paddle's MKL runs on Intel OpenMP (`libiomp5.so`), whose worker threads spin for KMP_BLOCKTIME (200 ms by default) after
    every parallel region -- while Python dispatches the next small eager op, so the spinning threads take the
    cores the op needs (system time a large share of a run's CPU time; docs/platform-notes.md). `prepare_process()` sets
    `KMP_BLOCKTIME=0` (threads sleep at once) unless KMP_BLOCKTIME or OMP_WAIT_POLICY is set;

@@ -5,8 +5,8 @@
 - importing paddle_serving_server.pipeline (the gRPC client too) creates PipelineServingLogs/ in the current
   directory unless SERVING_LOG_PATH says where: clients log under the temp directory, the server (serving/entrypoints/server.py)
   into its state directory;
-- per request, the server process paid for two things it does not need (measured on a one-client loop of 1-token
-  requests, 2-core machine: 3.4 ms of server CPU per request; py-spy):
+- per request, the server process paid for two things it does not need (found with py-spy on a one-client loop of
+  1-token requests; the figures: docs/platform-notes.md):
   * its thread-mode channels (`ThreadChannel.push`) wake *every* thread waiting on the channel (`notify_all`) for
     each item: an Op with `concurrency` N has N threads waiting on its input channel, so each request woke all of them
     (36 by default here) to queue for the GIL and find the queue empty again (66% of the process's samples).
