@@ -36,7 +36,7 @@ def launch_command(layout: ParallelLayout, run_dir: Path, resume_from: Path | No
                 os.environ.get("NODE_RANK", "0")]
     if layout.device == "gpu":
         cmd += ["--devices", os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(layout.procs_per_node))))]
-    return cmd + [str(REPO_ROOT / "training" / "worker.py"), *worker]
+    return cmd + [str(REPO_ROOT / "training" / "rank.py"), *worker]
 
 
 def worker_env(config: Config, layout: ParallelLayout, uri: str, run_id: str | None) -> dict:

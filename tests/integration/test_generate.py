@@ -48,6 +48,18 @@ def table(exported, tmp_path_factory):
             "reference": by_id(reference), "stderr": proc.stderr}
 
 
+def same_rows(got: dict, expected: dict) -> None:
+    """Equal rows; log-probabilities within float noise (a row's batch changes the logits' last bits, not tokens)."""
+    assert got.keys() == expected.keys()
+    for key, row in expected.items():
+        other = dict(got[key])
+        if "logprobs" in row:
+            mine = other.pop("logprobs")
+            assert mine["tokens"] == row["logprobs"]["tokens"], key
+            assert mine["token_logprobs"] == pytest.approx(row["logprobs"]["token_logprobs"], abs=1e-4), key
+        assert other == {k: v for k, v in row.items() if k != "logprobs"}, key
+
+
 def by_id(path) -> dict:
     lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
     ids = [json.dumps(line["id"]) for line in lines]
@@ -94,9 +106,10 @@ def test_a_killed_run_resumes_without_duplicates_and_equals_an_uninterrupted_run
     again = cli(["generate", *table["base"], "--output", str(target)], table["uri"])
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"{ROWS + 1 - written:,} to generate" in again.stdout, again.stdout
-    assert by_id(target) == table["reference"]
+    same_rows(by_id(target), table["reference"])
     nothing = cli(["generate", *table["base"], "--output", str(target)], table["uri"])
-    assert "0 to generate" in nothing.stdout and by_id(target) == table["reference"]
+    assert "0 to generate" in nothing.stdout
+    same_rows(by_id(target), table["reference"])
 
 
 def test_the_ray_data_path_and_parquet_tables_give_the_same_rows(table):

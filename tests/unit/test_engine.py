@@ -133,3 +133,19 @@ def test_top_p_logprobs_and_stop_are_per_sequence_and_batch_invariant():
         history.append(token)
     assert all(len(e["top"]) == 2 and e["top"][0][1] >= e["top"][1][1] for e in done[1].logprobs)
     assert not done[0].logprobs and len(done[1].logprobs) == len(done[1].new)
+
+
+def test_a_stop_string_completed_by_the_last_allowed_token_is_cut_and_reported_as_stop():
+    """The scheduler ends such a job by its length before its stop check runs; the answer still stops there."""
+    from types import SimpleNamespace
+
+    from serving.engine.worker import job_result
+
+    model = SimpleNamespace(decode=lambda ids: "".join(chr(ord("a") + i) for i in ids), eos_id=99)
+    job = Job(1, [0], GenerationSettings(max_new_tokens=3, stop=("c",)))
+    job.new = [0, 1, 2]  # "abc": the budget and the stop string end together
+    result = job_result(model, job)
+    assert (result["text"], result["finish_reason"]) == ("ab", "stop")
+    plain = Job(2, [0], GenerationSettings(max_new_tokens=3))
+    plain.new = [0, 1, 2]
+    assert (job_result(model, plain)["text"], job_result(model, plain)["finish_reason"]) == ("abc", "length")
