@@ -43,7 +43,9 @@ def run(config: Config, model: str, input_path: str, output_path: str, engine: s
         progress.step(row)
 
     try:
-        if engine == "ray":
+        if not todo:
+            pass  # (nothing left: no workers to start)
+        elif engine == "ray":
             batch.run_ray(model_dir, todo, s, limits, workers, ray_address, write)
         else:
             batch.run_local(model_dir, todo, s, limits, workers, 1, write, on_ready=progress.restart)

@@ -137,6 +137,9 @@ def test_a_server_follows_its_alias_under_load_without_failing_a_request(version
     assert {v for _, _, v in answers} == {"1", "2"}, ({v for _, _, v in answers}, log)
     first_v2 = min(received for _, received, v in answers if v == "2")
     late = [v for sent, _, v in answers if sent > first_v2]
+    print(f"\nfollow under load: {len(answers)} answers ({sum(v == '1' for *_, v in answers)} v1, "
+          f"{sum(v == '2' for *_, v in answers)} v2), {len(failures)} failed; first v2 answer at "
+          f"{first_v2 - began:.1f} s of {max(r for _, r, _ in answers) - began:.1f} s")
     assert late and set(late) == {"2"}, f"{late.count('1')} answers by v1 after the switch"
     assert len(answers) > CLIENTS * 20  # (the load really ran through the switch)
     assert reloaded.returncode == 0 and "still serving test-model v2" in reloaded.stdout, reloaded.stdout

@@ -121,13 +121,13 @@ def test_checkpoint_merges_into_a_single_model(world, layout):
     parallel_loss = checkpoint_info(checkpoint)["eval_loss"]
     assert abs(merged_loss - parallel_loss) < 1e-5, (merged_loss, parallel_loss)
     if layout == "tp2-fused":  # exported unfused (PaddleNLP splits the fused weights): export's gate passes
-        from pipeline import export
         from core.config import load_config
+        from export import gates
 
         from model.llama import is_fused
 
         assert is_fused(checkpoint) and not model.config.fuse_attention_qkv
-        error = export.fused_weights_gate(model, checkpoint, load_config(runs / layout / "config.yaml"))
+        error = gates.fused_weights_gate(model, checkpoint, load_config(runs / layout / "config.yaml"))
         assert error is not None and error < 1e-5
 
 
