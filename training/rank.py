@@ -192,6 +192,10 @@ def main(argv: list[str] | None = None) -> None:
     trainer.train(resume_from_checkpoint=args.resume_from or None)
     if getattr(trainer, "stage_timer", None) is not None:
         trainer.stage_timer.write(run_dir)
+    if layout.device == "cpu" and layout.world_size > 1:
+        from core.workarounds import cpu_gloo
+
+        cpu_gloo.end_process()  # (the gloo layer's point 8: never returns)
 
 
 def set_up_process(config: Config, layout: ParallelLayout) -> None:
