@@ -176,8 +176,10 @@ class Scheduler:
                                                    self.usable_vocab))
 
     def _finished(self, job: Job) -> bool:
-        return (job.new[-1] == self.eos_id or len(job.new) >= job.budget
-                or (bool(job.settings.stop) and self.stop_check is not None and self.stop_check(job)))
+        # (the stop check first: a stop string completed by the job's last allowed token must still be seen, so that
+        # the job ends by it and its text is cut there)
+        stopped = bool(job.settings.stop) and self.stop_check is not None and self.stop_check(job)
+        return stopped or job.new[-1] == self.eos_id or len(job.new) >= job.budget
 
     def _finish_done(self) -> list[Outcome]:
         done = [r for r, job in enumerate(self.running) if self._finished(job)]

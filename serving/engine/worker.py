@@ -68,11 +68,8 @@ def stop_position(model: ExportedModel, job: Job) -> int | None:
 
 
 def answer_text(model: ExportedModel, job: Job) -> str:
-    """The job's text up to its first stop string (looked for here too: a job that ends by its length in the step
-    that completes a stop string never reached the scheduler's stop check)."""
     text = model.decode(job.new)
-    at = stop_position(model, job)
-    return text if at is None else text[:at]
+    return text if job.stop_at is None else text[:job.stop_at]
 
 
 def streamable_text(model: ExportedModel, job: Job) -> str:
@@ -169,9 +166,8 @@ class Worker:
 
 def job_result(model: ExportedModel, job: Job) -> dict:
     """A finished job as every entrypoint receives it: text (stop strings cut), token ids, finish reason, timings."""
-    text = answer_text(model, job)
     stopped = job.stop_at is not None or bool(job.new and job.new[-1] == model.eos_id)
-    return {"token_ids": job.new, "text": text, "prompt_tokens": len(job.prompt_ids),
+    return {"token_ids": job.new, "text": answer_text(model, job), "prompt_tokens": len(job.prompt_ids),
             "prompt_token_ids": job.prompt_ids, "batch_size": max(1, job.peak_batch), "received": job.received,
             "first_token_at": job.first_token_at, "finished_at": time.monotonic(),
             "finish_reason": "stop" if stopped else "length", "streamed": job.streamed,

@@ -136,16 +136,24 @@ def test_top_p_logprobs_and_stop_are_per_sequence_and_batch_invariant():
 
 
 def test_a_stop_string_completed_by_the_last_allowed_token_is_cut_and_reported_as_stop():
-    """The scheduler ends such a job by its length before its stop check runs; the answer still stops there."""
+    """The step that reaches max_new_tokens also completes the stop string: the scheduler's stop check still runs,
+    so the answer stops there and says so."""
     from types import SimpleNamespace
 
-    from serving.engine.worker import job_result
+    from serving.engine.worker import job_result, stop_position
 
-    model = SimpleNamespace(decode=lambda ids: "".join(chr(ord("a") + i) for i in ids), eos_id=99)
-    job = Job(1, [0], GenerationSettings(max_new_tokens=3, stop=("c",)))
-    job.new = [0, 1, 2]  # "abc": the budget and the stop string end together
+    model = SimpleNamespace(decode=lambda ids: "".join(chr(ord("a") + i) for i in ids), eos_id=EOS)
+    free = drive(scheduler(), {0: jobs([([5], GenerationSettings(max_new_tokens=6))])})[0][1]
+    stop = model.decode(free[1:2])  # the second token's text (not the first's, not the end token)
+    s = scheduler(stop_check=lambda job: stop_position(model, job) is not None)
+    job = Job(1, [5], GenerationSettings(max_new_tokens=2, stop=(stop,)))
+    s.add(job)
+    while not s.idle:
+        s.step(0.0)
+    assert job.new == free[:2]
     result = job_result(model, job)
-    assert (result["text"], result["finish_reason"]) == ("ab", "stop")
-    plain = Job(2, [0], GenerationSettings(max_new_tokens=3))
-    plain.new = [0, 1, 2]
-    assert (job_result(model, plain)["text"], job_result(model, plain)["finish_reason"]) == ("abc", "length")
+    assert (result["text"], result["finish_reason"]) == (model.decode(free[:1]), "stop")
+    plain = Job(2, [5], GenerationSettings(max_new_tokens=2))
+    plain.new = free[:2]
+    assert (job_result(model, plain)["text"], job_result(model, plain)["finish_reason"]) == (model.decode(free[:2]),
+                                                                                           "length")
