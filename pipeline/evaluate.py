@@ -34,11 +34,11 @@ HEADLINE = ("eval_loss", "perplexity", "distinct_1", "distinct_2", "repetition_r
 
 
 def run(config: Config, model: str, data: str = "") -> dict:
-    from core import registry as models
+    from core import registry
 
     if not model:
         raise ConfigError("MODEL=models:/<name>/<version> (or @<alias>): which registered version to evaluate")
-    export_dir = models.resolve(config, model)
+    export_dir = registry.resolve(config, model)
     meta = exportdir.read_meta(export_dir)
     uri = tracking.tracking_uri(config)
     client = tracking.client(uri)

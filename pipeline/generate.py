@@ -3,22 +3,26 @@ batch generation over a table with the serving engine (serving/entrypoints/batch
 
 MODEL is what `make serve` takes (an export directory, models:/<name>/<version>, @<alias> or /latest). Per-row
 settings and limits are the serving protocol's, with `serving.max_new_tokens_limit` and
-`serving.default_max_new_tokens` from the config; prompts are limited only by the model's context. Workers: one per
-core (`--workers`), each batching up to `serving.max_batch_size` rows. On Spark, the same model is
-`mlflow.pyfunc.spark_udf(spark, "models:/<name>/<version>")` over the registered version (docs/serving.md).
+`serving.default_max_new_tokens` from the config; prompts are limited only by the model's context. Workers: as many
+as the server's (`serving.workers`: 0 = one per core; `--workers` overrides), each batching up to
+`serving.max_batch_size` rows. On Spark, the same model is `mlflow.pyfunc.spark_udf(spark,
+"models:/<name>/<version>")` over the registered version (docs/serving.md).
 """
 from __future__ import annotations
 
 import json
+import sys
+import time
 from pathlib import Path
 
 from core import registry
 from core.config import Config, ConfigError
+from pipeline.console import duration
 
 
 def run(config: Config, model: str, input_path: str, output_path: str, engine: str = "local", workers: int = 0,
         ray_address: str = "") -> dict:
-    from core.workarounds import cpu_runtime
+    from serving.engine.placement import worker_count
     from serving.entrypoints import batch
     from serving.protocol import Limits
 
@@ -33,10 +37,10 @@ def run(config: Config, model: str, input_path: str, output_path: str, engine: s
     limits = Limits(max_prompt_chars=1 << 24, max_new_tokens_limit=s.max_new_tokens_limit,
                     default_max_new_tokens=s.default_max_new_tokens, max_request_bytes=1 << 30)
     todo = [r for r in rows if batch.row_key(r["id"]) not in output.done]
-    workers = workers or cpu_runtime.available_cores()
+    workers = workers or worker_count(config.serving)  # (as the server: serving.workers, else one per core)
     print(f"generate: {len(rows):,} rows in {input_path}, {len(rows) - len(todo):,} already in {output_path}; "
           f"{len(todo):,} to generate with {model_dir} on {workers} {engine} worker(s)", flush=True)
-    progress = batch.Progress(len(todo))
+    progress = Progress(len(todo))
 
     def write(row: dict) -> None:
         output.write(row)
@@ -54,3 +58,36 @@ def run(config: Config, model: str, input_path: str, output_path: str, engine: s
     summary = {**progress.summary(), "skipped": len(rows) - len(todo), "output": str(output_path), "engine": engine}
     print("generate: done " + json.dumps(summary), flush=True)
     return summary
+
+
+class Progress:
+    """One line every few seconds: rows done, rows/s, tokens/s, ETA."""
+
+    def __init__(self, total: int, log=None, every_s: float = 2.0):
+        self.total, self.done, self.tokens, self.every_s = total, 0, 0, every_s
+        self.log = log or (lambda text: print(text, file=sys.stderr, flush=True))
+        self.began = self.last = time.monotonic()
+
+    def restart(self) -> None:
+        """Count from now (the model has loaded)."""
+        self.began = self.last = time.monotonic()
+
+    def step(self, row: dict) -> None:
+        self.done += 1
+        self.tokens += len(row.get("token_ids", ()))
+        now = time.monotonic()
+        if now - self.last >= self.every_s or self.done == self.total:
+            self.last = now
+            self.log(self.line(now))
+
+    def line(self, now: float) -> str:
+        elapsed = max(now - self.began, 1e-9)
+        rate = self.done / elapsed
+        eta_text = duration((self.total - self.done) / rate) if rate else "?"
+        return (f"generate: {self.done:,}/{self.total:,} rows ({100 * self.done / max(self.total, 1):.1f}%), "
+                f"{rate:.1f} rows/s, {self.tokens / elapsed:,.0f} tokens/s, ETA {eta_text}")
+
+    def summary(self) -> dict:
+        elapsed = max(time.monotonic() - self.began, 1e-9)
+        return {"rows": self.done, "tokens": self.tokens, "seconds": round(elapsed, 3),
+                "tokens_per_s": round(self.tokens / elapsed, 1)}

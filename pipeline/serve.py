@@ -4,9 +4,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from core import registry as models
-
-from core import tracking
+from core import registry, tracking
 from core.config import Config, ConfigError
 from serving.entrypoints import server
 from serving.entrypoints.smoke import run_smoke
@@ -17,7 +15,7 @@ def serve(config: Config, model: str, foreground: bool = False) -> int:
     """MODEL: an export directory or models:/<name>/<version|latest> / models:/<name>@<alias> (core/registry.py).
     In the background (returns once ready), or `foreground` (a container's main process: never returns)."""
     state_dir = default_state_dir(config)
-    model_dir = models.resolve(config, model)
+    model_dir = registry.resolve(config, model)
     follow = model if model.startswith("models:") else ""  # (a registry reference: the server follows it)
     if foreground:
         print(f"serving {model_dir} in the foreground; ready when {_api(config)}/health/ready answers 200", flush=True)

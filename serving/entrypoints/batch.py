@@ -19,7 +19,6 @@ once. A Parquet output is written as `<output>.partial.jsonl` and converted when
 from __future__ import annotations
 
 import json
-import math
 import os
 import queue
 import sys
@@ -149,40 +148,6 @@ def output_row(ident, result: dict | None, error: RequestError | None = None, li
     if "logprobs" in result:
         row["logprobs"] = result["logprobs"]
     return row
-
-
-class Progress:
-    """One line every few seconds: rows done, rows/s, tokens/s, ETA."""
-
-    def __init__(self, total: int, log=None, every_s: float = 2.0):
-        self.total, self.done, self.tokens, self.every_s = total, 0, 0, every_s
-        self.log = log or (lambda text: print(text, file=sys.stderr, flush=True))
-        self.began = self.last = time.monotonic()
-
-    def restart(self) -> None:
-        """Count from now (the model has loaded)."""
-        self.began = self.last = time.monotonic()
-
-    def step(self, row: dict) -> None:
-        self.done += 1
-        self.tokens += len(row.get("token_ids", ()))
-        now = time.monotonic()
-        if now - self.last >= self.every_s or self.done == self.total:
-            self.last = now
-            self.log(self.line(now))
-
-    def line(self, now: float) -> str:
-        elapsed = max(now - self.began, 1e-9)
-        rate = self.done / elapsed
-        eta = (self.total - self.done) / rate if rate else math.inf
-        eta_text = time.strftime("%H:%M:%S", time.gmtime(eta)) if math.isfinite(eta) else "?"
-        return (f"generate: {self.done:,}/{self.total:,} rows ({100 * self.done / max(self.total, 1):.1f}%), "
-                f"{rate:.1f} rows/s, {self.tokens / elapsed:,.0f} tokens/s, ETA {eta_text}")
-
-    def summary(self) -> dict:
-        elapsed = max(time.monotonic() - self.began, 1e-9)
-        return {"rows": self.done, "tokens": self.tokens, "seconds": round(elapsed, 3),
-                "tokens_per_s": round(self.tokens / elapsed, 1)}
 
 
 # -- engines ------------------------------------------------------------------------------------------------------------
