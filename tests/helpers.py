@@ -111,6 +111,18 @@ def wait_for_event(run_dir: Path, condition, proc: subprocess.Popen, what: str, 
         time.sleep(0.1)
 
 
+def wait_until(condition, timeout_s: float = 5.0) -> bool:
+    """Whether `condition()` became true within timeout_s (polled every 10 ms): waits on a state, not a time."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def serving_ports() -> list[str]:
     """Four distinct free ports for a server's http, rpc, api and metrics ports, as overrides."""
     chosen: list[int] = []

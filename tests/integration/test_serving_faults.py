@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from helpers import env_for, serving_ports as ports
+from helpers import env_for, serving_ports as ports, wait_until
 from core import REPO_ROOT
 
 pytestmark = pytest.mark.slow
@@ -78,13 +78,6 @@ def in_flight(state) -> int:
         return -1
 
 
-def wait_until(condition, timeout_s: float = 30, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
-
-
 TIGHT = ("serving.workers=1", "serving.max_batch_size=1", "serving.max_queue=2", "serving.max_new_tokens_limit=64",
          "serving.request_timeout_s=20")
 
@@ -110,7 +103,7 @@ def test_overload_gets_busy_fast_and_a_short_deadline_gets_the_deadline_error(ti
     # a deadline shorter than the requests ahead of it: refused with the deadline error, at its deadline
     with ThreadPoolExecutor(3) as pool:
         ahead = [pool.submit(ask, state, LONG, 64, temperature=1.0, seed=i) for i in range(2)]
-        wait_until(lambda: in_flight(state) == 2, what="two requests in flight")
+        assert wait_until(lambda: in_flight(state) == 2, 30), "timed out waiting for two requests in flight"
         late = ask(state, LONG, 64, timeout_s=0.05)
         assert [f.result()[0] for f in ahead] == [0, 0]
     assert late[0] == 8004 and "deadline exceeded" in late[1] and late[2] < 1.5, late
@@ -138,13 +131,15 @@ def test_a_killed_worker_is_replaced_and_no_request_hangs(tight):
     threads = [threading.Thread(target=trickle), threading.Thread(target=trickle), threading.Thread(target=watch)]
     for thread in threads:
         thread.start()
-    wait_until(lambda: sum(err == 0 for _, err, _, _ in results) >= 5, what="answers before the kill")
+    assert wait_until(lambda: sum(err == 0 for _, err, _, _ in results) >= 5, 30), \
+        "timed out waiting for answers before the kill"
     killed_at = time.monotonic()
     os.kill(victim, signal.SIGKILL)
-    wait_until(lambda: any(t > killed_at + 0.5 and err == 0 for t, err, _, _ in results[-3:])
-               and worker_pids(state_dir) not in ([], [victim]), 15, "an answer from the new worker")
+    assert wait_until(lambda: any(t > killed_at + 0.5 and err == 0 for t, err, _, _ in results[-3:])
+                      and worker_pids(state_dir) not in ([], [victim]), 15), "no answer from the new worker in 15 s"
     recovered_at = time.monotonic()
-    wait_until(lambda: any(t > recovered_at and ready == 200 for t, _, ready in probes), what="ready again")
+    assert wait_until(lambda: any(t > recovered_at and ready == 200 for t, _, ready in probes), 30), \
+        "timed out waiting for readiness again"
     stop.set()
     for thread in threads:
         thread.join()
@@ -169,10 +164,10 @@ def test_sigterm_drains_the_requests_in_flight_then_exits_0(exported, tmp_path):
     proc, state, _ = start_foreground(exported, tmp_path, *TIGHT)
     with ThreadPoolExecutor(3) as pool:
         flying = [pool.submit(ask, state, LONG, 64, temperature=1.0, seed=i) for i in range(3)]
-        wait_until(lambda: in_flight(state) == 3, what="three requests in flight")
+        assert wait_until(lambda: in_flight(state) == 3, 30), "timed out waiting for three requests in flight"
         sent_at = time.monotonic()
         os.kill(proc.pid, signal.SIGTERM)
-        wait_until(lambda: probe(state, "ready") != 200, what="readiness false")
+        assert wait_until(lambda: probe(state, "ready") != 200, 30), "timed out waiting for readiness false"
         refused = ask(state)
         ready = probe(state, "ready")
         assert [f.result()[0] for f in flying] == [0, 0, 0]

@@ -3,11 +3,11 @@ pair): routing, capacity, deadlines, a dead worker's requests and restart window
 import os
 import socket
 import threading
-import time
 from multiprocessing.connection import Connection
 from types import SimpleNamespace
 
 import pytest
+from helpers import wait_until
 
 from serving.engine import dispatch
 from serving.engine.dispatch import Dispatcher, WorkerHandle, per_worker_capacity
@@ -103,15 +103,6 @@ def started(s, workers=2, model_dir="/models/v1", **kwargs):
     d.start()
     assert wait_until(lambda: all(w.ready.is_set() for w in d.workers))
     return d
-
-
-def wait_until(condition, timeout=5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 def test_capacity_per_worker():
