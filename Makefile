@@ -22,6 +22,8 @@ PARALLEL ?=
 DATA ?=
 ALIAS ?=
 FORCE ?=
+# `make test` runs this many pytest-xdist workers: most tests wait on processes, servers and I/O part of the time
+TEST_WORKERS ?= 2
 
 .PHONY: setup doctor data train evaluate promote export serve stop smoke reload generate all compare sweep bench plan test test-fast test-gpu-setup runs mlflow-ui mlflow-server mlflow-stop clean
 setup: $(STAMP)
@@ -109,7 +111,7 @@ mlflow-stop: $(STAMP)
 	$(PY) -m pipeline mlflow-stop
 
 test: $(STAMP)
-	$(PY) -m pytest tests/unit tests/integration
+	$(PY) -m pytest -n $(TEST_WORKERS) tests/unit tests/integration
 
 # Opt-in: builds the GPU environment (make setup DEVICE=gpu, ~3 GB) in a temporary venv and checks that Paddle finds
 # every CUDA library inside it and that the doctor says so; needs no GPU.

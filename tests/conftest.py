@@ -22,10 +22,50 @@ from helpers import TINY_CONFIG  # noqa: E402
 INTEGRATION = Path(__file__).resolve().parent / "integration"
 
 
+# The modules that use the session's trained model (the `trained` / `exported` fixtures below). Under pytest-xdist they
+# share one worker: the model is built once and its registry changes in one order.
+SHARED_MODEL_MODULES = {"test_evaluate", "test_export", "test_generate", "test_serving", "test_serving_faults"}
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if INTEGRATION in Path(str(item.fspath)).resolve().parents:
             item.add_marker(pytest.mark.slow)
+        if "trained" in getattr(item, "fixturenames", ()) and Path(str(item.fspath)).stem not in SHARED_MODEL_MODULES:
+            raise pytest.UsageError(f"{item.nodeid} uses the session's trained model: add its module to "
+                                    f"SHARED_MODEL_MODULES in tests/conftest.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`make test` runs two pytest-xdist workers: much of an integration test waits on processes, servers and I/O.
+    A module stays on one worker (its module-scoped world is built once); the modules of the shared model go together.
+    (xdist's own `loadgroup` cannot do it on this pytest: it renames items through an attribute pytest 9.2 ignores.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "shared model" if Path(module).stem in SHARED_MODEL_MODULES else module
+
+    return ByModule(config, log)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test marked `alone` has the machine to itself; the others may run side by side. Held over the whole
+    protocol, so a module's fixtures built in its first test's set-up count too. The xdist workers share flock(2)
+    locks in the run's temporary root; a gate taken first keeps a waiting `alone` test from starving."""
+    import fcntl
+
+    base = item.config._tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    alone = item.get_closest_marker("alone") is not None
+    with open(root / "machine.gate", "a") as gate, open(root / "machine.lock", "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        fcntl.flock(gate, fcntl.LOCK_UN)
+        return (yield)
 
 
 @pytest.fixture

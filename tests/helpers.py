@@ -111,6 +111,21 @@ def wait_for_event(run_dir: Path, condition, proc: subprocess.Popen, what: str, 
         time.sleep(0.1)
 
 
+def processes_matching(pattern: str, needle: str, env_item: str = "") -> list[int]:
+    """Pids whose command line matches `pattern` (pgrep -f) and contains `needle` (and whose environment holds
+    `env_item`); a process that ended meanwhile is skipped (other tests start and end processes too)."""
+    found = []
+    for pid in map(int, subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_text(errors="replace").replace("\0", " ")
+            environ = Path(f"/proc/{pid}/environ").read_text(errors="replace") if env_item else ""
+        except OSError:
+            continue
+        if needle in cmdline and env_item in environ:
+            found.append(pid)
+    return found
+
+
 def wait_until(condition, timeout_s: float = 5.0) -> bool:
     """Whether `condition()` became true within timeout_s (polled every 10 ms): waits on a state, not a time."""
     import time

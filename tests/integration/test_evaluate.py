@@ -78,6 +78,7 @@ def test_evaluation_reproduces_training_and_promotion_follows_the_evidence(versi
 LOAD_S, MOVE_AT_S, AFTER_S, CLIENTS = 20.0, 2.0, 3.0, 8
 
 
+@pytest.mark.alone  # (its load must run through the switch: an answer count)
 def test_a_server_follows_its_alias_under_load_without_failing_a_request(versions):
     """8 clients (OpenAI route and Paddle Serving's HTTP) for 20 s (and at least 3 s past the switch: loading the new
     workers beside busy ones takes a while on 2 cores) while `make promote` moves the alias v1 -> v2: no request

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import LAYOUTS, cli, env_for, metric_history, seeded_world, wait_for_event
+from helpers import LAYOUTS, cli, env_for, metric_history, processes_matching, seeded_world, wait_for_event
 from core import REPO_ROOT, tracking
 pytestmark = pytest.mark.slow
 RTOL = 1e-4
@@ -197,10 +197,7 @@ def test_a_killed_rank_fails_the_job(world):
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         wait_for_event(runs / "victim", lambda e: e["kind"] == "log" and e["step"] >= 2, proc, "step 2")
-        victim = next(pid for pid in map(int, subprocess.run(["pgrep", "-f", "training/rank.py"],
-                                                             capture_output=True, text=True).stdout.split())
-                      if f"PADDLE_TRAINER_ID=1\0" in Path(f"/proc/{pid}/environ").read_text(errors="replace")
-                      and str(runs / "victim") in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"))
+        victim, = processes_matching("training/rank.py", str(runs / "victim"), "PADDLE_TRAINER_ID=1\0")
         killed_at = time.time()
         os.kill(victim, signal.SIGKILL)
         _, stderr = proc.communicate(timeout=30 * timeout_s)  # (a hang: caught here)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import LAYOUTS, env_for, make_command, metric_history, seeded_world
+from helpers import LAYOUTS, env_for, make_command, metric_history, processes_matching, seeded_world
 from core import REPO_ROOT, tracking
 from core.processes import descendants, signal_pids
 
@@ -66,9 +66,7 @@ def _wait_for_checkpoint(world, name, proc, step=3):
 
 
 def _workers_of(run_dir: Path) -> list[int]:
-    found = subprocess.run(["pgrep", "-f", "training"], capture_output=True, text=True).stdout.split()
-    return [int(p) for p in found if str(run_dir) in Path(f"/proc/{p}/cmdline").read_text(errors="replace")
-            .replace("\0", " ")] if found else []
+    return processes_matching("training", str(run_dir))
 
 
 def _stop_with(world, name, proc, sig=signal.SIGTERM, target=None):

@@ -110,6 +110,7 @@ def test_overload_gets_busy_fast_and_a_short_deadline_gets_the_deadline_error(ti
     assert ask(state)[0] == 0  # and the server serves normally afterwards
 
 
+@pytest.mark.alone  # (deadlines of seconds, a worker's load time)
 def test_a_killed_worker_is_replaced_and_no_request_hangs(tight):
     """A steady trickle; SIGKILL the generation worker: the requests it held fail at once with a clear error, the
     others are never held past their deadline, readiness is false until a new worker answers, liveness stays true,

@@ -56,7 +56,8 @@ def test_an_evaluation_step_prints_one_line(tmp_path):
     assert "eval_loss 7.2500" in stream.getvalue().splitlines()[-2]
 
 
-def test_a_progress_bar_on_a_terminal(tmp_path):
+def test_a_progress_bar_on_a_terminal(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "160")  # (the bar is as wide as the terminal; a narrow one cuts the line)
     out = _show(tmp_path, tty=True)
     assert "10/1000" in out and "loss 7.0000  eval_loss 7.2500  4,096 tok/s" in out
     assert "\r" in out  # redrawn in place
