@@ -120,7 +120,7 @@ test-gpu-setup: $(STAMP)
 
 # The unit layer only (no training, no servers): under a minute.
 test-fast: $(STAMP)
-	$(PY) -m pytest tests/unit
+	$(PY) -m pytest -n $(TEST_WORKERS) tests/unit
 
 mlflow-ui: $(STAMP)
 	$(PY) -m mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow/mlflow.db --host 127.0.0.1 --port $${MLFLOW_PORT:-5000}

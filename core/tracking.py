@@ -94,6 +94,23 @@ def experiment_id(mlflow_client, name: str, uri: str) -> str:
         return experiment.experiment_id
 
 
+def log_dataset_input(mlflow_client, run_id: str, dataset_input) -> None:
+    """`log_inputs` of one dataset input. MLflow's SQL store looks a dataset up and then inserts it, not atomically:
+    two runs that start together with the same data set (a sweep's first runs) race, and the second fails with
+    "UNIQUE constraint failed: datasets..." (its message also over REST). By then the dataset exists, and trying
+    again links the run to it."""
+    from mlflow.exceptions import MlflowException
+
+    for attempt in range(3):
+        try:
+            mlflow_client.log_inputs(run_id, [dataset_input])
+            return
+        except MlflowException as exc:
+            if attempt == 2 or not any(s in str(exc) for s in ("UNIQUE constraint failed", "Duplicate entry",
+                                                               "duplicate key value")):
+                raise
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,

@@ -163,7 +163,7 @@ def record(client, uri: str, meta: dict, held_out: dict, metrics: dict, answers:
                       source=json.dumps({"uri": held_out["name"]}),
                       profile=json.dumps({"tokens": tokens, "blocks": len(held_out["blocks"]),
                                           "seq_length": held_out["seq_length"], "data_set": held_out["dataset_key"]}))
-    client.log_inputs(run_id, [DatasetInput(dataset, [InputTag("mlflow.data.context", "evaluation")])])
+    tracking.log_dataset_input(client, run_id, DatasetInput(dataset, [InputTag("mlflow.data.context", "evaluation")]))
     client.log_table(run_id, {k: [a[k] for a in answers] for k in ("prompt", "text")}, "generations.json")
     client.set_terminated(run_id, "FINISHED")
     return run_id

@@ -112,7 +112,8 @@ class TrackedRun:
                                          "validation_documents", "blend")}
         entity = Dataset(name=f"data-{spec['key'][:12]}", digest=spec["key"][:36], source_type="local",
                          source=json.dumps({"uri": spec["path"]}), profile=json.dumps(profile))
-        self.client.log_inputs(self.run_id, [DatasetInput(entity, [InputTag("mlflow.data.context", "training")])])
+        tracking.log_dataset_input(self.client, self.run_id,
+                                   DatasetInput(entity, [InputTag("mlflow.data.context", "training")]))
 
     def web_link(self) -> str:
         try:

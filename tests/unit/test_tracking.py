@@ -107,3 +107,36 @@ def test_a_local_store_keeps_its_artifacts_beside_its_database(tmp_path):
     """Tests and users with their own store never write into the repository's mlflow/artifacts."""
     assert tracking.local_artifact_root(f"sqlite:///{tmp_path / 'm.db'}") == tmp_path.resolve() / "artifacts"
     assert tracking.local_artifact_root(f"sqlite:///{tracking.LOCAL_STORE}") == tracking.LOCAL_ARTIFACTS
+
+
+def test_a_dataset_insert_lost_to_a_run_started_at_the_same_moment_is_linked_on_the_next_try(tmp_path):
+    """MLflow's SQL store races when two runs log the same new dataset at once (a sweep's first runs): the loser gets
+    "UNIQUE constraint failed". Here the loser's first call fails that way; the run still ends with the input linked
+    in a real store. Any other error is not retried."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+    from mlflow.exceptions import MlflowException
+
+    real = tracking.client(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = real.create_run(real.create_experiment("race")).info.run_id
+    dataset = DatasetInput(Dataset(name="data-abc", digest="abc", source_type="local", source="{}"),
+                           [InputTag("mlflow.data.context", "training")])
+    calls = []
+
+    class Racing:
+        def __init__(self, error):
+            self.error = error
+
+        def log_inputs(self, *args):
+            calls.append(args[0])
+            if len(calls) == 1:
+                raise MlflowException(self.error)
+            return real.log_inputs(*args)
+
+    tracking.log_dataset_input(Racing("(sqlite3.IntegrityError) UNIQUE constraint failed: datasets.experiment_id, "
+                                      "datasets.name, datasets.digest"), run_id, dataset)
+    assert calls == [run_id, run_id]
+    assert [d.dataset.digest for d in real.get_run(run_id).inputs.dataset_inputs] == ["abc"]
+    calls.clear()
+    with pytest.raises(MlflowException, match="database is locked"):
+        tracking.log_dataset_input(Racing("database is locked"), run_id, dataset)
+    assert calls == [run_id]
