@@ -179,8 +179,7 @@ def test_a_signal_that_reaches_one_rank_stops_all_ranks_at_the_same_step(world):
     proc = _train(world, "one-rank", *LAYOUTS["dp2"])
     _wait_for_checkpoint(world, "one-rank", proc)
     run_dir = world["runs"] / "one-rank"
-    rank1 = next(pid for pid in _workers_of(run_dir)
-                 if "PADDLE_TRAINER_ID=1\0" in Path(f"/proc/{pid}/environ").read_text(errors="replace"))
+    rank1 = processes_matching("training", str(run_dir), "PADDLE_TRAINER_ID=1\0")[0]
     os.kill(rank1, signal.SIGTERM)
     output, _ = proc.communicate(timeout=GRACE_S + 60)
     assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
