@@ -39,7 +39,7 @@ def in_process_trial(export_dir: Path, table: Path, batch_size: int) -> dict:
     from core.config import DEFAULT_CONFIG, load_config
     from serving.engine.exported import ExportedModel
     from serving.engine.worker import build_scheduler, generate_all
-    from serving.entrypoints.batch import read_table, request_of
+    from serving.offline.batch import read_table, request_of
     from serving.protocol import Limits
 
     s = load_config(DEFAULT_CONFIG).serving

@@ -52,7 +52,7 @@ def in_process(export_dir: Path, quick: bool):
     """One request alone through the scheduler, as a worker runs it; and 8 sequences kept running (closed loop).
     Returns the figures and the alone request (served() times it again, interleaved with the served requests)."""
     from serving.engine.scheduler import Job
-    from serving.engine.generation import GenerationSettings
+    from serving.protocol import GenerationSettings
     from serving.engine.exported import ExportedModel
     from serving.engine.worker import build_scheduler
 
@@ -87,13 +87,13 @@ def in_process(export_dir: Path, quick: bool):
 def served(export_dir: Path, out: Path, scheduler: str, clients: tuple, duration: float, quick: bool,
            alone) -> dict:
     from core.processes import free_port
-    from serving.entrypoints import server
-    from serving.entrypoints.client import GenerationClient
+    from serving import controller
+    from serving.client.client import GenerationClient
 
     ports = [f"serving.{key}={free_port()}" for key in ("http_port", "rpc_port", "api_port", "metrics_port")]
     config = load_config(DEFAULT_CONFIG, [*ports, f"serving.scheduler={scheduler}"])
     state_dir = out / f"serving-{scheduler}"
-    state = server.start(config, export_dir, state_dir)
+    state = controller.start(config, export_dir, state_dir)
     try:
         client = GenerationClient(state["http_url"], state["rpc_address"], timeout=60)
         session, body = requests.Session(), {"model": exportdir.read_meta(export_dir)["registered_model_name"],
@@ -111,8 +111,8 @@ def served(export_dir: Path, out: Path, scheduler: str, clients: tuple, duration
         streaming = [stream_ttft(state, body["model"], n, duration) for n in ((1, 4) if quick else STREAM_CLIENTS)] \
             if scheduler == "continuous" else []
     finally:
-        server.stop(state_dir)
-    from serving.entrypoints.paddle_serving_op import workers
+        controller.stop(state_dir)
+    from serving.server.sizes import workers
 
     return {"workers": workers(config.serving), "load": load, "streaming": streaming,
             **{f"{name}_p50_ms": float(np.median(values) * 1000) for name, values in times.items()}}
@@ -120,7 +120,7 @@ def served(export_dir: Path, out: Path, scheduler: str, clients: tuple, duration
 
 def load_test(url: str, clients: int, duration_s: float) -> dict:
     """`clients` closed-loop threads for `duration_s`: each sends its next request when the last is answered."""
-    from serving.entrypoints.client import GenerationClient, ServingError
+    from serving.client.client import GenerationClient, ServingError
 
     answers, errors, lock, first_error = [], [0], threading.Lock(), []
     stop_at = time.perf_counter() + duration_s

@@ -4,7 +4,7 @@
     programs     its static programs: the full-sequence graph, prefill and decode (model/llama.py's cached step)
     gates        parity of every program with the dynamic model (logits, greedy tokens), of a fused checkpoint
                  with its unfused form, and of the MLflow model with the graph
-    mlflow_model the export directory as an MLflow `python_function` model (serving/entrypoints/pyfunc.py loads it)
+    mlflow_model the export directory as an MLflow `python_function` model (serving/offline/pyfunc.py loads it)
 
 Selecting the checkpoint, publishing and registering are the verb's (pipeline/export.py). Export checks what it
 writes with serving's own runtime, so this package sits above serving and training.

@@ -44,7 +44,7 @@ def fused_weights_gate(model, checkpoint: Path, config: Config) -> float | None:
 
 
 def mlflow_model_gate(staging: Path, references: dict[str, list[int]]) -> None:
-    """The export directory is also an MLflow `python_function` model (serving/entrypoints/pyfunc.py); loaded as MLflow loads
+    """The export directory is also an MLflow `python_function` model (serving/offline/pyfunc.py); loaded as MLflow loads
     it, it must generate the references token for token."""
     mlflow_model.write(staging, mlflow_model.pinned_requirements(REPO_ROOT), exportdir.REFERENCE_PROMPTS[0])
     differ = mlflow_model.check(staging, references)
@@ -77,7 +77,7 @@ def tokens_gate(dynamic_forward, predictor, staging: Path, config: Config) -> di
     of mixed lengths) must produce the dynamic model's tokens exactly, for the reference prompts and longer ones up
     to the serving prompt limit. The reference prompts' tokens are stored (reference.json) so that smoke can check a
     running server without the checkpoint."""
-    from serving.engine.generation import GenerationSettings
+    from serving.protocol import GenerationSettings
     from serving.engine.exported import ExportedModel
 
     exported = ExportedModel(staging)

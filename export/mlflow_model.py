@@ -1,5 +1,5 @@
 """The export directory as an MLflow `python_function` model, in place: MLflow's metadata next to the programs
-(serving/entrypoints/pyfunc.py is the model class MLflow loads), and `check`, which loads it as MLflow does."""
+(serving/offline/pyfunc.py is the model class MLflow loads), and `check`, which loads it as MLflow does."""
 from __future__ import annotations
 
 import shutil
@@ -9,7 +9,7 @@ from pathlib import Path
 import serving  # noqa: F401,I001  (first: zlib before paddle; the paddle_serving_client stand-in)
 import mlflow.pyfunc
 
-from serving.entrypoints.pyfunc import EXPORT_ARTIFACT, GenerationModel, signature
+from serving.offline.pyfunc import EXPORT_ARTIFACT, GenerationModel, signature
 
 
 def write(export_dir: Path, pip_requirements: list[str], input_prompt: str) -> None:

@@ -1,16 +1,15 @@
 """`python -m pipeline <verb> [options] [section.key=value ...]` -- the one CLI the Makefile calls.
 
-Each verb is one function in one module of pipeline/: data (data.py), train (train.py), export (export.py), serve / stop / smoke
-(serve.py), compare (compare.py), sweep (sweep.py), runs (runs.py), plan (plan.py), doctor (doctor.py), evaluate
-(evaluate.py), promote (promote.py), mlflow-server / mlflow-stop
-(mlflow_server.py). Each is handed the config, loaded once (`verb_config`), and the parsed arguments.
+Each verb is one module of pipeline/ named after it (`VERBS`: data, train, export, serve, stop, smoke, reload, compare,
+sweep, runs, plan, doctor, evaluate, promote, generate, mlflow-server, mlflow-stop), whose `main(config, args)` is
+handed the config, loaded once (`verb_config`), and the parsed arguments. What the verbs share to run training,
+servers and MLflow runs is in pipeline/runner/.
 The benchmark suite has its own entry point: `python -m bench` (bench/).
 """
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import core  # noqa: F401  (zlib before paddle)
 from core.config import DEFAULT_CONFIG, Config, ConfigError, load_config
@@ -19,7 +18,7 @@ from core.config import DEFAULT_CONFIG, Config, ConfigError, load_config
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        return VERBS[args.verb](verb_config(args), args) or 0
+        return run_verb(args.verb, verb_config(args), args) or 0
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -138,101 +137,18 @@ def add_generate_verb(sub, config_help: str) -> None:
     generate.add_argument("overrides", nargs="*")
 
 
-def _data(config: Config, args) -> int:
-    from pipeline import data
-
-    return data.run(config)
-
-
-def _train(config: Config, args) -> int:
-    from pipeline import supervise, train
-
-    supervise.stop_signal_handler()  # (until the ranks start, SIGTERM removes what was half-made)
-    return train.run(config, resume=args.resume, dry_run=args.dry_run)
+# verb -> its module in pipeline/ (each has `main(config, args) -> int`); the run machinery the verbs share is in
+# pipeline/runner/, never a verb
+VERBS = {verb: verb.replace("-", "_") for verb in (
+    "data", "train", "export", "serve", "stop", "smoke", "reload", "compare", "sweep", "runs", "plan", "doctor",
+    "evaluate", "promote", "generate", "mlflow-server", "mlflow-stop")}
 
 
-def _export(config: Config, args) -> int:
-    from pipeline import export
+def run_verb(verb: str, config: Config, args) -> int:
+    import importlib
 
-    export.run(config, args.experiment, args.metric, args.run_id, args.overrides)
-    return 0
+    return importlib.import_module(f"pipeline.{VERBS[verb]}").main(config, args)
 
-
-def _serve_verb(name: str):
-    def verb(config: Config, args) -> int:
-        from pipeline import serve
-
-        if name == "serve":
-            return serve.serve(config, args.model, args.foreground)
-        return getattr(serve, name)(config)
-
-    return verb
-
-
-def _compare(config: Config, args) -> int:
-    from pipeline import compare
-
-    return compare.run(args.experiment or config.tracking.experiment, args.metric, args.filter,
-                       Path(args.out) if args.out else None)
-
-
-def _runs(config: Config, args) -> int:
-    from core import tracking
-    from pipeline import runs
-
-    return runs.main(args.experiment or config.tracking.experiment, config.tracking.stale_after_s,
-                     tracking.tracking_uri(config), args.reap)
-
-
-def _sweep(config: Config, args) -> int:
-    from pipeline import sweep
-
-    return sweep.run(config, args.config or str(DEFAULT_CONFIG), args.overrides, args.id, args.parallel)
-
-
-def _plan(config: Config, args) -> int:
-    from pipeline import plan
-
-    return plan.run(config, args.top, args.csv, args.write)
-
-
-def _evaluate(config: Config, args) -> int:
-    from pipeline import evaluate
-
-    evaluate.run(config, args.model, args.data)
-    return 0
-
-
-def _promote(config: Config, args) -> int:
-    from pipeline import promote
-
-    return promote.run(config, args.model, args.alias, args.metric, args.force)
-
-
-def _generate(config: Config, args) -> int:
-    from pipeline import generate
-
-    generate.run(config, args.model, args.input, args.output, args.engine, args.workers, args.ray_address)
-    return 0
-
-
-def _doctor(config: Config, args) -> int:
-    from pipeline import doctor
-
-    return doctor.run(config)
-
-
-def _mlflow_server(config: Config, args) -> int:
-    from pipeline import mlflow_server
-
-    return mlflow_server.main(args.verb)
-
-
-VERBS = {"data": _data, "train": _train, "export": _export, "serve": _serve_verb("serve"), "stop": _serve_verb("stop"),
-         "smoke": _serve_verb("smoke"), "reload": _serve_verb("reload"), "compare": _compare, "sweep": _sweep,
-         "runs": _runs, "plan": _plan, "doctor": _doctor, "evaluate": _evaluate, "promote": _promote,
-         "generate": _generate,
-         "mlflow-server": _mlflow_server, "mlflow-stop": _mlflow_server}
 
 if __name__ == "__main__":
     sys.exit(main())

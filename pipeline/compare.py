@@ -8,8 +8,8 @@ import csv
 from pathlib import Path
 
 from core import REPO_ROOT, tracking
-from core.config import ConfigError
-from pipeline.loss_plot import history as _history, plot_curves
+from core.config import Config, ConfigError
+from pipeline.runner.loss_plot import history as _history, plot_curves
 
 COLUMNS = ["run", "run_id", "status", "layout", "dp", "tp", "pp", "sharding", "hidden", "layers", "lr", "batch",
            "steps", "final_loss", "best_eval_loss", "best_perplexity", "tokens_per_s", "wall_s", "model_version"]
@@ -90,3 +90,8 @@ def run(experiment: str, metric: str, filter_string: str, out_dir: Path | None =
     print(f"\n{len(rows)} runs of {experiment!r} sorted by best {metric}; written: {out_dir / 'runs.md'}, "
           f"{out_dir / 'runs.csv'}, {out_dir / 'loss_curves.png'}")
     return 0
+
+
+def main(config: Config, args) -> int:
+    return run(args.experiment or config.tracking.experiment, args.metric, args.filter,
+               Path(args.out) if args.out else None)

@@ -25,3 +25,7 @@ def run(config: Config) -> int:
           + ", ".join(f"{c['name']} x{c['weight']:g} ({len(c['files'])} file(s))" for c in m["corpora"]),
           flush=True)
     return 0
+
+
+def main(config: Config, args) -> int:
+    return run(config)

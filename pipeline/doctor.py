@@ -148,3 +148,7 @@ def run(config: Config) -> int:
     problems = [c for c in found if not c.ok]
     print(f"{len(problems)} problem(s)" if problems else "ready", flush=True)
     return 1 if problems else 0
+
+
+def main(config: Config, args) -> int:
+    return run(config)

@@ -115,7 +115,7 @@ def token_loss(export_dir: Path, blocks: np.ndarray) -> tuple[float, int]:
 
 
 def generate_prompts(export_dir: Path) -> list[dict]:
-    from serving.engine.generation import GenerationSettings
+    from serving.protocol import GenerationSettings
     from serving.engine.exported import ExportedModel
 
     model = ExportedModel(export_dir)
@@ -177,3 +177,8 @@ def tag_version(client, meta: dict, digest: str, metrics: dict, run_id: str) -> 
         client.set_model_version_tag(name, version, f"eval.{key}", value)
     client.set_model_version_tag(name, version, "eval.dataset", digest)
     client.set_model_version_tag(name, version, "eval.run_id", run_id)
+
+
+def main(config: Config, args) -> int:
+    run(config, args.model, args.data)
+    return 0

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import core  # noqa: F401  (zlib before paddle)
 from core import REPO_ROOT, exportdir, tracking
-from core.config import DEFAULT_CONFIG, Config, ConfigError, load_config
+from core.config import Config, load_config
 from export import ExportError
 from training.checkpoints import COMPLETE_MARKER
 
@@ -290,3 +290,8 @@ def _delete_artifacts(client, run_id: str, path: str) -> None:
     from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
     _quietly(lambda: get_artifact_repository(client.get_run(run_id).info.artifact_uri).delete_artifacts(path))
+
+
+def main(config: Config, args) -> int:
+    run(config, args.experiment, args.metric, args.run_id, args.overrides)
+    return 0

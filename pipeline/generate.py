@@ -1,5 +1,5 @@
 """`make generate MODEL=... INPUT=prompts.jsonl|.parquet OUTPUT=generations.jsonl|.parquet [ENGINE=local|ray]`:
-batch generation over a table with the serving engine (serving/entrypoints/batch.py), resumable after a kill.
+batch generation over a table with the serving engine (serving/offline/batch.py), resumable after a kill.
 
 MODEL is what `make serve` takes (an export directory, models:/<name>/<version>, @<alias> or /latest). Per-row
 settings and limits are the serving protocol's, with `serving.max_new_tokens_limit` and
@@ -17,13 +17,13 @@ from pathlib import Path
 
 from core import registry
 from core.config import Config, ConfigError
-from pipeline.console import duration
+from pipeline.runner.console import duration
 
 
 def run(config: Config, model: str, input_path: str, output_path: str, engine: str = "local", workers: int = 0,
         ray_address: str = "") -> dict:
     from serving.engine.placement import worker_count
-    from serving.entrypoints import batch
+    from serving.offline import batch
     from serving.protocol import Limits
 
     if not input_path or not output_path:
@@ -91,3 +91,8 @@ class Progress:
         elapsed = max(time.monotonic() - self.began, 1e-9)
         return {"rows": self.done, "tokens": self.tokens, "seconds": round(elapsed, 3),
                 "tokens_per_s": round(self.tokens / elapsed, 1)}
+
+
+def main(config: Config, args) -> int:
+    run(config, args.model, args.input, args.output, args.engine, args.workers, args.ray_address)
+    return 0

@@ -1,72 +1,14 @@
-"""`make mlflow-server` / `make mlflow-stop`: a real MLflow tracking server over the local store, on loopback.
-
-Settings come from mlflow/server.env. The server runs in its own process group (its gunicorn/uvicorn workers are
-children), so stopping signals the whole group.
-"""
+"""`make mlflow-server`: a real MLflow tracking server on 127.0.0.1 with the settings of mlflow/server.env
+(pipeline/runner/tracking_server.py)."""
 from __future__ import annotations
 
-import json
-import os
-import signal
-import sys
-from pathlib import Path
-
 from core import REPO_ROOT
-from core.config import ConfigError
-from core.processes import group_alive, log_tail, port_in_use, start_group, stop_group, wait_ready
-
-SETTINGS = REPO_ROOT / "mlflow" / "server.env"
-STATE_DIR = REPO_ROOT / "mlflow" / "server"
+from core.config import Config
+from pipeline.runner.tracking_server import STATE_DIR, settings, start
 
 
-def settings() -> dict[str, str]:
-    values = {}
-    for line in SETTINGS.read_text().splitlines():
-        if line.strip() and not line.lstrip().startswith("#"):
-            key, _, value = line.partition("=")
-            values[key.strip()] = value.strip()
-    return values
-
-
-def start(host: str, port: int, backend_store: Path, artifacts: Path, state_dir: Path, workers: int = 1,
-          timeout_s: float = 90) -> dict:
-    import requests
-
-    state_file = state_dir / "server.json"
-    if state_file.exists() and group_alive(json.loads(state_file.read_text())["pid"]):
-        raise ConfigError(f"an MLflow server is already running ({state_file}); `make mlflow-stop` first")
-    if port_in_use(port):
-        raise ConfigError(f"port {port} is in use; change PORT in mlflow/server.env")
-    for directory in (state_dir, backend_store.parent, artifacts):
-        directory.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")  # no extra job-runner processes
-    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{backend_store}",
-           "--artifacts-destination", str(artifacts), "--host", host, "--port", str(port), "--workers", str(workers)]
-    proc = start_group(cmd, state_dir / "server.log", state_dir, env)
-    url = f"http://{host}:{port}"
-    state = {"pid": proc.pid, "url": url}
-    state_file.write_text(json.dumps(state))
-    if wait_ready(proc, lambda: requests.get(url + "/health", timeout=2).ok, timeout_s) != "ready":
-        stop(state_dir)
-        raise ConfigError("the MLflow server did not become healthy; last log lines:\n"
-                          + log_tail(state_dir / "server.log", 20))
-    return state
-
-
-def stop(state_dir: Path) -> bool:
-    state_file = state_dir / "server.json"
-    if not state_file.exists():
-        return False
-    stop_group(json.loads(state_file.read_text())["pid"], ((signal.SIGTERM, 15.0), (signal.SIGKILL, 10.0)))
-    state_file.unlink(missing_ok=True)
-    return True
-
-
-def main(verb: str) -> int:
+def main(config: Config, args) -> int:
     s = settings()
-    if verb == "mlflow-stop":
-        print("stopped" if stop(STATE_DIR) else "no MLflow server was running")
-        return 0
     state = start(s["HOST"], int(s["PORT"]), REPO_ROOT / s["BACKEND_STORE"], REPO_ROOT / s["ARTIFACTS_DESTINATION"],
                   STATE_DIR, int(s.get("WORKERS", "1")))
     print(f"MLflow tracking server: {state['url']} (pid {state['pid']}); use it with\n"

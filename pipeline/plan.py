@@ -207,3 +207,7 @@ def _write_csv(rows: list[dict], csv_path: str) -> None:
         writer.writeheader()
         writer.writerows(rows)
     print(f"all {len(rows)} layouts: {csv_path}")
+
+
+def main(config: Config, args) -> int:
+    return run(config, args.top, args.csv, args.write)

@@ -97,3 +97,7 @@ def _holder(client, name: str, alias: str):
         return client.get_model_version_by_alias(name, alias)
     except MlflowException:
         return None
+
+
+def main(config: Config, args) -> int:
+    return run(config, args.model, args.alias, args.metric, args.force)

@@ -162,3 +162,8 @@ def _report(uri: str, experiment: str, sweep_id: str, home: Path, failed: list[s
         return 1
     return 0
 
+
+def main(config: Config, args) -> int:
+    from core.config import DEFAULT_CONFIG
+
+    return run(config, args.config or str(DEFAULT_CONFIG), args.overrides, args.id, args.parallel)

@@ -21,7 +21,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from serving.engine.generation import GenerationSettings
+from core.config import ServingConfig
+
+DEFAULTS = ServingConfig()  # (each default is written once, in core/config.py)
 
 # kind: (err_no of Paddle Serving's answers, HTTP status of the OpenAI routes)
 KINDS = {"bad_request": (8001, 400), "internal": (8002, 500), "busy": (8003, 429), "deadline": (8004, 504),
@@ -30,6 +32,18 @@ KINDS = {"bad_request": (8001, 400), "internal": (8002, 500), "busy": (8003, 429
 FIELDS = ("prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "n", "logprobs", "echo",
           "timeout_s")
 MAX_STOP, MAX_STOP_CHARS, MAX_N, MAX_LOGPROBS = 4, 32, 8, 5
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """One sequence's generation settings, as the engine (serving/engine/generation.py) samples with them."""
+    max_new_tokens: int = DEFAULTS.default_max_new_tokens
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = no limit
+    seed: int = 0
+    top_p: float = 1.0  # 1 = no limit: sample among the most likely tokens holding this much probability
+    stop: tuple = ()  # strings that end generation (checked on the decoded text by the worker)
+    logprobs: int = -1  # -1 = off; k >= 0: each chosen token's log-probability and k alternatives
 
 
 class RequestError(ValueError):
@@ -43,11 +57,11 @@ class RequestError(ValueError):
 
 @dataclass(frozen=True)
 class Limits:
-    max_prompt_chars: int = 128
-    max_new_tokens_limit: int = 64
-    default_max_new_tokens: int = 16
-    max_request_bytes: int = 16384
-    request_timeout_s: float = 30.0
+    max_prompt_chars: int = DEFAULTS.max_prompt_chars
+    max_new_tokens_limit: int = DEFAULTS.max_new_tokens_limit
+    default_max_new_tokens: int = DEFAULTS.default_max_new_tokens
+    max_request_bytes: int = DEFAULTS.max_request_bytes
+    request_timeout_s: float = DEFAULTS.request_timeout_s
 
     @classmethod
     def from_config(cls, serving_config) -> "Limits":
@@ -62,7 +76,7 @@ class Request:
     settings: GenerationSettings
     n: int = 1
     echo: bool = False
-    timeout_s: float = 30.0
+    timeout_s: float = DEFAULTS.request_timeout_s
     stream: bool = False
     extra: dict = field(default_factory=dict)  # (route-specific, e.g. the OpenAI model name)
 

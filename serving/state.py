@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 from core import REPO_ROOT
+from core.files import atomic_write
+
 STATE_FILE = "server.json"
 
 
@@ -19,7 +21,7 @@ def read_state(state_dir: Path) -> dict | None:
 
 
 def write_state(state_dir: Path, state: dict) -> None:
-    (state_dir / STATE_FILE).write_text(json.dumps(state, indent=2))
+    atomic_write(state_dir / STATE_FILE, json.dumps(state, indent=2))  # (`make stop` reads it: never half of it)
 
 
 def clear_state(state_dir: Path) -> None:

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import core
+import core  # noqa: F401  (zlib before paddle)
 from core import REPO_ROOT
 from core.processes import free_port  # noqa: F401  (re-exported for the tests)
 from core.tracking import metric_history  # noqa: F401  (re-exported for the tests)

@@ -21,6 +21,7 @@ import queue
 import sys
 import threading
 import time
+from core.files import fsync_path
 
 SUPPORTED_PADDLENLP = "2.8.1"
 # Fault injection for tests: seconds the writer waits before each file (a save still running when a job is killed).
@@ -71,20 +72,12 @@ def writer() -> Writer:
     return _writer
 
 
-def fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write(save_file, state_dict: dict, path: str) -> None:
     delay = float(os.environ.get(DELAY_ENV, "0") or 0)
     if delay:
         time.sleep(delay)
     save_file(state_dict, path, metadata={"format": "np"})
-    fsync_file(path)
+    fsync_path(path)
 
 
 def apply() -> None:

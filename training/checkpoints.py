@@ -9,10 +9,10 @@ older checkpoints as new ones complete, never the newest ones nor the best by `e
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from pathlib import Path
+from core.files import atomic_write, fsync_path
 
 COMPLETE_MARKER = "checkpoint_complete.json"
 # Written in the run directory by rank 0 when a signal stopped training early (step, signal).
@@ -28,8 +28,8 @@ def checkpoints_dir(run_dir: Path | str) -> Path:
 
 
 def mark_complete(checkpoint: Path, info: dict) -> None:
-    _atomic_write(checkpoint / COMPLETE_MARKER, json.dumps(info, indent=2))
-    _atomic_write(checkpoint.parent / LATEST_FILE, checkpoint.name + "\n")
+    atomic_write(checkpoint / COMPLETE_MARKER, json.dumps(info, indent=2))
+    atomic_write(checkpoint.parent / LATEST_FILE, checkpoint.name + "\n")
 
 
 def step_of(checkpoint: Path) -> int | None:
@@ -77,13 +77,9 @@ def make_durable(checkpoint: Path) -> None:
         return
     for path in [*sorted(p for p in checkpoint.rglob("*") if p.is_file()), checkpoint, checkpoint.parent]:
         try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:  # removed meanwhile (another rank's temporary file)
+            fsync_path(path)
+        except FileNotFoundError:  # removed meanwhile (another rank's temporary file)
             continue
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def complete_checkpoints(run_dir: Path | str) -> list[tuple[int, Path]]:
@@ -122,10 +118,3 @@ def checkpoint_info(checkpoint: Path) -> dict:
     return json.loads((checkpoint / COMPLETE_MARKER).read_text())
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)

@@ -8,7 +8,7 @@ compute, and forward hooks on the decoder layers split a stage's forward into de
 On GPU every stamp synchronises the device, so the numbers are compute times there too.
 
 `write()` leaves `pipeline/rank<r>.json` in the run directory; the launcher turns them into the timeline, the MLflow
-metrics and the advice (pipeline/stage_report.py). Paddle's own order for this stage comes from the engine's
+metrics and the advice (pipeline/runner/stage_report.py). Paddle's own order for this stage comes from the engine's
 `get_static_scheduler()` (it prints the schedule without running it).
 """
 from __future__ import annotations

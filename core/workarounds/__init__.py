@@ -51,6 +51,13 @@ OVERRIDES = (
     Override("training/rank.py", ("Trainer._save_checkpoint", "Trainer._wrap_model"), "no hook when a save starts "
              "(checkpoint stall) or on the pipeline engine the Trainer wraps the model in (stage timing)",
              "PaddleNLP 2.8.1"),
+    Override("training/semi_auto.py", ("Trainer._wrap_model", "Trainer._get_train_sampler",
+                                       "Trainer._get_eval_sampler", "Trainer._save_checkpoint", "Trainer._save",
+                                       "Trainer._nested_gather"),
+             "PaddleNLP's AutoTrainer calls ProcessMesh.get_rank_by_dim_and_process_id, which Paddle 2.6.2 lacks, "
+             "so the plain Trainer drives semi-automatic models: no fleet wrapping, the same batch on every rank, "
+             "full-tensor saves, gathered eval outputs (a mixin joined to Trainer with type())",
+             "PaddleNLP 2.8.1, paddlepaddle 2.6.2"),
     Override("training/stage_timing.py", ("_forward_step", "_backward_step"), "the fleet pipeline engine has no "
              "per-micro-batch timing; its methods are wrapped on the one instance", "paddlepaddle 2.6.2 fleet"),
     Override("training/async_checkpoint.py", ("file_save_async_or_sync",), "PaddleNLP's async_save spawns a "

@@ -3,7 +3,7 @@
 - paddle_serving_server 0.9.0 imports `paddle_serving_client` at load time, which has no Python 3.11 build: the
   stand-in in core/workarounds/serving_compat/ is put on sys.path when the real package is absent;
 - importing paddle_serving_server.pipeline (the gRPC client too) creates PipelineServingLogs/ in the current
-  directory unless SERVING_LOG_PATH says where: clients log under the temp directory, the server (serving/entrypoints/server.py)
+  directory unless SERVING_LOG_PATH says where: clients log under the temp directory, the server (serving/controller.py)
   into its state directory;
 - per request, the server process paid for two things it does not need (found with py-spy on a one-client loop of
   1-token requests; the figures: docs/platform-notes.md):
@@ -16,7 +16,7 @@
   * `pipeline/logger.py` sets the root logger to DEBUG, so each request built ~30 debug records that no handler
     keeps, and wrote 5 INFO lines to PipelineServingLogs/pipeline.log (~170 bytes a request: up to 20 x 512 MB of
     rotated files on a busy server). `quiet_pipeline_log()` sets Paddle Serving's own loggers to WARNING: its
-    warnings and errors still reach pipeline.log and pipeline.log.wf; requests are counted by serving/entrypoints/metrics.py.
+    warnings and errors still reach pipeline.log and pipeline.log.wf; requests are counted by serving/server/metrics.py.
   `PIPELINE_SERVING_FIXES=off` leaves both as shipped (benchmarks: before/after in one run).
 """
 import importlib.util

@@ -8,5 +8,6 @@
     generation  sampling and the per-request settings
     placement   where workers run: CPU cores or GPUs
 
-Nothing here imports serving/entrypoints/ (tests/unit/test_layers.py).
+The engine imports only serving/protocol.py of serving/, never the processes above it (server/, client/,
+offline/, controller: tests/unit/test_layers.py).
 """

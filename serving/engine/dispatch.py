@@ -36,8 +36,9 @@ from pathlib import Path
 from core import REPO_ROOT
 from serving.engine.runtime import Placement
 from core.processes import child_dies_with_parent
+from core.files import atomic_write
 from serving.engine.exported import lineage
-from serving.engine.generation import GenerationSettings
+from serving.protocol import GenerationSettings
 from serving.state import WORKER_FILE
 
 from serving.protocol import KINDS, RequestError
@@ -307,17 +308,15 @@ class Dispatcher:
         return True
 
     def _write_worker_file(self) -> None:
-        """worker.json, written whole (tmp + rename) under the lock: workers become ready at the same moment."""
+        """worker.json, written whole (core/files.py) under the lock: workers become ready at the same moment."""
         if not self.state_dir:
             return
         with self.lock:
             info = {"workers": [dict(w.info, index=w.index, model_dir=str(w.model_dir), **w.lineage)
                                 for w in self.workers if w.ready.is_set()],
                     "restarts": len(self.deaths), "model_dir": str(self.model_dir)}
-            tmp = self.state_dir / f".{WORKER_FILE}.tmp"
             try:
-                tmp.write_text(json.dumps(info))
-                os.replace(tmp, self.state_dir / WORKER_FILE)
+                atomic_write(self.state_dir / WORKER_FILE, json.dumps(info))
             except OSError as exc:  # (a full disk must not cost a worker)
                 self.log(f"could not write {self.state_dir / WORKER_FILE}: {exc}")
 

@@ -8,7 +8,8 @@ import serving  # noqa: F401  (zlib first)
 from core import exportdir
 from serving.engine import runtime
 from core.tokenizer import decode, load_tokenizer
-from serving.engine.generation import GenerationSettings, generate, generate_batch
+from serving.protocol import GenerationSettings
+from serving.engine.generation import generate, generate_batch
 from serving.protocol import RequestError, bad  # noqa: F401  (RequestError: what encode raises)
 
 

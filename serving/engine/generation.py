@@ -11,21 +11,11 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
-
-@dataclass(frozen=True)
-class GenerationSettings:
-    max_new_tokens: int = 16
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = no limit
-    seed: int = 0
-    top_p: float = 1.0  # 1 = no limit: sample among the most likely tokens holding this much probability
-    stop: tuple = ()  # strings that end generation (checked on the decoded text by the worker)
-    logprobs: int = -1  # -1 = off; k >= 0: each chosen token's log-probability and k alternatives
+from serving.protocol import GenerationSettings
 
 
 def choose(logits_row: np.ndarray, settings: GenerationSettings, rng, banned_ids: list[int],

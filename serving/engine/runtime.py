@@ -11,15 +11,16 @@ import numpy as np
 import serving  # noqa: F401  (zlib before paddle)
 from core.exportdir import (DECODE_PREFIX, FEED_NAME, KEY_MASK_NAME, MODEL_PREFIX, PAST_KINDS, POSITIONS_NAME,
                             PREFILL_PREFIX, past_input)
+from serving.protocol import DEFAULTS
 
 
 @dataclass(frozen=True)
 class Placement:
     """Where a predictor runs: the CPU, or one GPU with its memory pool and precision (serving/engine/placement.py)."""
-    device: str = "cpu"
+    device: str = DEFAULTS.device
     device_id: int = 0
-    memory_mb: int = 1024
-    precision: str = "float32"
+    memory_mb: int = DEFAULTS.gpu_memory_mb
+    precision: str = DEFAULTS.precision
 
     def describe(self) -> str:
         return "cpu" if self.device == "cpu" else f"gpu:{self.device_id} {self.precision}"

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from serving.engine.generation import GenerationSettings, budget, choose_rows, token_logprobs
+from serving.protocol import GenerationSettings
+from serving.engine.generation import budget, choose_rows, token_logprobs
 
 
 @dataclass

@@ -19,7 +19,7 @@ import serving  # noqa: F401  (zlib first)
 from core import exportdir
 from serving.engine import runtime
 from serving.engine.scheduler import Job, Scheduler
-from serving.engine.generation import GenerationSettings
+from serving.protocol import GenerationSettings
 from serving.engine.exported import ExportedModel
 from serving.protocol import RequestError
 

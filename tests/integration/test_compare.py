@@ -2,13 +2,12 @@
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
 from helpers import cli, env_for, free_port, metric_history, wait_for_event
 from core import REPO_ROOT, tracking
-from pipeline import mlflow_server
+from pipeline.runner import tracking_server
 from core.processes import group_alive, port_in_use
 
 pytestmark = pytest.mark.slow
@@ -18,10 +17,10 @@ pytestmark = pytest.mark.slow
 def server(tmp_path):
     port = free_port()
     state_dir = tmp_path / "server"
-    state = mlflow_server.start("127.0.0.1", port, tmp_path / "store" / "mlflow.db", tmp_path / "artifacts",
+    state = tracking_server.start("127.0.0.1", port, tmp_path / "store" / "mlflow.db", tmp_path / "artifacts",
                                 state_dir)
     yield {**state, "port": port, "state_dir": state_dir, "tmp": tmp_path}
-    mlflow_server.stop(state_dir)
+    tracking_server.stop(state_dir)
     assert not group_alive(state["pid"]) and not port_in_use(port), "tracking server left behind"
 
 
@@ -77,10 +76,10 @@ def test_tracking_outage_mid_run_loses_no_metrics(server, tiny_config, tmp_path)
                             stderr=subprocess.PIPE, text=True)
     run_dir = runs / "outage"
     wait_for_event(run_dir, lambda e: e["kind"] == "log" and e["step"] >= 5, proc, "step 5")
-    mlflow_server.stop(server["state_dir"])  # the server goes away mid-run ...
+    tracking_server.stop(server["state_dir"])  # the server goes away mid-run ...
     wait_for_event(run_dir, lambda e: e["kind"] == "note" and "logging failed" in e["text"], proc,
                    "the logging failure noticed by rank 0")
-    mlflow_server.start("127.0.0.1", server["port"], server["tmp"] / "store" / "mlflow.db",
+    tracking_server.start("127.0.0.1", server["port"], server["tmp"] / "store" / "mlflow.db",
                         server["tmp"] / "artifacts", server["state_dir"])  # ... and comes back
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-3000:]

@@ -8,7 +8,7 @@ import pytest
 import requests
 
 from helpers import cli, free_port
-from pipeline import mlflow_server
+from pipeline.runner import tracking_server
 from core import tracking
 from core.config import ConfigError
 from core.processes import group_alive, port_in_use
@@ -24,12 +24,12 @@ def remote(tmp_path_factory):
     port = free_port()
     state_dir = root / "server"
     store, artifacts = root / "store" / "mlflow.db", root / "server-artifacts"
-    state = mlflow_server.start("127.0.0.1", port, store, artifacts, state_dir)
+    state = tracking_server.start("127.0.0.1", port, store, artifacts, state_dir)
     config = root / "tiny.yaml"
     config.write_text(TINY_CONFIG)
     yield {"root": root, "url": state["url"], "port": port, "state_dir": state_dir, "store": store,
            "artifacts": artifacts, "config": config}
-    mlflow_server.stop(state_dir)
+    tracking_server.stop(state_dir)
     assert not group_alive(state["pid"]) and not port_in_use(port), "tracking server left behind"
 
 
@@ -99,12 +99,12 @@ def test_registration_failure_publishes_nothing(remote):
     code = (
         "import sys, pipeline\n"
         "from core.config import load_config\n"
-        "from pipeline import mlflow_server\n"
+        "from pipeline.runner import tracking_server\n"
         "from pathlib import Path\n"
         "from pipeline import export\n"
         "real = export.register\n"
         "def stop_then_register(*a, **k):\n"
-        "    mlflow_server.stop(Path(sys.argv[2]))  # the server goes away after the artifacts were logged\n"
+        "    tracking_server.stop(Path(sys.argv[2]))  # the server goes away after the artifacts were logged\n"
         "    return real(*a, **k)\n"
         "export.register = stop_then_register\n"
         "try:\n"
@@ -123,7 +123,7 @@ def test_registration_failure_publishes_nothing(remote):
     assert "nothing was published" in proc.stdout
     assert not (export_root / "exports" / "remote-model").exists() or \
         not any(p.name.isdigit() for p in (export_root / "exports" / "remote-model").iterdir())
-    mlflow_server.start("127.0.0.1", remote["port"], remote["store"], remote["artifacts"], remote["state_dir"])
+    tracking_server.start("127.0.0.1", remote["port"], remote["store"], remote["artifacts"], remote["state_dir"])
     assert len(client.search_model_versions("name='remote-model'")) == before
     retry = cli(["export", "--run-id", run_id, override], remote["url"])
     assert retry.returncode == 0, retry.stderr[-3000:]

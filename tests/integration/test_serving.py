@@ -8,7 +8,7 @@ import sys
 import pytest
 import requests
 
-from helpers import cli, env_for, free_port, serving_ports as ports
+from helpers import cli, env_for, serving_ports as ports
 from core import REPO_ROOT, tracking
 
 pytestmark = pytest.mark.slow
@@ -42,7 +42,7 @@ def test_serving_files_stay_in_the_state_directory(server):
 
 
 def test_smoke_checks_pass(server):
-    from serving.entrypoints.smoke import run_smoke
+    from serving.client.smoke import run_smoke
 
     lines = []
     assert run_smoke(server["state"], tracking.client(server["uri"]), log=lines.append) == []
@@ -55,7 +55,7 @@ def test_smoke_fails_when_the_served_tokens_differ_from_the_recorded_ones(server
     import shutil
 
     from core import exportdir
-    from serving.entrypoints.smoke import run_smoke
+    from serving.client.smoke import run_smoke
 
     altered = tmp_path / "export"
     shutil.copytree(server["state"]["model_dir"], altered)
@@ -86,7 +86,7 @@ def test_curl_shaped_request_returns_text_and_lineage(server):
 
 
 def test_sampling_is_reproducible_by_seed(server):
-    from serving.entrypoints.client import GenerationClient
+    from serving.client.client import GenerationClient
 
     client = GenerationClient(server["state"]["http_url"], server["state"]["rpc_address"])
     a = client.generate("这本书", max_new_tokens=6, temperature=1.0, top_k=20, seed=7)
@@ -116,7 +116,7 @@ def test_sampling_is_reproducible_by_seed(server):
     ({"prompt": "你好", "seed": "x" * 500}, "the limit is 400"),
 ])
 def test_bad_requests_get_an_error_and_the_server_stays_up(server, fields, message):
-    from serving.entrypoints.client import GenerationClient
+    from serving.client.client import GenerationClient
 
     client = GenerationClient(server["state"]["http_url"], server["state"]["rpc_address"])
     answer = client.raw_http(fields)
@@ -130,7 +130,7 @@ def test_requests_joining_mid_generation_answer_as_alone(server):
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    from serving.entrypoints.client import GenerationClient
+    from serving.client.client import GenerationClient
 
     assert server["state"]["scheduler"] == "continuous"
     mixed = [("人工智能", {"max_new_tokens": 64}), ("这本书很好看，我很喜欢", {"max_new_tokens": 1}),
@@ -160,7 +160,7 @@ def test_the_openai_client_works_unchanged(server):
     usage counts, the models list, and OpenAI-shaped errors that the client raises as its own exceptions."""
     import openai
 
-    from serving.entrypoints.client import GenerationClient
+    from serving.client.client import GenerationClient
 
     client = openai.OpenAI(base_url=server["state"]["openai_base_url"], api_key="unused", max_retries=0)
     assert [m.id for m in client.models.list().data] == ["test-model"]
@@ -267,7 +267,7 @@ def test_options_have_exact_semantics_alone_and_among_concurrent_requests(server
             if b:
                 assert a["tokens"] == b["tokens"]
                 assert a["token_logprobs"] == pytest.approx(b["token_logprobs"], abs=1e-4)
-    kv = __import__("serving.entrypoints.client", fromlist=["GenerationClient"]).GenerationClient(server["state"]["http_url"])
+    kv = __import__("serving.client.client", fromlist=["GenerationClient"]).GenerationClient(server["state"]["http_url"])
     answer = kv.generate("人工智能", max_new_tokens=24, stop=[stop], n=2, logprobs=1, echo=True)
     assert answer.text == "人工智能" + stopped and answer.finish_reason == "stop"
     assert [c["text"] for c in answer.extra["choices"]] == ["人工智能" + stopped] * 2
@@ -279,7 +279,7 @@ def test_the_default_capacity_takes_a_crowd(server):
     with err_no 0 (each waits in a worker's queue, within its deadline, instead of being refused busy)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from serving.entrypoints.client import GenerationClient
+    from serving.client.client import GenerationClient
 
     def client_loop(index: int) -> list[int]:
         client = GenerationClient(server["state"]["http_url"], timeout=60)
@@ -296,7 +296,7 @@ def test_metrics_move_under_load(server):
     batch was seen above 1."""
     import threading
 
-    from serving.entrypoints.client import GenerationClient
+    from serving.client.client import GenerationClient
 
     def scrape() -> dict:
         text = requests.get(server["state"]["metrics_url"], timeout=10).text
@@ -353,7 +353,7 @@ def test_a_key_sent_twice_is_refused(server):
     body = {"key": ["prompt", "max_new_tokens", "prompt"], "value": ["你好", "2", "再见"]}
     answer = requests.post(server["state"]["http_url"], data=json.dumps(body), timeout=30).json()
     assert answer["err_no"] != 0 and "sent more than once: prompt" in answer["err_msg"], answer
-    from serving.entrypoints.client import GenerationClient
+    from serving.client.client import GenerationClient
 
     assert GenerationClient(server["state"]["http_url"]).generate("你好", max_new_tokens=1).token_ids
 
@@ -361,13 +361,13 @@ def test_a_key_sent_twice_is_refused(server):
 def test_malformed_json_is_a_400(server):
     response = requests.post(server["state"]["http_url"], data="{not json", timeout=30)
     assert response.status_code == 400
-    from serving.entrypoints.client import GenerationClient
+    from serving.client.client import GenerationClient
 
     assert GenerationClient(server["state"]["http_url"]).generate("你好", max_new_tokens=1).token_ids
 
 
 def test_grpc_errors_raise(server):
-    from serving.entrypoints.client import GenerationClient, ServingError
+    from serving.client.client import GenerationClient, ServingError
 
     client = GenerationClient(server["state"]["http_url"], server["state"]["rpc_address"])
     with pytest.raises(ServingError, match="`prompt` is empty"):  # (checked by the client before sending)
@@ -378,7 +378,7 @@ def test_grpc_errors_raise(server):
 
 
 def test_client_cli(server):
-    proc = subprocess.run([sys.executable, "-m", "serving.entrypoints.client", "人工智能", "--max-new-tokens", "3", "--url",
+    proc = subprocess.run([sys.executable, "-m", "serving.client.client", "人工智能", "--max-new-tokens", "3", "--url",
                            server["state"]["http_url"]], capture_output=True, text=True, cwd=REPO_ROOT,
                           env=env_for(server["uri"]), timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -396,12 +396,12 @@ def test_full_sequence_path_and_static_batches_serve_the_same_tokens(exported, t
     prompts with the dynamic model's greedy tokens, like the default kv_cache path with continuous batching."""
     from core import exportdir
     from core.config import load_config
-    from serving.entrypoints import server
-    from serving.entrypoints.client import GenerationClient
+    from serving import controller
+    from serving.client.client import GenerationClient
 
     config = load_config(exported["config"], [*ports(), "serving.generation=full", "serving.scheduler=static",
                                               "serving.workers=1"])
-    state = server.start(config, exported["export_dir"], tmp_path / "state")
+    state = controller.start(config, exported["export_dir"], tmp_path / "state")
     try:
         assert (state["generation"], state["scheduler"]) == ("full", "static")
         client = GenerationClient(state["http_url"], state["rpc_address"])
@@ -409,7 +409,7 @@ def test_full_sequence_path_and_static_batches_serve_the_same_tokens(exported, t
         for prompt, expected in references.items():
             assert client.generate(prompt, max_new_tokens=exportdir.REFERENCE_NEW_TOKENS).token_ids == expected
     finally:
-        assert server.stop(tmp_path / "state")
+        assert controller.stop(tmp_path / "state")
 
 
 def test_the_deployment_requests_the_memory_this_server_uses(server):

@@ -10,7 +10,6 @@ import pytest
 
 from helpers import cli, env_for
 from core import REPO_ROOT, tracking
-from core.config import ConfigError
 
 
 @pytest.mark.slow

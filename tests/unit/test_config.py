@@ -173,7 +173,7 @@ def test_invalid_serving_settings(overrides, message):
 def test_serving_workers_threads_and_paddle_serving_threads(monkeypatch):
     """Workers follow the cores (one per core, one math thread each by default); Paddle Serving gets one thread per
     request in flight (+4), thread Ops and no auto-batching of its own (the workers batch)."""
-    from serving.entrypoints.paddle_serving_op import capacity, predictor_threads, render_config, workers
+    from serving.server.sizes import capacity, predictor_threads, render_config, workers
 
     monkeypatch.setattr("core.workarounds.cpu_runtime.available_cores", lambda: 8)
     config = load_config(DEFAULT_CONFIG)

@@ -96,7 +96,7 @@ def test_serving_manifest_matches_the_servers_cli_routes_and_ports(manifest, mon
     the server's real health routes on the api port, the Service exposes the config's four ports, and the pod's
     grace period outlasts the drain. The GPU variant serves on GPU with one worker per GPU the pod gets."""
     from pipeline.__main__ import parser, verb_config
-    from serving.entrypoints import openai_api as api
+    from serving.server.openai import api_server as api
 
     deployment, service = yaml.safe_load_all(manifest.read_text())
     assert (deployment["kind"], service["kind"]) == ("Deployment", "Service")

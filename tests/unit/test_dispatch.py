@@ -11,7 +11,7 @@ from helpers import wait_until
 
 from serving.engine import dispatch
 from serving.engine.dispatch import Dispatcher, WorkerHandle, per_worker_capacity
-from serving.engine.generation import GenerationSettings
+from serving.protocol import GenerationSettings
 from serving.protocol import RequestError
 
 META = {"registered_model_name": "m", "version": 1, "source_run_id": "r1", "checkpoint_step": 7}

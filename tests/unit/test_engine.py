@@ -4,7 +4,7 @@ import pytest
 from test_generation import EOS, PAD, REQUESTS, ScriptedCache, batch
 
 from serving.engine.scheduler import Job, Scheduler
-from serving.engine.generation import GenerationSettings
+from serving.protocol import GenerationSettings
 
 
 def scheduler(cache=None, **options):

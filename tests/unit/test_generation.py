@@ -1,9 +1,9 @@
 """Generation as pure logic (fast): the smoke test compares served output with `generate`
 itself, so `generate`'s own behaviour is pinned here against a hand-made model."""
 import numpy as np
-import pytest
 
-from serving.engine.generation import GenerationSettings, generate, generate_batch
+from serving.protocol import GenerationSettings
+from serving.engine.generation import generate, generate_batch
 
 VOCAB = 12  # ids 0..9 usable, 10..11 padding rows of the embedding
 EOS, PAD = 3, 0

@@ -89,7 +89,7 @@ def test_workers_and_their_gpus(monkeypatch):
     with pytest.raises(ConfigError, match="serving.device=gpu: no GPU visible"):
         placement.placements(serving("serving.device=gpu"))
     from core.workarounds import cpu_runtime
-    from serving.entrypoints.paddle_serving_op import predictor_threads
+    from serving.server.sizes import predictor_threads
 
     assert placement.placements(serving()) == [runtime.Placement()] * cpu_runtime.available_cores()
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")

@@ -2,17 +2,20 @@
 lazy imports included.
 
     top      bench/ (the benchmark suite: drives the verbs)
-             pipeline/ (the verbs)
+             pipeline/ (the verbs, one module each; pipeline/runner/: the run machinery they share)
              export/ (checkpoint -> export directory, checked with serving's runtime)
     stages   training/                    serving/          (neither imports the other)
              model/ (the model: training and export build it)
     bottom   core/ (shared vocabulary, platform workarounds: imports nothing above it)
 
-Inside serving/, the engine (serving/engine/) never imports the entrypoints (serving/entrypoints/).
+Inside serving/, protocol.py is the bottom (it imports nothing of serving/), and the engine (serving/engine/) imports
+only it and state.py, never the processes above it (server/, client/, offline/, controller.py). Inside pipeline/,
+every top-level module is a verb and the machinery never imports a verb.
 
 A module's layer is its package's; a new package must be given a layer here (the test says so).
 """
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -94,9 +97,42 @@ def test_the_layer_rule_catches_upward_and_sideways_imports():
                                      ("training.data", "serving.engine.exported")]
 
 
-def test_the_serving_engine_never_imports_its_entrypoints():
-    wrong = [(m, i) for m, deps in graph().items() if m.startswith("serving.engine")
-             for i in deps if i.startswith("serving.entrypoints")]
+SERVING_BELOW_ENGINE = ("serving.protocol", "serving.state", "serving")  # (serving/__init__: its workarounds)
+
+
+def serving_order_violations(g: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """protocol imports nothing of serving/; the engine imports only the engine, protocol and state."""
+    wrong = [(m, i) for m, deps in g.items() if m == "serving.protocol" for i in deps
+             if i.startswith("serving.") or i == "serving"]
+    wrong += [(m, i) for m, deps in g.items() if m.startswith("serving.engine") for i in deps
+              if i.split(".")[0] == "serving" and not i.startswith("serving.engine") and i not in SERVING_BELOW_ENGINE]
+    return wrong
+
+
+def test_serving_protocol_is_the_bottom_and_the_engine_never_imports_the_processes_above_it():
+    wrong = serving_order_violations(graph())
+    assert not wrong, wrong
+
+
+def test_the_serving_order_rule_catches_a_wrong_import():
+    g = {"serving.protocol": {"serving.engine.generation", "core.config"},
+         "serving.engine.worker": {"serving.protocol", "serving.server.metrics", "serving.engine.runtime"},
+         "serving.engine.dispatch": {"serving.state", "serving.controller"}}
+    assert sorted(serving_order_violations(g)) == [
+        ("serving.engine.dispatch", "serving.controller"), ("serving.engine.worker", "serving.server.metrics"),
+        ("serving.protocol", "serving.engine.generation")]
+
+
+def test_pipeline_holds_verbs_and_its_machinery_never_imports_one():
+    """Every module directly in pipeline/ is a verb (`python -m pipeline <verb>`), named after it; what they share
+    lives in pipeline/runner/, which imports no verb."""
+    from pipeline.__main__ import VERBS
+
+    top = {p.stem for p in (REPO_ROOT / "pipeline").glob("*.py")} - {"__init__", "__main__"}
+    assert top == set(VERBS.values()), f"not verbs: {sorted(top - set(VERBS.values()))}; " \
+                                       f"verbs without a module: {sorted(set(VERBS.values()) - top)}"
+    verbs = {f"pipeline.{m}" for m in top}
+    wrong = [(m, i) for m, deps in graph().items() if m.startswith("pipeline.runner") for i in deps if i in verbs]
     assert not wrong, wrong
 
 
@@ -128,14 +164,22 @@ def test_no_import_cycles():
 
 
 def test_every_make_verb_is_one_module_away():
-    """The Makefile calls `python -m pipeline <verb>`; each verb's function lives in one pipeline/ module."""
+    """The Makefile calls `python -m pipeline <verb>`; each verb is one pipeline/ module with `main(config, args)`,
+    and README's verb table has a row for each."""
+    import importlib
+
     from pipeline.__main__ import VERBS, parser
 
     verbs = set(parser()._subparsers._group_actions[0].choices)
     assert verbs == set(VERBS)
     makefile = (REPO_ROOT / "Makefile").read_text()
+    readme_verbs = set(re.findall(r"^\| `make ([a-z-]+)", (REPO_ROOT / "README.md").read_text(), re.M))
+    readme_verbs |= set(re.findall(r"^\| `make [a-z-]+[^|]*` / `make ([a-z-]+)", (REPO_ROOT / "README.md").read_text(),
+                                   re.M))
     for verb in verbs:
         assert f"-m pipeline {verb}" in makefile, verb
+        assert callable(importlib.import_module(f"pipeline.{VERBS[verb]}").main), verb
+        assert verb in readme_verbs, f"README's verb table has no row for make {verb}"
 
 
 def test_no_function_is_longer_than_60_lines():

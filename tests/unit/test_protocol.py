@@ -6,9 +6,8 @@ import pandas as pd
 import pytest
 
 from serving import protocol
-from serving.entrypoints import openai_api as api
-from serving.engine.generation import GenerationSettings
-from serving.protocol import Limits, RequestError
+from serving.protocol import GenerationSettings, Limits, RequestError
+from serving.server.openai import api_server, protocol as openai_protocol, serving_chat, serving_completion
 
 LIMITS = Limits(max_prompt_chars=10, max_new_tokens_limit=8, default_max_new_tokens=4, max_request_bytes=300,
                 request_timeout_s=30.0)
@@ -51,8 +50,9 @@ BAD = [
 
 @pytest.mark.parametrize("values, message, server_limit", BAD)
 def test_every_entry_point_refuses_the_same_values_with_the_same_message(values, message, server_limit):
-    from serving.entrypoints import client, pyfunc
-    from serving.entrypoints.paddle_serving_op import parse_fields
+    from serving.client import client
+    from serving.offline import pyfunc
+    from serving.server.paddle_serving_op import parse_fields
 
     with pytest.raises(RequestError, match=message) as direct:
         protocol.parse(values, LIMITS)
@@ -63,7 +63,7 @@ def test_every_entry_point_refuses_the_same_values_with_the_same_message(values,
     # the OpenAI completions route (OpenAI's own name: max_tokens)
     body = {"model": "m", **{("max_tokens" if k == "max_new_tokens" else k): v for k, v in values.items()}}
     with pytest.raises(RequestError, match=message.replace("max_new_tokens", "max_tokens")):
-        api.parse_completion(body, LIMITS, MODEL_IDS)
+        serving_completion.parse_completion(body, LIMITS, MODEL_IDS)
     if server_limit:
         return  # (the pyfunc model's limits are the model's own; the client leaves limits to the server)
     # the Python client checks before sending (err_no as the server would answer)
@@ -85,7 +85,7 @@ def test_every_entry_point_refuses_the_same_values_with_the_same_message(values,
     ({"prompt": "x" * 300}, "request is 30[0-9] bytes; the limit is 300"),
 ])
 def test_key_value_requests(fields, message):
-    from serving.entrypoints.paddle_serving_op import parse_fields
+    from serving.server.paddle_serving_op import parse_fields
 
     with pytest.raises(RequestError, match=message):
         parse_fields(fields, LIMITS)
@@ -100,14 +100,14 @@ def test_repeated_request_keys_are_refused():
 def test_openai_requests():
     """OpenAI's names and defaults (temperature 1), chat rendering with the template, stream options, and
     OpenAI-shaped refusals."""
-    request = api.parse_completion({"model": "m/1", "prompt": ["你好"], "max_tokens": 3, "stop": "。",
+    request = serving_completion.parse_completion({"model": "m/1", "prompt": ["你好"], "max_tokens": 3, "stop": "。",
                                     "stream": True, "stream_options": {"include_usage": True}}, LIMITS, MODEL_IDS)
     assert (request.prompt, request.settings.max_new_tokens, request.settings.temperature) == ("你好", 3, 1.0)
     assert request.stream and request.extra == {"model": "m/1", "include_usage": True}
     assert request.settings.stop == ("。",)
-    chat = api.parse_chat({"model": "m", "messages": [{"role": "user", "content": "你好"}], "logprobs": True,
+    chat = serving_chat.parse_chat({"model": "m", "messages": [{"role": "user", "content": "你好"}], "logprobs": True,
                            "top_logprobs": 2, "temperature": 0}, Limits(max_prompt_chars=100), MODEL_IDS,
-                          api.DEFAULT_CHAT_TEMPLATE)
+                          serving_chat.DEFAULT_CHAT_TEMPLATE)
     assert chat.prompt == "user: 你好\nassistant: " and chat.settings.logprobs == 2
     assert chat.settings.temperature == 0.0
     for body, message, status in [
@@ -119,11 +119,11 @@ def test_openai_requests():
         ([1, 2], "the request body must be a JSON object", 400),
     ]:
         with pytest.raises(RequestError, match=message) as exc:
-            api.parse_completion(body, LIMITS, MODEL_IDS)
+            serving_completion.parse_completion(body, LIMITS, MODEL_IDS)
         assert exc.value.status == status
     with pytest.raises(RequestError, match="`messages` must be a non-empty list"):
-        api.parse_chat({"model": "m", "messages": []}, LIMITS, MODEL_IDS, api.DEFAULT_CHAT_TEMPLATE)
-    status, body = api.error_body(RequestError("busy", "server busy"))
+        serving_chat.parse_chat({"model": "m", "messages": []}, LIMITS, MODEL_IDS, serving_chat.DEFAULT_CHAT_TEMPLATE)
+    status, body = openai_protocol.error_body(RequestError("busy", "server busy"))
     assert status == 429 and body["error"]["code"] == "busy"
 
 
@@ -131,9 +131,9 @@ def test_a_tokenizer_chat_template_is_used_when_the_export_has_one(tmp_path):
     (tmp_path / "tokenizer").mkdir()
     (tmp_path / "tokenizer" / "tokenizer_config.json").write_text(json.dumps(
         {"chat_template": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"}))
-    template = api.chat_template(tmp_path)
-    assert api.render_chat(template, [{"role": "user", "content": "嗨"}]) == "<user>嗨<assistant>"
-    assert api.chat_template(tmp_path / "missing") == api.DEFAULT_CHAT_TEMPLATE
+    template = serving_chat.chat_template(tmp_path)
+    assert serving_chat.render_chat(template, [{"role": "user", "content": "嗨"}]) == "<user>嗨<assistant>"
+    assert serving_chat.chat_template(tmp_path / "missing") == serving_chat.DEFAULT_CHAT_TEMPLATE
 
 
 class IdleDispatcher:
@@ -145,9 +145,9 @@ def test_the_api_key_guards_the_v1_routes_and_not_the_probes(monkeypatch):
     from fastapi.testclient import TestClient
 
     monkeypatch.delenv("PIPELINE_API_KEY", raising=False)
-    open_app = TestClient(api.ApiServer(IdleDispatcher(), LIMITS).app())
+    open_app = TestClient(api_server.ApiServer(IdleDispatcher(), LIMITS).app())
     assert open_app.get("/v1/models").status_code == 200
-    guarded = TestClient(api.ApiServer(IdleDispatcher(), LIMITS, api_key="s3cret").app())
+    guarded = TestClient(api_server.ApiServer(IdleDispatcher(), LIMITS, api_key="s3cret").app())
     refused = guarded.post("/v1/completions", json={"model": "m", "prompt": "x"})
     assert refused.status_code == 401 and refused.json()["error"]["code"] == "unauthorized"
     assert guarded.get("/v1/models").status_code == 401
@@ -155,7 +155,7 @@ def test_the_api_key_guards_the_v1_routes_and_not_the_probes(monkeypatch):
     assert guarded.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).json()["data"][0]["id"] == "m"
     assert guarded.get("/health/live").status_code == 200 and guarded.get("/health/ready").status_code == 200
     monkeypatch.setenv("PIPELINE_API_KEY", "from-env")
-    env_keyed = TestClient(api.ApiServer(IdleDispatcher(), LIMITS).app())
+    env_keyed = TestClient(api_server.ApiServer(IdleDispatcher(), LIMITS).app())
     assert env_keyed.get("/v1/models", headers={"Authorization": "Bearer from-env"}).status_code == 200
     assert env_keyed.get("/v1/models").status_code == 401
     assert guarded.post("/admin/reload").status_code == 401
@@ -165,15 +165,15 @@ def test_the_api_key_guards_the_v1_routes_and_not_the_probes(monkeypatch):
 
 
 def test_parse_completion_maps_every_openai_option_onto_the_protocol():
-    request = api.parse_completion({"model": "m", "prompt": "你好", "max_completion_tokens": 5, "n": 3, "echo": True,
+    request = serving_completion.parse_completion({"model": "m", "prompt": "你好", "max_completion_tokens": 5, "n": 3, "echo": True,
                                     "top_p": 0.5, "seed": 11, "logprobs": 2, "temperature": 0.3,
                                     "stop": ["。", "！"], "user": "ignored"}, LIMITS, MODEL_IDS)
     s = request.settings
     assert (request.n, request.echo, s.max_new_tokens, s.top_p, s.seed, s.logprobs, s.temperature, s.stop) == \
         (3, True, 5, 0.5, 11, 2, 0.3, ("。", "！"))
     assert [request.choice_settings(i).seed for i in range(3)] == [11, 12, 13]
-    defaults = api.parse_completion({"model": "m", "prompt": "a"}, LIMITS, MODEL_IDS)
+    defaults = serving_completion.parse_completion({"model": "m", "prompt": "a"}, LIMITS, MODEL_IDS)
     assert (defaults.n, defaults.settings.temperature, defaults.settings.logprobs, defaults.stream) == (1, 1.0, -1,
                                                                                                          False)
     with pytest.raises(RequestError, match="`n` must be in"):
-        api.parse_completion({"model": "m", "prompt": "a", "n": 9}, LIMITS, MODEL_IDS)
+        serving_completion.parse_completion({"model": "m", "prompt": "a", "n": 9}, LIMITS, MODEL_IDS)

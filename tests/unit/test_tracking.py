@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from pipeline import runs
+from pipeline.runner import liveness
 
 from core import tracking
 
@@ -87,19 +87,19 @@ def test_checkpoint_upload_choice():
 
 
 def test_run_liveness():
-    me = runs.launcher_id()
+    me = liveness.launcher_id()
     host = me.split(":")[0]
     now = float(int(time.time()))
     beat = {tracking.TAG_HEARTBEAT: str(int(now - 10))}
-    assert runs.liveness({tracking.TAG_LAUNCHER: me, **beat}, now, 300)[0] == "alive"
+    assert liveness.liveness({tracking.TAG_LAUNCHER: me, **beat}, now, 300)[0] == "alive"
     # this pid, but another start time: the pid was reused, the launcher is gone
     pid = me.split(":")[1]
-    assert runs.liveness({tracking.TAG_LAUNCHER: f"{host}:{pid}:1", **beat}, now, 300)[0] == "dead"
-    assert runs.liveness({tracking.TAG_LAUNCHER: f"{host}:999999999:5", **beat}, now, 300)[0] == "dead"
+    assert liveness.liveness({tracking.TAG_LAUNCHER: f"{host}:{pid}:1", **beat}, now, 300)[0] == "dead"
+    assert liveness.liveness({tracking.TAG_LAUNCHER: f"{host}:999999999:5", **beat}, now, 300)[0] == "dead"
     # another host: only the heartbeat can tell
     other = {tracking.TAG_LAUNCHER: "elsewhere:1:1"}
-    assert runs.liveness({**other, tracking.TAG_HEARTBEAT: str(int(now - 10))}, now, 300)[0] == "alive"
-    state, why = runs.liveness({**other, tracking.TAG_HEARTBEAT: str(int(now - 400))}, now, 300)
+    assert liveness.liveness({**other, tracking.TAG_HEARTBEAT: str(int(now - 10))}, now, 300)[0] == "alive"
+    state, why = liveness.liveness({**other, tracking.TAG_HEARTBEAT: str(int(now - 400))}, now, 300)
     assert state == "stale" and "400s" in why
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from core import REPO_ROOT, dataset
 from core.errors import ConfigError
 from core.tokenizer import EOS_TOKEN, SPECIAL_TOKENS, read_vocab, write_tokenizer
+from core.files import atomic_write
 from training.data import corpus, engines
 
 CODE = [Path(__file__).parent / name for name in ("corpus.py", "shards.py", "prepare.py")] + \
@@ -141,9 +142,7 @@ def _passes(config, corpora, pieces, engine, staging: Path, key: str, log) -> di
     extra = {"eos_id": ids[EOS_TOKEN], "unk_id": ids["[UNK]"], "dtype": dataset.token_dtype(len(vocab)).name}
     results = engine.run(tasks("shard", extra), "tokenize", log)
     manifest = _manifest(config, corpora, pieces, results, key, len(vocab), extra, engine)
-    tmp = staging / (dataset.MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1), encoding="utf-8")
-    os.replace(tmp, staging / dataset.MANIFEST)
+    atomic_write(staging / dataset.MANIFEST, json.dumps(manifest, indent=1))
     shutil.rmtree(staging / "parts", ignore_errors=True)
     return manifest
 

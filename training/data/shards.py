@@ -17,6 +17,7 @@ import unicodedata
 from array import array
 from collections import Counter
 from pathlib import Path
+from core.files import atomic_write
 
 BATCH_DOCUMENTS = 512  # documents tokenized per call (the Rust tokenizer's per-call overhead amortised)
 
@@ -43,7 +44,8 @@ def run(task: dict) -> dict:
     t0 = time.time()
     result = {"count": _count, "vocab": _vocab, "shard": _shard}[kind](task, staging, piece)
     result.update(piece=piece.name, kind=kind, seconds=round(time.time() - t0, 3), bytes=piece.size)
-    _write_atomic(done, json.dumps(result).encode())
+    done.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(done, json.dumps(result))
     return result
 
 
@@ -140,7 +142,7 @@ class _ShardWriter:
         import numpy as np
 
         from core import dataset
-        from training.async_checkpoint import fsync_file
+        from core.files import fsync_path, publish
 
         if self.open_item:
             self.sizes.append(self.open_item)
@@ -151,18 +153,10 @@ class _ShardWriter:
         sizes = np.frombuffer(self.sizes, dtype=np.int32) if len(self.sizes) else np.zeros(0, dtype=np.int32)
         tmp_idx = Path(f"{self.prefix}.idx.tmp")
         dataset.write_index(tmp_idx, sizes, self.dtype)
-        fsync_file(str(tmp_idx))
-        os.replace(self.tmp_bin, f"{self.prefix}.bin")
-        os.replace(tmp_idx, f"{self.prefix}.idx")
+        fsync_path(tmp_idx)
+        publish(self.tmp_bin, f"{self.prefix}.bin")
+        publish(tmp_idx, f"{self.prefix}.idx")
         return {"documents": self.documents, "items": len(sizes), "tokens": int(sizes.astype(np.int64).sum()),
                 "bin_bytes": int(sizes.astype(np.int64).sum()) * np.dtype(self.dtype).itemsize}
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

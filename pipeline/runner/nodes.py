@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from core.errors import ConfigError
+from core.files import atomic_write
 
 LAUNCH_FILE = "launch.json"
 
@@ -47,9 +48,7 @@ def announce(run_dir: Path, config_yaml: str, resume_from: Path | None, pending:
     info = {"launch_id": launch_id(), "config_sha": config_digest(config_yaml),
             "resume_from": str(resume_from) if resume_from else "", "pending_config": str(pending) if pending else "",
             "host": socket.gethostname(), "written_at": time.time()}
-    tmp = run_dir / f".{LAUNCH_FILE}.tmp"
-    tmp.write_text(json.dumps(info, indent=2))
-    os.replace(tmp, run_dir / LAUNCH_FILE)
+    atomic_write(run_dir / LAUNCH_FILE, json.dumps(info, indent=2))
 
 
 def withdraw(run_dir: Path) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import serving  # noqa: F401,I001  (first: zlib before paddle; the paddle_serving_client stand-in)
 import mlflow.pyfunc
@@ -22,7 +21,6 @@ EXPORT_ARTIFACT = "export_dir"
 # What pyfunc.predict takes: a DataFrame (or list of dicts) with `prompt` and, optionally, these per row (checked by
 # the serving protocol, serving/protocol.py, like every entry point's requests).
 OPTIONAL_INPUTS = {"max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float, "seed": int}
-DEFAULT_MAX_NEW_TOKENS = 16
 BATCH = 8  # rows generated together (answers do not depend on the batch: serving/engine/generation.py)
 
 
@@ -106,8 +104,7 @@ def _parse(i: int, row: dict, max_length: int):
         raise RequestError("bad_request", f"row {i}: unknown column(s) {', '.join(unknown)}; allowed: prompt, "
                                           f"{', '.join(OPTIONAL_INPUTS)}")
     values = {k: (v.item() if hasattr(v, "item") else v) for k, v in row.items()}  # (numpy scalars of a DataFrame)
-    limits = Limits(max_prompt_chars=1 << 20, max_new_tokens_limit=max_length,
-                    default_max_new_tokens=DEFAULT_MAX_NEW_TOKENS)
+    limits = Limits(max_prompt_chars=1 << 20, max_new_tokens_limit=max_length)
     try:
         request = parse(values, limits)
     except RequestError as exc:
@@ -115,7 +112,7 @@ def _parse(i: int, row: dict, max_length: int):
     return request.prompt, request.settings
 
 
-def main() -> None:  # python -m serving.entrypoints.pyfunc <export dir> [prompt]: one generation, as MLflow loads it
+def main() -> None:  # python -m serving.offline.pyfunc <export dir> [prompt]: one generation, as MLflow loads it
     import sys
 
     model = mlflow.pyfunc.load_model(sys.argv[1])

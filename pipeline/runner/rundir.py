@@ -9,7 +9,7 @@ from pathlib import Path
 
 from core import REPO_ROOT, tracking
 from core.config import Config, ConfigError
-from pipeline.supervise import stop_signal_handler
+from pipeline.runner.supervise import stop_signal_handler
 
 
 def find(resume: str, uri: str) -> Path:

@@ -13,8 +13,8 @@ from pathlib import Path
 import serving  # noqa: F401
 from core import exportdir
 from serving.engine import runtime
-from serving.entrypoints.client import GenerationClient
-from serving.engine.generation import GenerationSettings
+from serving.client.client import GenerationClient
+from serving.protocol import GenerationSettings
 from serving.engine.exported import ExportedModel
 
 

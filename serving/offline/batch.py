@@ -27,6 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from core.errors import ConfigError
+from core.files import atomic_write
 from serving.engine.exported import lineage as lineage_of
 from serving.protocol import Limits, RequestError, parse
 
@@ -133,9 +134,7 @@ class Output:
 
             rows = [json.loads(line) for line in self.lines.read_text(encoding="utf-8").splitlines() if line.strip()]
             frame = pd.DataFrame(rows)
-            tmp = self.path.with_name(f".{self.path.name}.tmp")
-            frame.to_parquet(tmp, index=False)
-            os.replace(tmp, self.path)
+            atomic_write(self.path, frame.to_parquet(index=False))
             self.lines.unlink()
 
 

@@ -1,6 +1,5 @@
-"""The server process: Paddle Serving's Pipeline (HTTP + gRPC), the OpenAI-compatible and health routes
-(serving/entrypoints/openai_api.py) and the metrics port (serving/entrypoints/metrics.py), all in front of the generation worker processes
-(serving/engine/worker.py, managed by serving/engine/dispatch.py).
+"""Paddle Serving's Python Pipeline service of the server process (serving/server/main.py): the request Op over
+the dispatcher, for HTTP `POST /<service>/prediction` and gRPC PipelineClient.
 
 Request  (HTTP `POST /<service>/prediction`, or gRPC PipelineClient): key/value lists of strings, the fields of
     serving/protocol.py: prompt (required), max_new_tokens, temperature (0 = greedy, the default), top_k, top_p,
@@ -12,27 +11,15 @@ Response: err_no 0 and key/value lists: text, token_ids (JSON list), finish_reas
     died (retry), 8006 unavailable (starting or shutting down), with a message; the server stays up.
 
 The Op runs as threads (one per request in flight) that hand requests to the worker and wait: the worker batches
-them between decode steps (serving/engine/scheduler.py), which Paddle Serving's own batching cannot (it hands an Op a whole
-batch). SIGTERM drains: readiness goes false, new requests are refused, those in flight finish within
-`serving.drain_grace_s`, then the process exits 0.
-
-Run by `make serve` as `python -m serving.entrypoints.paddle_serving_op --config <rendered config.yml> --service-config <yaml> --model
-<export dir> --state-dir <dir>`.
+them between decode steps (serving/engine/scheduler.py), which Paddle Serving's own batching cannot (it hands an Op
+a whole batch).
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import signal
-import sys
-import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import serving  # noqa: F401  (zlib first; paddle_serving_client stand-in)
-from serving.engine.dispatch import Dispatcher
 from serving.protocol import KINDS, Limits, Request, RequestError, bad, check_unique_keys, from_strings, parse
 
 BAD_REQUEST, INTERNAL_ERROR = KINDS["bad_request"][0], KINDS["internal"][0]
@@ -46,7 +33,7 @@ def parse_fields(fields: dict, limits: Limits) -> Request:
     return parse(from_strings(fields), limits)
 
 
-def _make_op_classes(dispatcher: Dispatcher, limits: Limits, metrics):
+def make_service(dispatcher, limits: Limits, metrics):
     """The Paddle Serving classes of the service, built here because paddle_serving_server is imported only in the
     server process (serving/__init__.py applies its workarounds first)."""
     from paddle_serving_server.pipeline import RequestOp
@@ -77,7 +64,7 @@ def _make_op_classes(dispatcher: Dispatcher, limits: Limits, metrics):
 class GenerateMethods:
     """preprocess: validate the request; process: hand it to the generation worker and wait for its answer (or its
     error: busy, deadline, worker died); postprocess: the answer's fields and the model's lineage. Mixed in before
-    Paddle Serving's Op by `_make_op_classes`, with the dispatcher, limits and metrics as class attributes.
+    Paddle Serving's Op by `make_service`, with the dispatcher, limits and metrics as class attributes.
 
     Paddle Serving calls `process()` only for Ops it built a client for from `local_service_conf.model_config`;
     the two overrides below declare the Op as serving without one (the worker process holds the model)."""
@@ -150,128 +137,3 @@ def timings(result: dict) -> dict[str, str]:
     ttft = (first - result["arrived"]) * 1000 if first else 0.0
     tpot = (result["finished_at"] - first) * 1000 / (tokens - 1) if first and tokens > 1 else 0.0
     return {"ttft_ms": f"{ttft:.2f}", "tpot_ms": f"{tpot:.3f}"}
-
-
-def workers(serving_config) -> int:
-    """Generation worker processes: serving.workers, or (0) one per core this server may use (one per GPU on
-    serving.device=gpu: serving/engine/placement.py)."""
-    from serving.engine.placement import worker_count
-
-    return worker_count(serving_config)
-
-
-def capacity(serving_config) -> int:
-    """Requests in flight at most: each worker's running batch and queue (serving/engine/dispatch.py)."""
-    from serving.engine.dispatch import per_worker_capacity
-
-    n = workers(serving_config)
-    return n * per_worker_capacity(serving_config, n)
-
-
-def predictor_threads(serving_config) -> int:
-    """Math threads of each worker's predictors: serving.predictor_threads, or (0) an even share of the cores (1 on
-    GPU: the host only feeds the device)."""
-    from core.workarounds import cpu_runtime
-
-    if serving_config.device == "gpu":
-        return 1
-    return cpu_runtime.threads_per_process(serving_config.predictor_threads, workers(serving_config))
-
-
-def render_config(config) -> dict:
-    """Paddle Serving's config.yml, from the typed config: thread Ops, one per request in flight (plus a few, so that
-    one more request reaches the busy check instead of queueing inside Paddle Serving), no auto-batching."""
-    s = config.serving
-    threads = capacity(s) + 4
-    return {
-        "worker_num": s.rpc_workers or threads,  # gRPC threads: fewer would queue requests unseen
-        "build_dag_each_worker": False,
-        "rpc_port": s.rpc_port,
-        "http_port": s.http_port,
-        "dag": {"is_thread_op": True, "retry": 1, "use_profile": False, "tracer": {"interval_s": -1}},
-        "op": {
-            s.service_name: {
-                "concurrency": threads,
-                "timeout": -1,
-                "retry": 1,
-                "batch_size": 1,  # (the worker batches; Paddle Serving's auto-batching would only add a wait)
-                "auto_batching_timeout": -1,
-                "local_service_conf": {},  # no model or client type: the worker process holds the model
-            }
-        },
-    }
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--config", required=True, help="rendered Paddle Serving config.yml")
-    parser.add_argument("--service-config", required=True, help="the pipeline's resolved YAML config")
-    parser.add_argument("--model", required=True, help="export directory")
-    parser.add_argument("--state-dir", required=True, help="where worker.json is kept")
-    parser.add_argument("--follow", default="", help="a models:/ reference to follow (serving/entrypoints/follow.py)")
-    args = parser.parse_args()
-    from core.config import load_config
-    from core.workarounds.paddle_serving import server_fixes
-    from serving.entrypoints.openai_api import ApiServer
-    from serving.entrypoints.metrics import ServingMetrics
-
-    config = load_config(args.service_config)
-    s = config.serving
-    model_dir = Path(args.model)
-    metrics = ServingMetrics()
-    metrics.serve(s.metrics_port, s.host)
-    dispatcher = Dispatcher(s, model_dir, predictor_threads(s), workers(s), metrics, Path(args.state_dir),
-                            on_fatal=_exit_fatal)
-    dispatcher.start()
-    follower = _follower(config, dispatcher, args.follow)
-    limits = Limits.from_config(s)
-    ApiServer(dispatcher, limits, metrics, model_dir, s.api_key, follower).start(s.host, s.api_port)
-    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=_drain, args=(dispatcher, s.drain_grace_s),
-                                                              daemon=True).start())
-    if follower:
-        signal.signal(signal.SIGHUP, lambda *_: follower.trigger())
-    server_fixes()  # (Paddle Serving: one Op thread woken per request, not all of them; no per-request log records)
-    service = _make_op_classes(dispatcher, limits, metrics)(name=s.service_name)
-    service.prepare_pipeline_config(args.config)
-    service.run_service()
-
-
-def _follower(config, dispatcher: Dispatcher, reference: str):
-    """A follower of `reference` (models:/...), or None when the server was given a directory."""
-    if not reference:
-        return None
-    from core import registry
-    from serving.entrypoints.follow import Follower
-
-    follower = Follower(dispatcher, lambda: registry.resolve(config, reference),
-                        config.serving.follow_interval_s, lambda text: print(text, flush=True))
-    follower.start()
-    return follower
-
-
-def _drain(dispatcher: Dispatcher, grace_s: float) -> None:
-    """SIGTERM: readiness false at once, new requests refused, those in flight finish (up to grace_s); then this
-    process and its children (the worker, Paddle Serving's HTTP gateway) end, with exit code 0."""
-    print(f"SIGTERM: draining {dispatcher.in_flight} request(s) in flight (up to {grace_s:g}s)", flush=True)
-    finished = dispatcher.drain(grace_s)
-    print("drained: all requests in flight were answered" if finished else
-          f"drain grace period over: {dispatcher.in_flight} request(s) cut off", flush=True)
-    _end_children()
-    os._exit(0)
-
-
-def _exit_fatal(reason: str) -> None:
-    print(f"fatal: {reason}; the server exits (exit code 3) so that its supervisor can restart it", file=sys.stderr,
-          flush=True)
-    _end_children()
-    os._exit(3)
-
-
-def _end_children() -> None:
-    from core.processes import descendants, signal_pids
-
-    signal_pids(descendants(os.getpid()), signal.SIGKILL)
-
-
-if __name__ == "__main__":
-    main()

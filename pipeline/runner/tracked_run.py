@@ -2,7 +2,7 @@
 
 A new run is created with what the run is (config params, layout, versions, data statistics, tokenizer); a resume
 reopens the run directory's run (`mlflow_run.json`), marks it RUNNING and records a changed layout in tags (params are
-immutable). While the launcher lives, a heartbeat stamps the run (stale runs: pipeline/runs.py). At the end the
+immutable). While the launcher lives, a heartbeat stamps the run (stale runs: pipeline/runner/liveness.py). At the end the
 buffered records of a tracking outage are sent, the loss curve is attached, and the status is set; a failure adds the
 failing rank's log tail and the kind of failure.
 """
@@ -18,14 +18,14 @@ from core import tracking
 from core.config import Config
 from core.layout import ParallelLayout
 from core.workarounds import cpu_runtime
-from pipeline import runs
+from pipeline.runner import liveness
 
 RUN_INFO = "mlflow_run.json"
 TAG_LAYOUT_HISTORY = "pipeline.layout_history"
 
 
 class Heartbeat(threading.Thread):
-    """Stamps the MLflow run every `interval_s` while the launcher lives (stale runs: pipeline/runs.py)."""
+    """Stamps the MLflow run every `interval_s` while the launcher lives (stale runs: pipeline/runner/liveness.py)."""
 
     def __init__(self, mlflow_client, run_id: str, interval_s: float):
         super().__init__(daemon=True)
@@ -52,29 +52,29 @@ class TrackedRun:
         """Check the tracking store answers, and mark the experiment's stale RUNNING runs FAILED."""
         tracking.check_reachable(self.uri)
         self.client = tracking.client(self.uri)
-        for line in runs.reap(self.client, self.config.tracking.experiment, self.config.tracking.stale_after_s):
+        for line in liveness.reap(self.client, self.config.tracking.experiment, self.config.tracking.stale_after_s):
             print(f"marked stale run FAILED: {line}", flush=True)
         return self
 
     def open(self, run_dir: Path, layout: ParallelLayout) -> None:
         """Create the MLflow run, or reopen the run directory's run on resume, and record what this launch is."""
         info_file = run_dir / RUN_INFO
-        liveness = {tracking.TAG_LAUNCHER: runs.launcher_id(), tracking.TAG_HEARTBEAT: str(int(time.time()))}
+        alive = {tracking.TAG_LAUNCHER: liveness.launcher_id(), tracking.TAG_HEARTBEAT: str(int(time.time()))}
         # the math runtime of this launch (a resume may run on another machine): see core/workarounds/cpu_runtime.py
-        liveness.update({f"runtime.{k}": v for k, v in cpu_runtime.describe(layout.threads_per_rank()).items()})
+        alive.update({f"runtime.{k}": v for k, v in cpu_runtime.describe(layout.threads_per_rank()).items()})
         if info_file.exists():
             self.run_id = json.loads(info_file.read_text())["run_id"]
             run = self.client.get_run(self.run_id)
             self.previous_status, self.previous_layout = run.info.status, run.data.tags.get(tracking.TAG_LAYOUT)
             self.client.update_run(self.run_id, status="RUNNING")
-            self.client.log_batch(self.run_id, tags=[_tag(k, v) for k, v in liveness.items()])
+            self.client.log_batch(self.run_id, tags=[_tag(k, v) for k, v in alive.items()])
         else:
-            self._create(run_dir, layout, liveness)
+            self._create(run_dir, layout, alive)
             info_file.write_text(json.dumps({"run_id": self.run_id, "experiment_id": self.experiment_id,
                                              "tracking_uri": self.uri}))
         self.heartbeat = Heartbeat(self.client, self.run_id, self.config.tracking.heartbeat_s)
 
-    def _create(self, run_dir: Path, layout: ParallelLayout, liveness: dict) -> None:
+    def _create(self, run_dir: Path, layout: ParallelLayout, alive: dict) -> None:
         from mlflow.entities import Param, RunTag
 
         config = self.config
@@ -83,7 +83,7 @@ class TrackedRun:
             "mlflow.runName": run_dir.name, tracking.TAG_RUN_DIR: str(run_dir), tracking.TAG_LAYOUT: layout.name,
             "git_commit": tracking.git_commit(), "paddle_version": _version("paddlepaddle", "paddlepaddle-gpu"),
             "paddlenlp_version": _version("paddlenlp"), "device": layout.device, "world_size": str(layout.world_size),
-            **{f"layout.{k}": str(v) for k, v in layout.as_params().items()}, **liveness,
+            **{f"layout.{k}": str(v) for k, v in layout.as_params().items()}, **alive,
             **({"pipeline.sweep": config.tracking.sweep} if config.tracking.sweep else {}),
         }
         self.run_id = self.client.create_run(self.experiment_id, tags=tags, run_name=run_dir.name).info.run_id
@@ -144,8 +144,8 @@ class TrackedRun:
             self.client.set_tag(self.run_id, "failure_kind", failure["kind"])
 
     def record_stages(self, run_dir: Path, layout: ParallelLayout) -> None:
-        """A pipeline run's per-stage times and advice (pipeline/stage_report.py); never costs the run its status."""
-        from pipeline import stage_report
+        """A pipeline run's per-stage times and advice (pipeline/runner/stage_report.py); never costs the run its status."""
+        from pipeline.runner import stage_report
 
         try:
             message = stage_report.report(self.client, self.run_id, run_dir, layout)
@@ -156,7 +156,7 @@ class TrackedRun:
 
     def close(self, run_dir: Path, status: str) -> None:
         """Send what a tracking outage buffered, attach the loss curve of a finished run, set the status."""
-        from pipeline.loss_plot import plot_run_losses
+        from pipeline.runner.loss_plot import plot_run_losses
 
         if self.heartbeat:
             self.heartbeat.done.set()

@@ -1,4 +1,5 @@
-"""`make serve` / `make stop`: run the server (serving/entrypoints/paddle_serving_op.py) for an export directory in the background.
+"""The start/stop controller of the server process, run in the `make serve` / `make stop` process (pipeline/serve.py,
+pipeline/stop.py): starts serving/server/main.py for an export directory in the background and stops it.
 
 The server runs in its own process group (setsid) with its working directory in a serving state directory
 (`runs/serving/` by default), where Paddle Serving writes PipelineServingLogs/ and ProcessInfo.json, next to our
@@ -21,14 +22,14 @@ from core import REPO_ROOT, exportdir
 from core.config import Config, ConfigError
 from core.processes import group_alive, log_tail, port_in_use, proc_stat, start_group, stop_group, wait_ready
 from core.workarounds.paddle_serving import COMPAT_DIR
-from serving.entrypoints.client import GenerationClient
-from serving.entrypoints.paddle_serving_op import render_config
+from serving.client.client import GenerationClient
+from serving.server.sizes import render_config
 from serving.state import clear_state, read_state, write_state
 
 
 def prepare(config: Config, model_dir: Path, state_dir: Path, follow: str = "") -> tuple[list[str], dict, dict]:
     """Check the model and the ports, write the state directory's files: (command, environment, state). `follow`: a
-    models:/ reference the server keeps following (serving/entrypoints/follow.py)."""
+    models:/ reference the server keeps following (serving/server/follow.py)."""
     model_dir = model_dir.resolve()
     exportdir.read_meta(model_dir)  # a clear error when MODEL is not an export directory
     state = read_state(state_dir)
@@ -44,7 +45,7 @@ def prepare(config: Config, model_dir: Path, state_dir: Path, follow: str = "") 
     (state_dir / "service.yaml").write_text(config.to_yaml())
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), str(COMPAT_DIR)]), SERVING_HOME=str(state_dir),
                SERVING_LOG_PATH=str(state_dir), GLOG_minloglevel="2", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "serving.entrypoints.paddle_serving_op", "--config", str(state_dir / "config.yml"),
+    cmd = [sys.executable, "-m", "serving.server.main", "--config", str(state_dir / "config.yml"),
            "--service-config", str(state_dir / "service.yaml"), "--model", str(model_dir), "--state-dir",
            str(state_dir), *(["--follow", follow] if follow else [])]
     api = f"http://127.0.0.1:{s.api_port}"

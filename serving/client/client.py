@@ -1,7 +1,7 @@
 """Client of the generation service (the paddle-serving-client role on Python 3.11): HTTP via requests, gRPC via
 Paddle Serving's `PipelineClient`. Both raise `ServingError` when the server answers err_no != 0.
 
-    python -m serving.entrypoints.client "人工智能" --max-new-tokens 16 [--grpc] [--url http://127.0.0.1:18180/generate/prediction]
+    python -m serving.client.client "人工智能" --max-new-tokens 16 [--grpc] [--url http://127.0.0.1:18180/generate/prediction]
 """
 from __future__ import annotations
 

@@ -1,0 +1,37 @@
+"""Files that a reader or a crash may see half-done are written one way, here: a temporary file beside the target
+(unique to the writing process and thread), written, flushed and fsynced, renamed over the target (atomic on one
+file system), and the directory fsynced so that the rename itself survives a crash of the machine."""
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+
+def fsync_path(path: str | Path) -> None:
+    """Make a file's contents, or a directory's entries, durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str | Path, data: str | bytes) -> None:
+    """`path` holds either its old contents or all of `data`, never part of it, whatever stops the writer."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data.encode("utf-8") if isinstance(data, str) else data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        publish(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def publish(written: str | Path, path: str | Path) -> None:
+    """Rename a file written (and fsynced) elsewhere in the same directory over `path`, durably."""
+    os.replace(written, path)
+    fsync_path(Path(path).parent)

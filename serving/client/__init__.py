@@ -1,0 +1,1 @@
+"""The caller's side of a running server: client (HTTP / gRPC, and its command line) and smoke (`make smoke`)."""

@@ -1,0 +1,118 @@
+"""A request's n sequences on the dispatcher, seen from the event loop (their events arrive on the workers' reader
+threads), and OpenAI's Server-Sent Events over them."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from serving.protocol import Request, RequestError
+from serving.server.openai.protocol import error_body, fingerprint, usage_of
+
+
+class Generation:
+    """The n sequences of one request on the dispatcher, seen from the event loop: their events arrive on the
+    workers' reader threads and are handed over with call_soon_threadsafe."""
+
+    def __init__(self, dispatcher, request: Request):
+        self.dispatcher, self.request = dispatcher, request
+        self.tickets: list = []
+        self.queue: asyncio.Queue | None = None
+        self.deadline = time.monotonic() + request.timeout_s
+
+    async def start(self) -> None:
+        loop, self.queue = asyncio.get_running_loop(), asyncio.Queue()
+        for i in range(self.request.n):
+            def on_event(event, i=i):
+                loop.call_soon_threadsafe(self.queue.put_nowait, (i, *event))
+            try:
+                self.tickets.append(self.dispatcher.submit(self.request.prompt, self.request.choice_settings(i),
+                                                           self.request.timeout_s, on_event, self.request.stream))
+            except RequestError:
+                self.cancel()
+                raise
+
+    async def events(self):
+        """(choice, "delta", text) ... (choice, "done", result) for every choice; RequestError on an error or at
+        the deadline."""
+        open_choices = set(range(self.request.n))
+        while open_choices:
+            left = self.deadline - time.monotonic()
+            try:
+                index, event, value = await asyncio.wait_for(self.queue.get(), max(left, 0.0))
+            except asyncio.TimeoutError:
+                from serving.engine.dispatch import deadline_error
+
+                raise deadline_error(self.request.timeout_s) from None
+            if event == "error":
+                raise value
+            if event == "done":
+                open_choices.discard(index)
+            yield index, event, value
+
+    async def all(self) -> list[dict]:
+        await self.start()
+        results: dict[int, dict] = {}
+        try:
+            async for index, event, value in self.events():
+                if event == "done":
+                    results[index] = value
+        finally:
+            self.cancel()
+        return [results[i] for i in range(self.request.n)]
+
+    def cancel(self) -> None:
+        for ticket in self.tickets:
+            if not ticket.pending.done.is_set():
+                self.dispatcher.cancel(ticket)
+
+
+async def sse_events(run: "Generation", chat: bool, arrived: float, metrics=None):
+    """OpenAI's chunks as the worker's text arrives; cancels the sequences if the client goes away."""
+    request = run.request
+    ident, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(index: int, text: str | None, finish: str | None, role: bool = False) -> str:
+        if chat:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+        body = {"id": ident, "object": kind, "created": created, "model": request.extra["model"],
+                "system_fingerprint": fingerprint(run.tickets[index].worker.lineage), "choices": [choice]}
+        if request.extra["include_usage"]:
+            body["usage"] = None
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    results: dict[int, dict] = {}
+    try:
+        await run.start()
+        for index in range(request.n):
+            if chat:
+                yield chunk(index, None, None, role=True)
+            elif request.echo:
+                yield chunk(index, request.prompt, None)
+        async for index, event, value in run.events():
+            if event == "delta":
+                yield chunk(index, value, None)
+            elif event == "done":
+                results[index] = value
+                rest = value["text"][value.get("streamed", 0):]
+                yield chunk(index, rest or None, value["finish_reason"])
+    except RequestError as exc:
+        if metrics:
+            metrics.refused("openai", exc.kind)
+        yield f"data: {json.dumps(error_body(exc)[1], ensure_ascii=False)}\n\n"
+        yield "data: [DONE]\n\n"
+        return
+    finally:
+        run.cancel()  # (client gone, or an error: whatever still runs leaves its batch)
+    for result in results.values():
+        if metrics:
+            metrics.answered("openai", arrived, result)
+    if request.extra["include_usage"]:
+        usage = usage_of(request, list(results.values()))
+        yield f"data: {json.dumps({'id': ident, 'object': kind, 'created': created, 'model': request.extra['model'], 'choices': [], 'usage': usage})}\n\n"  # noqa: E501
+    yield "data: [DONE]\n\n"
