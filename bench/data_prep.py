@@ -87,7 +87,7 @@ def trial(variant: str, files: list[Path], scratch: Path) -> dict:
         previous_path(files)
     else:
         from core.config import load_config
-        from training.data import prepare
+        from training.data.prepare import prepare
 
         config = load_config(None, ["data.source=files", f"data.files={json.dumps([str(f) for f in files])}",
                                     f"data.cache_dir={scratch / 'cache'}", f"data.workers={variant[-1]}"])

@@ -9,6 +9,10 @@
     tokenizer   the saved tokenizer's format
     processes   process groups, ports, signals
     errors      ConfigError: a wrong setting, reported in one line before launch
+    files       atomic writes (temp file, fsync, rename, fsync the directory)
+    registry    models:/ URIs -> a local export directory
+    cluster     Ray (one init) for data preparation and batch generation
+    dataset     the prepared data set's format: token shards, manifest
     workarounds every Paddle / PaddleNLP / Paddle Serving workaround, each naming its bug and versions
 
 Importing this package applies the process-wide workarounds first (zlib before paddle, the CPU math runtime, known

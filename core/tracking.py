@@ -119,13 +119,6 @@ def git_commit() -> str:
         return "unknown"
 
 
-def as_path(artifact_uri: str) -> Path:
-    """Local path of a file:// artifact URI."""
-    from urllib.parse import unquote, urlparse
-
-    return Path(unquote(urlparse(artifact_uri).path)) if artifact_uri.startswith("file:") else Path(artifact_uri)
-
-
 def checkpoint_ref_path(step: int) -> str:
     """Artifact path of a checkpoint's record (step, local path, eval metrics, and `artifact` once uploaded)."""
     return f"{CHECKPOINT_ARTIFACTS}/checkpoint-{step}.json"

@@ -8,7 +8,7 @@ from core.config import Config
 
 
 def run(config: Config) -> int:
-    from training.data import prepare
+    from training.data.prepare import prepare
 
     t0 = time.time()
     prepared = prepare(config, log=lambda line: print(line, flush=True))

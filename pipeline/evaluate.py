@@ -65,7 +65,7 @@ def held_out_set(config: Config, client, export_dir: Path, meta: dict, data: str
 
     if data:
         from core.config import with_overrides
-        from training.data import prepare
+        from training.data.prepare import prepare
 
         prepared = prepare(with_overrides(config, ["data.source=files", f"data.files={json.dumps([data])}",
                                                    "data.blend=[]", f"tokenizer.path={export_dir / 'tokenizer'}",

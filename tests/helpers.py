@@ -63,7 +63,7 @@ def cli(args: list[str], store_uri: str, timeout: float = 600, module: str = "pi
 def make_init_weights(config_file: Path, runs_dir: Path, out: Path) -> Path:
     """Seeded random weights of the single-device model, saved once, so every layout starts from the same point."""
     from core.config import load_config
-    from training.data import prepare
+    from training.data.prepare import prepare
     from model.llama import build_model
 
     import paddle
@@ -102,13 +102,8 @@ def progress_events(run_dir: Path) -> list[dict]:
 
 def wait_for_event(run_dir: Path, condition, proc: subprocess.Popen, what: str, timeout_s: float = 240) -> None:
     """Until some progress event satisfies `condition`; fails if the process ends or `timeout_s` passes first."""
-    import time
-
-    deadline = time.time() + timeout_s
-    while not any(condition(e) for e in progress_events(run_dir)):
-        assert proc.poll() is None, f"training ended (exit code {proc.returncode}) while waiting for {what}"
-        assert time.time() < deadline, f"no {what} within {timeout_s:g}s"
-        time.sleep(0.1)
+    assert wait_until(lambda: any(condition(e) for e in progress_events(run_dir)), timeout_s, 0.1, alive=proc,
+                      context=lambda: f"waiting for {what}"), f"no {what} within {timeout_s:g}s"
 
 
 def processes_matching(pattern: str, needle: str, env_item: str = "") -> list[int]:
@@ -126,15 +121,19 @@ def processes_matching(pattern: str, needle: str, env_item: str = "") -> list[in
     return found
 
 
-def wait_until(condition, timeout_s: float = 5.0) -> bool:
-    """Whether `condition()` became true within timeout_s (polled every 10 ms): waits on a state, not a time."""
+def wait_until(condition, timeout_s: float = 5.0, interval_s: float = 0.01, alive=None, context=lambda: "") -> bool:
+    """Whether `condition()` became true within timeout_s (polled every interval_s): waits on a state, not a time.
+    `alive`: a process that must keep running meanwhile; if it ends first, AssertionError with its exit code and
+    `context()` (a log tail, say)."""
     import time
 
     deadline = time.monotonic() + timeout_s
     while not condition():
+        if alive is not None and alive.poll() is not None:
+            raise AssertionError(f"the process ended (exit code {alive.returncode}) first; {context()}")
         if time.monotonic() > deadline:
             return False
-        time.sleep(0.01)
+        time.sleep(interval_s)
     return True
 
 

@@ -41,9 +41,8 @@ from serving.engine.exported import lineage
 from serving.protocol import GenerationSettings
 from serving.state import WORKER_FILE
 
-from serving.protocol import KINDS, RequestError
+from serving.protocol import RequestError
 
-CODES = {kind: codes[0] for kind, codes in KINDS.items()}
 
 
 @dataclass
@@ -329,17 +328,6 @@ class Dispatcher:
         self.metrics.running_batch.set(sum(w.queue_state[1] for w in self.workers))
 
     # -- requests -------------------------------------------------------------------------------------------------
-    def generate(self, prompt: str, settings: GenerationSettings, timeout_s: float | None = None) -> dict:
-        """The worker's result for one request, or RequestError (blocking: Paddle Serving's Op threads)."""
-        timeout_s = timeout_s or self.settings.request_timeout_s
-        ticket = self.submit(prompt, settings, timeout_s)
-        if not ticket.pending.done.wait(timeout_s):
-            self.cancel(ticket)
-            raise deadline_error(timeout_s)
-        if ticket.pending.error:
-            raise ticket.pending.error
-        return ticket.pending.result
-
     def generate_choices(self, request) -> list[dict]:
         """The n choices of a protocol Request (serving/protocol.py), blocking: all within its deadline, or the
         first error (the other choices are cancelled)."""

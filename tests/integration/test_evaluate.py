@@ -7,7 +7,7 @@ import time
 import pytest
 
 from core import tracking
-from helpers import cli, metric_history, serving_ports
+from helpers import cli, metric_history, serving_ports, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -78,13 +78,37 @@ def test_evaluation_reproduces_training_and_promotion_follows_the_evidence(versi
 LOAD_S, MOVE_AT_S, AFTER_S, CLIENTS = 20.0, 2.0, 3.0, 8
 
 
+def _load(state: dict, i: int, stop: threading.Event, answers: list, failures: list) -> None:
+    """One client until `stop`: odd ones on the OpenAI route, even ones on Paddle Serving's HTTP; each answer as
+    (sent, received, the version that answered)."""
+    import requests
+
+    session = requests.Session()
+    while not stop.is_set():
+        sent = time.monotonic()
+        try:
+            if i % 2:
+                r = session.post(f"{state['openai_base_url']}/completions", timeout=30,
+                                 json={"model": "test-model", "prompt": "人工智能", "max_tokens": 8})
+                version = r.json()["lineage"]["model_version"] if r.status_code == 200 else None
+            else:
+                r = session.post(state["http_url"], timeout=30, json={"key": ["prompt", "max_new_tokens"],
+                                                                      "value": ["这本书", "8"]})
+                body = r.json()
+                version = dict(zip(body["key"], body["value"]))["model_version"] if body["err_no"] == 0 else None
+            if version is None:
+                failures.append(r.text[:300])
+            else:
+                answers.append((sent, time.monotonic(), version))
+        except Exception as exc:  # noqa: BLE001
+            failures.append(repr(exc))
+
+
 @pytest.mark.alone  # (its load must run through the switch: an answer count)
 def test_a_server_follows_its_alias_under_load_without_failing_a_request(versions):
     """8 clients (OpenAI route and Paddle Serving's HTTP) for 20 s (and at least 3 s past the switch: loading the new
     workers beside busy ones takes a while on 2 cores) while `make promote` moves the alias v1 -> v2: no request
     fails, every answer names v1 or v2, and every request sent after the first v2 answer is answered by v2."""
-    import requests
-
     client = versions["client"]
     client.set_registered_model_alias("test-model", "champion", "1")
     overrides = [*versions["overrides"], *serving_ports(), "serving.follow_interval_s=1"]
@@ -92,29 +116,7 @@ def test_a_server_follows_its_alias_under_load_without_failing_a_request(version
     assert proc.returncode == 0 and "follows models:/test-model@champion" in proc.stdout, proc.stderr[-3000:]
     state = json.loads((versions["root"] / "runs" / "serving" / "server.json").read_text())
     answers, failures, stop = [], [], threading.Event()
-
-    def load(i: int) -> None:
-        session = requests.Session()
-        while not stop.is_set():
-            sent = time.monotonic()
-            try:
-                if i % 2:
-                    r = session.post(f"{state['openai_base_url']}/completions", timeout=30,
-                                     json={"model": "test-model", "prompt": "人工智能", "max_tokens": 8})
-                    version = r.json()["lineage"]["model_version"] if r.status_code == 200 else None
-                else:
-                    r = session.post(state["http_url"], timeout=30, json={"key": ["prompt", "max_new_tokens"],
-                                                                          "value": ["这本书", "8"]})
-                    body = r.json()
-                    version = dict(zip(body["key"], body["value"]))["model_version"] if body["err_no"] == 0 else None
-                if version is None:
-                    failures.append(r.text[:300])
-                else:
-                    answers.append((sent, time.monotonic(), version))
-            except Exception as exc:  # noqa: BLE001
-                failures.append(repr(exc))
-
-    threads = [threading.Thread(target=load, args=(i,)) for i in range(CLIENTS)]
+    threads = [threading.Thread(target=_load, args=(state, i, stop, answers, failures)) for i in range(CLIENTS)]
     began = time.monotonic()
     for t in threads:
         t.start()
@@ -122,11 +124,11 @@ def test_a_server_follows_its_alias_under_load_without_failing_a_request(version
         time.sleep(MOVE_AT_S)
         rc, out = promote(versions, 2, "--force")
         assert rc == 0, out
-        while time.monotonic() - began < 90:  # (20 s, and 3 s of answers after the first v2 answer)
+        def long_enough() -> bool:  # (20 s, and 3 s of answers after the first v2 answer)
             switched = [received for _, received, v in answers if v == "2"]
-            if time.monotonic() - began >= LOAD_S and switched and time.monotonic() - min(switched) >= AFTER_S:
-                break
-            time.sleep(0.1)
+            return time.monotonic() - began >= LOAD_S and bool(switched) and time.monotonic() - min(switched) >= AFTER_S
+
+        wait_until(long_enough, 90 - (time.monotonic() - began), 0.1)
     finally:
         stop.set()
         for t in threads:

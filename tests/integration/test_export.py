@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import cli, env_for
+from helpers import cli, env_for, wait_until
 from core import REPO_ROOT, exportdir, tracking
 pytestmark = pytest.mark.slow
 
@@ -97,7 +97,6 @@ def test_registered_version_loads_with_mlflow_pyfunc_in_a_fresh_process(exported
 def test_mlflow_models_serve_answers_over_its_rest_route(exported, tmp_path):
     import os
     import signal
-    import time
 
     import requests
 
@@ -111,16 +110,14 @@ def test_mlflow_models_serve_answers_over_its_rest_route(exported, tmp_path):
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
+        def pinged() -> bool:
             try:
-                if requests.get(f"http://127.0.0.1:{port}/ping", timeout=2).status_code == 200:
-                    break
+                return requests.get(f"http://127.0.0.1:{port}/ping", timeout=2).status_code == 200
             except requests.ConnectionError:
-                pass
-            assert time.time() < deadline, "mlflow models serve did not come up"
-            time.sleep(0.5)
+                return False
+
+        assert wait_until(pinged, 120, 0.5, alive=proc, context=lambda: proc.stderr.read()[-3000:]), \
+            "mlflow models serve did not come up"
         prompt, tokens = next(iter(exportdir.read_references(exported["export_dir"]).items()))
         answer = requests.post(f"http://127.0.0.1:{port}/invocations", timeout=60,
                                json={"dataframe_records": [{"prompt": prompt, "max_new_tokens": 8}]})

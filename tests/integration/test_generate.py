@@ -6,11 +6,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from helpers import cli, env_for
+from helpers import cli, env_for, wait_until
 from core import REPO_ROOT
 
 pytestmark = pytest.mark.slow
@@ -92,11 +91,8 @@ def test_a_killed_run_resumes_without_duplicates_and_equals_an_uninterrupted_run
            "--workers", "1", "serving.max_batch_size=2"]  # (slow enough to be killed halfway)
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env_for(table["uri"]), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        if target.exists() and target.read_bytes().count(b"\n") >= ROWS // 3:
-            break
-        time.sleep(0.05)
+    wait_until(lambda: proc.poll() is not None or (target.exists() and target.read_bytes().count(b"\n") >= ROWS // 3),
+               120, 0.05)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     written = target.read_bytes().count(b"\n")

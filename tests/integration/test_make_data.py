@@ -5,14 +5,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from core import REPO_ROOT, dataset
 from core.config import load_config
-from helpers import env_for
+from helpers import env_for, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +25,8 @@ def test_the_default_corpus_gets_ernie_tokenizer_ids_exactly(tmp_path):
     """Every document of the default corpus, read back from its shard, equals ErnieTokenizer's ids plus the end
     token (ErnieTokenizer loaded from the prepared tokenizer directory, as export and serving load it)."""
     from core.tokenizer import load_tokenizer
-    from training.data import corpus, prepare
+    from training.data import corpus
+    from training.data.prepare import prepare
     from training.data.prepare import shard_bytes
 
     config = load_config(None, [f"data.cache_dir={tmp_path}", "data.workers=2"])
@@ -92,9 +92,7 @@ def test_kill_9_in_the_middle_of_make_data_then_it_completes(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "pipeline", "data", *base, f"data.cache_dir={cache}"],
                             cwd=REPO_ROOT, env=env_for("sqlite:///unused.db"), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    deadline = time.time() + 120
-    while time.time() < deadline and len(list(cache.glob(".staging-*/parts/*.shard.json"))) < 3:
-        time.sleep(0.05)
+    wait_until(lambda: len(list(cache.glob(".staging-*/parts/*.shard.json"))) >= 3, 120, 0.05)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import LAYOUTS, env_for, make_command, metric_history, processes_matching, seeded_world
+from helpers import (LAYOUTS, env_for, make_command, metric_history, processes_matching, seeded_world,
+                     wait_until)
 from core import REPO_ROOT, tracking
 from core.processes import descendants, signal_pids
 
@@ -59,10 +60,7 @@ def _run_id(world, name):
 
 def _wait_for_checkpoint(world, name, proc, step=3):
     marker = world["runs"] / name / "checkpoints" / f"checkpoint-{step}" / "checkpoint_complete.json"
-    deadline = time.time() + 240
-    while not marker.exists():
-        assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
-        time.sleep(0.05)
+    assert wait_until(marker.exists, 240, 0.05, alive=proc), "no first checkpoint in 240 s"
 
 
 def _workers_of(run_dir: Path) -> list[int]:
@@ -148,9 +146,7 @@ def test_sigkill_of_the_launcher_leaves_no_orphan_the_run_is_reaped_and_resumes_
     assert workers
     os.kill(proc.pid, signal.SIGKILL)  # like a lost node or an OOM kill of the launcher
     proc.communicate(timeout=60)
-    deadline = time.time() + 60
-    while any(Path(f"/proc/{p}").exists() for p in workers) and time.time() < deadline:
-        time.sleep(0.2)
+    wait_until(lambda: not any(Path(f"/proc/{p}").exists() for p in workers), 60, 0.2)
     assert not _workers_of(world["runs"] / "orphan"), "the worker kept training without its launcher"
     client = tracking.client(world["uri"])
     run_id = _run_id(world, "orphan")

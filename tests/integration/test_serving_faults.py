@@ -33,17 +33,17 @@ def start_foreground(exported, tmp_path, *overrides):
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
     proc.log = log
     state_dir = runs / "serving"
-    deadline = time.time() + 120
-    while True:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        assert time.time() < deadline, "not ready in 120 s"
+    found = {}
+
+    def ready() -> bool:
         try:
-            state = json.loads((state_dir / "server.json").read_text())
-            if requests.get(f"{state['api_url']}/health/ready", timeout=2).status_code == 200:
-                return proc, state, state_dir
+            found["state"] = json.loads((state_dir / "server.json").read_text())
+            return requests.get(f"{found['state']['api_url']}/health/ready", timeout=2).status_code == 200
         except (OSError, ValueError, requests.RequestException):
-            pass
-        time.sleep(0.2)
+            return False
+
+    assert wait_until(ready, 120, 0.2, alive=proc, context=lambda: log.read_text()[-3000:]), "not ready in 120 s"
+    return proc, found["state"], state_dir
 
 
 def ask(state, prompt="你好", max_new_tokens=8, **fields) -> tuple[int, str, float]:
@@ -184,13 +184,14 @@ def test_a_worker_that_keeps_dying_makes_the_server_exit_non_zero(exported, tmp_
                                               "serving.max_worker_restarts=2")
     try:
         killed = []
-        deadline = time.time() + 90
-        while proc.poll() is None and time.time() < deadline:
-            pids = [p for p in worker_pids(state_dir) if p not in killed]
-            for pid in pids:
+
+        def kill_each_new_worker() -> bool:  # (polling worker.json for the replacement), until the server gives up
+            for pid in [p for p in worker_pids(state_dir) if p not in killed]:
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
-            time.sleep(0.01)  # (polling worker.json for the replacement)
+            return proc.poll() is not None
+
+        wait_until(kill_each_new_worker, 90)
         assert proc.wait(timeout=10) == 3 and len(killed) == 3, killed
         output = proc.log.read_text()
         assert "fatal: generation workers died 3 times within 60s (last: killed by SIGKILL); giving up" in output

@@ -4,11 +4,10 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from helpers import cli, env_for
+from helpers import cli, env_for, wait_until
 from core import REPO_ROOT, tracking
 
 
@@ -30,10 +29,9 @@ def test_a_2x2_sweep_interrupted_and_continued(tiny_config, tmp_path, store_uri)
 
     proc = subprocess.Popen([sys.executable, "-m", "pipeline", "sweep", *args], cwd=REPO_ROOT, env=env_for(store_uri),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 300
-    while not finished():  # interrupted once its first run has finished
-        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
-        time.sleep(0.5)
+    # interrupted once its first run has finished
+    assert wait_until(lambda: bool(finished()), 300, 0.5, alive=proc, context=lambda: proc.stdout.read()[-3000:]), \
+        "no run finished in 300 s"
     proc.send_signal(signal.SIGTERM)
     first, _ = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, first[-3000:]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import cli, metric_history
+from helpers import cli, metric_history, wait_until
 from core import tracking
 pytestmark = pytest.mark.slow
 
@@ -149,7 +149,6 @@ def test_a_full_disk_during_a_save_is_diagnosed_cleaned_up_and_resumes(tiny_conf
     after space is freed the run resumes to the end."""
     import os
     import subprocess
-    import time
 
     from helpers import env_for, make_command
     from core import REPO_ROOT
@@ -168,10 +167,7 @@ def test_a_full_disk_during_a_save_is_diagnosed_cleaned_up_and_resumes(tiny_conf
                          f"data.cache_dir={tmp_path / 'cache'}"), cwd=REPO_ROOT, env=env_for(store_uri),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         first = run_dir / "checkpoints" / "checkpoint-3" / COMPLETE_MARKER
-        deadline = time.time() + 240
-        while not first.exists():
-            assert proc.poll() is None and time.time() < deadline, "no first checkpoint"
-            time.sleep(0.05)
+        assert wait_until(first.exists, 240, 0.05, alive=proc), "no first checkpoint"
         free = os.statvfs(disk)
         # leave ~200 KiB: logs go on a little, the next checkpoint (several MiB) cannot be written
         subprocess.run(["fallocate", "-l", str(free.f_bavail * free.f_frsize - 200 * 1024), str(filler)], check=True)

@@ -10,7 +10,8 @@ import pytest
 from core import dataset
 from core import tokenizer as tokenizer_format
 from core.config import ConfigError, load_config
-from training.data import corpus, prepare
+from training.data import corpus
+from training.data.prepare import prepare
 from training.data.prepare import build_vocabulary, content_key, shard_bytes
 
 

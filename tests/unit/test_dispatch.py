@@ -11,7 +11,7 @@ from helpers import wait_until
 
 from serving.engine import dispatch
 from serving.engine.dispatch import Dispatcher, WorkerHandle, per_worker_capacity
-from serving.protocol import GenerationSettings
+from serving.protocol import GenerationSettings, Request
 from serving.protocol import RequestError
 
 META = {"registered_model_name": "m", "version": 1, "source_run_id": "r1", "checkpoint_step": 7}
@@ -133,7 +133,7 @@ def test_a_full_server_refuses_at_once_and_a_deadline_cancels_in_the_worker(monk
     assert refused.value.kind == "busy" and "2 requests in flight" in refused.value.message
     d.cancel(held[1])
     with pytest.raises(RequestError) as late:
-        d.generate("d", GenerationSettings(), timeout_s=0.2)
+        d.generate_choices(Request("d", GenerationSettings(), timeout_s=0.2))
     assert late.value.kind == "deadline"
     assert wait_until(lambda: sum(m[0] == "cancel" for _, m in fakes.received) == 2)
     assert d.in_flight == 1  # (only "a": the cancelled and the late one are forgotten)
@@ -200,6 +200,6 @@ def test_a_model_that_cannot_load_leaves_the_current_one_serving(monkeypatch, tm
     monkeypatch.setattr("core.exportdir.read_meta", lambda path: {**META, "version": 9})
     assert d.switch(tmp_path / "broken", load_timeout_s=10) is False
     assert d.meta["version"] == 1 and str(d.model_dir) == "/models/v1"
-    assert d.generate("still", GenerationSettings())["text"] == "STILL"
+    assert d.generate_choices(Request("still", GenerationSettings()))[0]["text"] == "STILL"
     assert len(fakes.spawned) == 4  # (the broken model's workers were not restarted)
     d.stop()

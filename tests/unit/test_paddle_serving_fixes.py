@@ -42,7 +42,8 @@ def run(items=40, threads=8):
                     taken.append(got["@DAGExecutor"].id)
         except channel.ChannelStopError:
             pass
-    def settled(done):  # (every consumer waits on the channel's condition again; `done` items taken)
+    def settled(done):  # (every consumer waits on the channel's condition again; `done` items taken; a child
+        # program of its own, so not tests/helpers.py wait_until)
         deadline = time.time() + 5
         while (len(taken) < done or len(ch._cv._waiters) < threads) and time.time() < deadline:
             time.sleep(0.001)

@@ -18,18 +18,18 @@ from pathlib import Path
 from core import dataset
 from core.errors import ConfigError
 from core.tokenizer import VOCAB_MULTIPLE
-from training.data.prepare import Prepared, prepare
+from training.data.prepare import Prepared, prepare as prepare_dataset  # (training.data.prepare stays the module)
 from training.data.read import RUN_DATA
 
 STATS_FILE = "stats.json"
 
-__all__ = ["Prepared", "prepare", "for_run", "STATS_FILE"]
+__all__ = ["Prepared", "prepare_dataset", "for_run", "STATS_FILE"]
 
 
 def for_run(config, run_dir: Path, log=print) -> tuple[dict, Prepared]:
     """Prepare (or find) the config's data set, copy its tokenizer into the run, record which set and which samples
     the run reads (data/dataset.json), build the sample index, and return the run's data statistics."""
-    prepared = prepare(config, run_dir=run_dir, log=log)
+    prepared = prepare_dataset(config, run_dir=run_dir, log=log)
     manifest, tr = prepared.manifest, config.training
     shutil.copytree(prepared.path / dataset.TOKENIZER_DIR, run_dir / "tokenizer")
     width, batch = tr.seq_length + 1, tr.global_batch_size
