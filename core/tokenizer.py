@@ -68,6 +68,41 @@ def lower_case(directory: Path | str) -> bool:
 _PADDLENLP_SYMBOLS = r"[\p{S}\x{00AD}\x{00B2}\x{00BA}\x{3007}\x{00B5}\x{00D8}\x{014B}\x{01B1}]"
 
 
+# A document longer than CHUNK_CHARS is tokenized in chunks of at most PART_CHARS (training/data/shards.py): memory
+# follows the chunk, not the document. Whole, a 1.7M-character line took ~230 bytes a character in the Rust
+# tokenizer; in 1M-character chunks, ~500 MB and 0.2M characters/s; in 1-8K chunks ~390K characters/s, as short
+# documents (docs/data.md).
+CHUNK_CHARS = 1 << 16
+PART_CHARS = 1 << 12
+
+
+def _safe_cut(text: str, at: int) -> bool:
+    """Whether tokens never span position `at`: the character there is whitespace (words end at it) or a CJK
+    ideograph (ErnieTokenizer and the fast tokenizer make each its own token), so the ids of text[:at] and text[at:]
+    joined are the ids of the whole."""
+    ch = text[at]
+    return ch.isspace() or 0x4E00 <= ord(ch) <= 0x9FFF or 0x3400 <= ord(ch) <= 0x4DBF
+
+
+def chunks(text: str, max_chars: int = CHUNK_CHARS):
+    """`text` in consecutive pieces of about max_chars (at most, unless a stretch of max_chars has no safe cut),
+    each cut where no token spans the cut: tokenized one by one, their ids joined equal the whole text's."""
+    start = 0
+    while len(text) - start > max_chars:
+        cut = start + max_chars
+        while cut > start and not _safe_cut(text, cut):
+            cut -= 1
+        if cut == start:  # (no safe cut in the window: the next one after it)
+            cut = start + max_chars
+            while cut < len(text) and not _safe_cut(text, cut):
+                cut += 1
+            if cut == len(text):
+                break
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
+
+
 def fast_tokenizer(directory: Path | str):
     """A `tokenizers.Tokenizer` over the same vocabulary giving the same ids as `load_tokenizer`'s ErnieTokenizer
     (tests check the whole default corpus and edge cases), ~3x faster. Like it, special tokens written in the text

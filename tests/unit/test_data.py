@@ -173,11 +173,15 @@ def test_the_content_key_follows_bytes_and_settings_not_workers(tmp_path):
 
 
 def test_one_or_two_workers_write_the_same_bytes(tmp_path):
-    files = [reviews(tmp_path / f"c{i}.txt", 200 + i, salt=str(i)) for i in range(3)]
-    one = prepare(config_for(tmp_path, files, ["data.workers=1", f"data.cache_dir={tmp_path / 'one'}"]))
-    two = prepare(config_for(tmp_path, files, ["data.workers=2", f"data.cache_dir={tmp_path / 'two'}"]))
+    files = [reviews(tmp_path / f"c{i}.txt", 12000 + i, salt=str(i)) for i in range(3)]  # (~0.7 MB each)
+    settings = ["data.shard_mb=1"]
+    one = prepare(config_for(tmp_path, files, [*settings, "data.workers=1", f"data.cache_dir={tmp_path / 'one'}"]))
+    two = prepare(config_for(tmp_path, files, [*settings, "data.workers=2", f"data.cache_dir={tmp_path / 'two'}"]))
     assert one.path.name == two.path.name and snapshot(one.path) == snapshot(two.path)
-    assert len(dataset.shard_prefixes(two.path, two.manifest, "train")) == 3
+    shards = dataset.shard_prefixes(two.path, two.manifest, "train")
+    total = sum(f.stat().st_size for f in files)
+    assert len(shards) == -(-total // (1 << 20)) == 3  # (pieces of 1 MB whatever the files: two are cut across)
+    assert [s["files"] for _, s in shards] == [2, 2, 1]
 
 
 def snapshot(path: Path) -> dict:
@@ -190,10 +194,18 @@ def test_max_documents_takes_the_first_documents_in_file_order(tmp_path):
     made = prepare(config_for(tmp_path, files, ["data.max_documents=130"]))
     totals = made.manifest["totals"]
     assert totals["train"]["documents"] + totals["validation"]["documents"] == 130
-    by_piece = {}
-    for shard in made.manifest["shards"]:
-        by_piece[shard["source"]] = by_piece.get(shard["source"], 0) + shard["documents"]
-    assert by_piece == {str(files[0].resolve()): 100, str(files[1].resolve()): 30}
+    from core.tokenizer import EOS_TOKEN, read_vocab
+
+    vocab = read_vocab(made.path / dataset.TOKENIZER_DIR)
+    eos, first, second = vocab.index(EOS_TOKEN), vocab.index("甲"), vocab.index("乙")
+    seen = {"甲": 0, "乙": 0}
+    for split in dataset.SPLITS:
+        for prefix, _ in dataset.shard_prefixes(made.path, made.manifest, split):
+            ids = np.asarray(dataset.tokens(prefix, np.dtype(made.manifest["tokenizer"]["dtype"])))
+            docs = np.split(ids, np.flatnonzero(ids == eos) + 1)
+            seen["甲"] += sum(bool((d == first).any()) for d in docs)
+            seen["乙"] += sum(bool((d == second).any()) for d in docs)
+    assert seen == {"甲": 100, "乙": 30}  # (the first 130 documents in file order, across the grouped files)
 
 
 def test_a_damaged_shard_is_a_one_line_error_naming_the_file(tmp_path):
@@ -293,3 +305,88 @@ def test_a_rank_maps_the_corpus_instead_of_loading_it(tmp_path):
 def anon_mb() -> float:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:")) / 1024
+
+
+def test_small_files_are_grouped_into_pieces_that_follow_the_corpus_size(tmp_path):
+    """2,000 small files (and one big and one compressed file among them) -> pieces of about shard_bytes, every
+    document once and in file order; the same pieces whatever order the files were listed in."""
+    import gzip
+
+    root = tmp_path / "many"
+    root.mkdir()
+    expected = []
+    for i in range(2000):
+        docs = [f"第{i}篇第{j}句" + "字" * (i % 13) for j in range(3)]
+        (root / f"part-{i:05d}.txt").write_text("\n".join(docs) + "\n", encoding="utf-8")
+        expected += docs
+    big = [f"长文件{j}" + "文" * 50 for j in range(400)]
+    (root / "part-00700a.txt").write_text("\n".join(big) + "\n", encoding="utf-8")
+    zipped = [f"压缩{j}" for j in range(50)]
+    with gzip.open(root / "part-01400a.txt.gz", "wt", encoding="utf-8") as f:
+        f.write("\n".join(zipped) + "\n")
+    expected = expected[:701 * 3] + big + expected[701 * 3:1401 * 3] + zipped + expected[1401 * 3:]
+    files = corpus.expand([str(root)], "data.files")
+    total = sum(f.stat().st_size for f in files)
+    shard = total // 20
+    made = corpus.pieces([corpus.Corpus("c", 1, tuple(files))], shard)
+    assert 20 <= len(made) <= 22  # (the compressed file counts whole where it starts)
+    assert sum(len(p.segments) for p in made) > 2002  # (the big file is cut)
+    assert all(p.size <= shard + (root / "part-01400a.txt.gz").stat().st_size for p in made)
+    assert [d for p in made for d in corpus.documents(p, "text")] == expected
+    again = corpus.pieces([corpus.Corpus("c", 1, tuple(files))], shard)
+    assert again == made and [p.name for p in made] == sorted(p.name for p in made)
+    limited = corpus.documents(made[0], "text", limit=5)
+    assert list(limited) == expected[:5]
+    task_piece = corpus.Piece(**__import__("dataclasses").asdict(made[3]))  # (as a task hands it to a worker)
+    assert task_piece == made[3]
+
+
+LONG_MIX = ("第{i}章 The café's №{i} recipe—naïve CRÈME brûlée, 价格¥{i}.5 [SEP] ① word{i}word\t"
+            "supercalifragilisticexpialidocious{i} 长句子没有空格一直写下去直到很远的地方")
+
+
+def test_long_document_chunks_give_ernie_tokenizer_ids(tmp_path):
+    """core/tokenizer.py chunks: a document cut at safe places, each chunk tokenized alone, gives exactly the
+    ids ErnieTokenizer gives the whole document, at every chunk boundary."""
+    from core.tokenizer import chunks, load_tokenizer
+
+    text = "".join(LONG_MIX.format(i=i) for i in range(300))
+    made = prepare(config_for(tmp_path, [reviews(tmp_path / "r.txt")], [f"data.cache_dir={tmp_path / 'c'}",
+                                                                       "tokenizer.min_frequency=1"]))
+    ernie = load_tokenizer(made.path / "tokenizer")
+    whole = ernie(text, add_special_tokens=False)["input_ids"]
+    for size in (37, 500, 4096):
+        parts = list(chunks(text, size))
+        assert "".join(parts) == text and len(parts) > len(text) // (size * 2)
+        assert size < 100 or all(len(p) <= size for p in parts[:-1])  # (37: some windows have no safe cut)
+        ids = [t for p in parts for t in ernie(p, add_special_tokens=False)["input_ids"]]
+        assert ids == whole, size
+    letters = "x" * 300 + " tail"  # (no safe cut within the first window: the next one after it)
+    assert list(chunks(letters, 100)) == ["x" * 300, " tail"]
+
+
+def test_a_long_document_is_tokenized_in_chunks_to_the_same_shards(tmp_path, monkeypatch):
+    """The shard worker tokenizes a document longer than CHUNK_CHARS chunk by chunk: the shards are byte-identical
+    to tokenizing it whole (items and end tokens included), and its ids are ErnieTokenizer's."""
+    from core.tokenizer import EOS_TOKEN, load_tokenizer
+
+    long_doc = "".join(LONG_MIX.format(i=i) for i in range(400))
+    path = reviews(tmp_path / "c.txt", 400)
+    path.write_text(path.read_text(encoding="utf-8") + long_doc + "\n" + "最后一条评论\n", encoding="utf-8")
+    common = ["data.workers=1", "data.validation_fraction=0.02"]
+    whole = prepare(config_for(tmp_path, [path], [*common, f"data.cache_dir={tmp_path / 'whole'}"]))
+    monkeypatch.setattr("core.tokenizer.CHUNK_CHARS", 1000)
+    chunked = prepare(config_for(tmp_path, [path], [*common, f"data.cache_dir={tmp_path / 'chunked'}"]))
+    assert snapshot(whole.path) == snapshot(chunked.path)
+    ernie = load_tokenizer(chunked.path / "tokenizer")
+    want = ernie(long_doc, add_special_tokens=False)["input_ids"] + [ernie.convert_tokens_to_ids(EOS_TOKEN)]
+    found = []
+    for split in dataset.SPLITS:
+        for prefix, _ in dataset.shard_prefixes(chunked.path, chunked.manifest, split):
+            dtype, sizes = dataset.read_index(prefix)
+            stream = dataset.tokens(prefix, dtype).tolist()
+            here = [stream[i:i + len(want)] == want for i in range(len(stream) - len(want) + 1)
+                    if stream[i] == want[0]]
+            assert not any(here) or max(sizes) >= len(want)  # (the long document is an item of its own)
+            found += here
+    assert found.count(True) == 1

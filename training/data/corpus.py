@@ -71,27 +71,62 @@ def corpora(config) -> list[Corpus]:
 
 
 @dataclass(frozen=True)
-class Piece:
-    """A byte range of one input file (end None: to the end); compressed files are one piece each."""
-    name: str
-    corpus: str
+class Segment:
+    """A byte range of one input file (end None: to the end of the file)."""
     path: str
     start: int
     end: int | None
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What one task reads: consecutive byte ranges of a corpus's files, about data.shard_mb in all. Small files are
+    grouped into one piece, a big plain file is cut across pieces; a compressed file is never cut (one segment)."""
+    name: str
+    corpus: str
+    segments: tuple[Segment, ...]
     size: int
+
+    def __post_init__(self):  # (a task's piece arrives as a dict: its segments as lists or dicts)
+        object.__setattr__(self, "segments", tuple(
+            s if isinstance(s, Segment) else Segment(**s) if isinstance(s, dict) else Segment(*s)
+            for s in self.segments))
 
 
 def pieces(corpora_: list[Corpus], shard_bytes: int) -> list[Piece]:
+    """Each corpus's files, in order, as one stream of bytes cut every `shard_bytes` (a compressed file counts
+    whole where it starts): the number of pieces follows the corpus's size, not its number of files. Named
+    c<corpus>-p<piece>, deterministic for the same files and shard size whatever the workers."""
     out = []
     for ci, corpus in enumerate(corpora_):
-        for fi, path in enumerate(corpus.files):
+        segments: list[Segment] = []
+        filled, made = 0, 0
+
+        def close() -> None:
+            nonlocal segments, filled, made
+            if segments:
+                out.append(Piece(f"c{ci}-p{made:05d}", corpus.name, tuple(segments), filled))
+                made += 1
+            segments, filled = [], 0
+
+        for path in corpus.files:
             size = path.stat().st_size
-            plain = not str(path).endswith((".gz", ".zst"))
-            cuts = list(range(0, size, shard_bytes)) if plain and size > shard_bytes else [0]
-            for pi, start in enumerate(cuts):
-                end = cuts[pi + 1] if pi + 1 < len(cuts) else None
-                out.append(Piece(f"c{ci}-f{fi:05d}-p{pi:04d}", corpus.name, str(path), start, end,
-                                 (end if end is not None else size) - start))
+            if str(path).endswith((".gz", ".zst")):
+                segments.append(Segment(str(path), 0, None))
+                filled += size
+            else:
+                start = 0
+                while size - start > shard_bytes - filled:  # (the rest of the file overfills this piece: cut it)
+                    end = start + shard_bytes - filled
+                    segments.append(Segment(str(path), start, end))
+                    filled, start = shard_bytes, end
+                    close()
+                if size > start:
+                    segments.append(Segment(str(path), start, None))
+                    filled += size - start
+            if filled >= shard_bytes:
+                close()
+        close()
     return out
 
 
@@ -108,19 +143,27 @@ def _open(path: str):
 
 
 def documents(piece: Piece, text_field: str, limit: int | None = None):
-    """The non-blank documents of a piece, stripped: one a line (.txt) or the `text_field` string of each JSON line
-    (.jsonl). A line belongs to the piece its first byte is in. `limit`: at most this many documents."""
-    jsonl = piece.path.removesuffix(".gz").removesuffix(".zst").endswith(".jsonl")
+    """The non-blank documents of a piece, in order, stripped: one a line (.txt) or the `text_field` string of each
+    JSON line (.jsonl). A line belongs to the segment its first byte is in. `limit`: at most this many documents."""
     n = 0
-    with _open(piece.path) as fh:
-        pos = 0
-        if piece.start > 0:
-            fh.seek(piece.start - 1)
-            pos = piece.start - 1 + len(fh.readline())  # (the line holding byte start-1 is the previous piece's)
-        for lineno, raw in enumerate(fh, 1):
-            if piece.end is not None and pos >= piece.end:
+    for segment in piece.segments:
+        for text in _segment_documents(segment, text_field):
+            if limit is not None and n >= limit:
                 return
-            where = f"{piece.path}:{lineno}" if piece.start == 0 else f"{piece.path} (line at byte {pos})"
+            n += 1
+            yield text
+
+
+def _segment_documents(segment: Segment, text_field: str):
+    jsonl = segment.path.removesuffix(".gz").removesuffix(".zst").endswith(".jsonl")
+    with _open(segment.path) as fh:
+        pos = 0
+        if segment.start > 0:  # (the line holding byte start-1 is the previous piece's)
+            pos = _skip_line(fh, segment.start - 1)
+        for lineno, raw in enumerate(fh, 1):
+            if segment.end is not None and pos >= segment.end:
+                return
+            where = f"{segment.path}:{lineno}" if segment.start == 0 else f"{segment.path} (line at byte {pos})"
             pos += len(raw)
             text = _decode(raw, where)
             if jsonl:
@@ -129,10 +172,22 @@ def documents(piece: Piece, text_field: str, limit: int | None = None):
                 text = _field(text, text_field, where)
             text = text.strip()
             if text:
-                if limit is not None and n >= limit:
-                    return
-                n += 1
                 yield text
+
+
+def _skip_line(fh, at: int, block: int = 1 << 16) -> int:
+    """Seek past the end of the line holding byte `at`, reading blocks (a book-length line is never held whole);
+    returns the position."""
+    pos = at
+    fh.seek(at)
+    while True:
+        data = fh.read(block)
+        newline = data.find(b"\n")
+        if newline >= 0 or not data:
+            pos += newline + 1 if newline >= 0 else len(data)
+            fh.seek(pos)
+            return pos
+        pos += len(data)
 
 
 def _decode(raw: bytes, where: str) -> str:

@@ -2,7 +2,8 @@
 
     key      a hash of the corpus bytes, every setting that shapes the result and this code: a second run, or another
              node that sees the same directory, reuses the set
-    pieces   each input file cut into pieces of at most data.shard_mb (a compressed file is one piece)
+    pieces   each corpus's files as one stream cut into pieces of data.shard_mb: small files grouped, big ones
+             cut (a compressed file is never cut), so the shards follow the corpus's size, not its file count
     count    (data.max_documents only) documents per piece, so "the first N documents" is known per piece
     vocab    character counts of the training documents, summed over pieces -> the frozen vocabulary (or the
              tokenizer of tokenizer.path, used as it is)
@@ -210,8 +211,8 @@ def _manifest(config, corpora, pieces, results, key, vocab_size, extra, engine) 
     for p in pieces:
         r = by_piece.get(p.name)
         for split in dataset.SPLITS if r else ():
-            shards.append({"name": p.name, "corpus": p.corpus, "split": split, "source": p.path, "start": p.start,
-                           **r[split]})
+            shards.append({"name": p.name, "corpus": p.corpus, "split": split, "files": len(p.segments),
+                           "source": p.segments[0].path, "start": p.segments[0].start, **r[split]})
             totals[split]["documents"] += r[split]["documents"]
             totals[split]["tokens"] += r[split]["tokens"]
         unknown += r["validation"]["unknown"] if r else 0

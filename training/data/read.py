@@ -31,8 +31,12 @@ def train_prefixes(path: Path, manifest: dict) -> list:
     """PaddleNLP's data_prefix: [weight, prefix, weight, prefix, ...] (or [prefix] for a single shard)."""
     shards = dataset.shard_prefixes(path, manifest, "train")
     if len(shards) > MAX_TRAIN_SHARDS:
-        raise ConfigError(f"the data set has {len(shards)} training shards; PaddleNLP's blending takes at most "
-                          f"{MAX_TRAIN_SHARDS}: prepare it again with a larger data.shard_mb")
+        corpora = len(manifest["corpora"])
+        need_mb = -(-manifest.get("input_bytes", 0) // max(MAX_TRAIN_SHARDS - corpora, 1) // (1 << 20)) + 1
+        raise ConfigError(f"the data set has {len(shards)} training shards ({corpora} corpora); PaddleNLP's "
+                          f"blending takes at most {MAX_TRAIN_SHARDS}: prepare it again with data.shard_mb="
+                          f"{need_mb} or more (pieces follow the corpus's size: {manifest.get('input_bytes', 0):,} "
+                          "bytes)")
     if len(shards) == 1:
         return [str(shards[0][0])]
     weights = {c["name"]: c["weight"] for c in manifest["corpora"]}

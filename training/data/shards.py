@@ -17,9 +17,11 @@ import unicodedata
 from array import array
 from collections import Counter
 from pathlib import Path
+
 from core.files import atomic_write
 
-BATCH_DOCUMENTS = 512  # documents tokenized per call (the Rust tokenizer's per-call overhead amortised)
+BATCH_DOCUMENTS = 512  # documents tokenized per call (the Rust tokenizer's per-call overhead amortised) ...
+BATCH_CHARS = 1 << 18  # ... or fewer, once they hold this many characters (its memory grows with the call's text)
 
 
 def single_threaded() -> None:
@@ -75,30 +77,51 @@ def _shard(task: dict, staging: Path, piece) -> dict:
     import numpy as np
 
     from core import dataset
-    from core.tokenizer import fast_tokenizer
+    from core import tokenizer as tokenizer_format
     from training.data.corpus import split_rule
 
-    tokenizer = fast_tokenizer(staging / dataset.TOKENIZER_DIR)
+    tokenizer = tokenizer_format.fast_tokenizer(staging / dataset.TOKENIZER_DIR)
     eos, unk, dtype = task["eos_id"], task["unk_id"], np.dtype(task["dtype"])
     is_validation = split_rule(task["seed"], task["validation_fraction"])
     writers = {split: _ShardWriter(staging / split / piece.name, dtype) for split in dataset.SPLITS}
     batch: dict[str, list[str]] = {split: [] for split in dataset.SPLITS}
-    unknown = dict.fromkeys(dataset.SPLITS, 0)
+    unknown, chars = dict.fromkeys(dataset.SPLITS, 0), dict.fromkeys(dataset.SPLITS, 0)
 
     def flush(split: str) -> None:
         if batch[split]:
             ids = [e.ids for e in tokenizer.encode_batch(batch[split], add_special_tokens=False)]
             batch[split].clear()
+            chars[split] = 0
             unknown[split] += writers[split].add(ids, eos, unk)
 
+    long_chars = tokenizer_format.CHUNK_CHARS
     for doc in _docs(task, piece):
         split = "validation" if is_validation(doc) else "train"
+        if len(doc) > long_chars:  # (in order: what is batched first, then the long document chunk by chunk)
+            flush(split)
+            unknown[split] += _add_long(tokenizer, doc, writers[split], min(long_chars, tokenizer_format.PART_CHARS),
+                                        eos, unk)
+            continue
         batch[split].append(doc)
-        if len(batch[split]) >= BATCH_DOCUMENTS:
+        chars[split] += len(doc)
+        if len(batch[split]) >= BATCH_DOCUMENTS or chars[split] >= BATCH_CHARS:
             flush(split)
     for split in dataset.SPLITS:
         flush(split)
     return {split: writers[split].finish() | {"unknown": unknown[split]} for split in dataset.SPLITS}
+
+
+def _add_long(tokenizer, doc: str, writer: "_ShardWriter", part_chars: int, eos: int, unk: int) -> int:
+    """A long document in chunks cut where no token spans them (core/tokenizer.py chunks): the same ids as whole."""
+    import itertools
+
+    from core.tokenizer import chunks
+
+    unknown, parts = 0, chunks(doc, part_chars)
+    while group := list(itertools.islice(parts, BATCH_CHARS // part_chars)):
+        for encoding in tokenizer.encode_batch(group, add_special_tokens=False):
+            unknown += writer.add_part(encoding.ids, unk)
+    return unknown + writer.add([[]], eos, unk)  # (its end token)
 
 
 # Index entries ("items", what PaddleNLP's causal dataset shuffles) are runs of consecutive whole documents of up to
@@ -118,25 +141,39 @@ class _ShardWriter:
         self.tmp_bin = Path(f"{prefix}.bin.tmp")
         self.file = open(self.tmp_bin, "wb")
         self.sizes = array("i")  # tokens of each item
-        self.open_item, self.documents = 0, 0
+        self.open_item, self.documents, self.part_tokens = 0, 0, 0
 
     def add(self, docs: list[list[int]], eos: int, unk: int) -> int:
-        """Append documents (each followed by the end-of-document token); returns how many tokens were unknown."""
+        """Append documents (each followed by the end-of-document token); returns how many tokens were unknown.
+        A document written with `add_part` before is completed by the first of `docs` (its end token: [])."""
         import itertools
 
         import numpy as np
 
         for ids in docs:
             ids.append(eos)
-            if self.open_item and self.open_item + len(ids) > ITEM_TOKENS:
-                self.sizes.append(self.open_item)
-                self.open_item = 0
-            self.open_item += len(ids)
+            self._document(self.part_tokens + len(ids))
+            self.part_tokens = 0
         self.documents += len(docs)
         flat = np.fromiter(itertools.chain.from_iterable(docs), dtype=self.dtype,
                            count=sum(len(ids) for ids in docs))
         self.file.write(flat.tobytes())
         return int((flat == unk).sum())
+
+    def add_part(self, ids: list[int], unk: int) -> int:
+        """Append part of a long document (training/data/shards.py chunks it); its item is decided at its end."""
+        import numpy as np
+
+        flat = np.asarray(ids, dtype=self.dtype)
+        self.file.write(flat.tobytes())
+        self.part_tokens += len(ids)
+        return int((flat == unk).sum())
+
+    def _document(self, tokens: int) -> None:
+        if self.open_item and self.open_item + tokens > ITEM_TOKENS:
+            self.sizes.append(self.open_item)
+            self.open_item = 0
+        self.open_item += tokens
 
     def finish(self) -> dict:
         import numpy as np
