@@ -1,11 +1,14 @@
 # Thin wrapper: environment set-up plus one line per user verb. All logic lives in `python -m pipeline`.
 SHELL := /bin/bash
-DEVICE ?= cpu
+VENV := .venv
+# The environment remembers its device: after `make setup DEVICE=gpu`, every plain target uses that environment as it
+# is. Switching is explicit (`make setup DEVICE=cpu`) and says what it replaces.
+INSTALLED_DEVICE := $(patsubst $(VENV)/.installed-%,%,$(firstword $(wildcard $(VENV)/.installed-*)))
+DEVICE ?= $(or $(INSTALLED_DEVICE),cpu)
 CONFIG ?= configs/tiny.yaml
 ARGS ?=
 RESUME ?=
 DRY_RUN ?=
-VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(DEVICE)
 export PYTHONPATH := $(CURDIR)
@@ -32,6 +35,7 @@ setup: $(STAMP)
 # build for DEVICE. --no-deps: the lock is complete, and paddle-serving-* declare pins that cannot install on 3.11.
 $(STAMP): requirements/lock.txt requirements/paddle-$(DEVICE).txt $(if $(filter gpu,$(DEVICE)),requirements/cuda-runtime.txt)
 	test -x $(PY) || python3 -m venv $(VENV)
+	$(if $(filter-out $(DEVICE),$(INSTALLED_DEVICE)),@echo "switching $(VENV) from DEVICE=$(INSTALLED_DEVICE) to DEVICE=$(DEVICE): $$(head -1 requirements/paddle-$(INSTALLED_DEVICE).txt) is replaced by $$(head -1 requirements/paddle-$(DEVICE).txt)" && $(VENV)/bin/pip uninstall --disable-pip-version-check -y -q paddlepaddle paddlepaddle-gpu)
 	$(VENV)/bin/pip install --disable-pip-version-check -q --no-deps -r requirements/lock.txt -r requirements/paddle-$(DEVICE).txt
 	rm -f $(VENV)/.installed-*
 	touch $@

@@ -60,3 +60,15 @@ def test_the_doctor_reports_the_gpu_environment_without_a_gpu(gpu_venv):
     proc = run_in(gpu_venv, "-m", "pipeline", "doctor", "parallel.device=gpu")
     assert proc.returncode == 1 and "FIX driver     no NVIDIA driver (nvidia-smi not found): install a driver" \
         in proc.stdout
+
+
+def test_later_plain_targets_keep_the_gpu_environment(gpu_venv):
+    """The sequence a user types: `make setup DEVICE=gpu`, then plain `make doctor` and `make train DRY_RUN=1`; the
+    environment is still the GPU one afterwards (the stamp remembers the device)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DEVICE", "LD_LIBRARY_PATH")}
+    for target in (["doctor"], ["train", "DRY_RUN=1"]):
+        proc = subprocess.run(["make", "-C", str(REPO_ROOT), *target, f"VENV={gpu_venv}"], capture_output=True,
+                              text=True, timeout=1200, env=env)
+        assert "pip install" not in proc.stdout and "paddle-cpu.txt" not in proc.stdout, proc.stdout[-2000:]
+    proc = run_in(gpu_venv, "-c", "import core, paddle; print(paddle.version.cuda(), paddle.device.get_cudnn_version())")
+    assert proc.returncode == 0 and proc.stdout.split()[-2:] == ["11.8", "8600"], proc.stdout + proc.stderr[-2000:]
