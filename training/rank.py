@@ -37,13 +37,31 @@ def make_trainer(device: str = "cpu", **kwargs):
                 drop_last=self.args.dataloader_drop_last)
 
         stage_timer = None
+        window = None  # the loss window: the running sum since the last log (the loop's tr_loss tensor)
+        resumed_window = None  # (a resume: the window its checkpoint saved, added at the first step)
 
         def _save_checkpoint(self, model, metrics=None):
             # when the loop paused for this checkpoint (CheckpointCompleteCallback logs checkpoint_stall_s)
             import time
 
             self.state.checkpoint_started_at = time.time()
-            return super()._save_checkpoint(model, metrics)
+            result = super()._save_checkpoint(model, metrics)
+            save_loss_window(self, Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}")
+            return result
+
+        def _maybe_log_save_evaluate(self, tr_loss, model, epoch, ignore_keys_for_eval, **kwargs):
+            """Also: a checkpoint saved between two logging steps keeps the loss window (its running sum and the
+            step it started at), and a resume from it continues that window, so the first loss logged after a
+            resume averages the same steps as an uninterrupted run (PaddleNLP restarts the window at the resumed
+            step and logs the mean of fewer steps)."""
+            self.window = tr_loss
+            if self.resumed_window is not None:
+                import paddle
+
+                tr_loss.add_(paddle.to_tensor(self.resumed_window["loss_sum"], dtype=tr_loss.dtype))
+                self._globalstep_last_logged = self.resumed_window["last_logged"]
+                self.resumed_window = None
+            return super()._maybe_log_save_evaluate(tr_loss, model, epoch, ignore_keys_for_eval, **kwargs)
 
         def _wrap_model(self, model, training=True):
             """Also: time the pipeline stages (training/stage_timing.py) of the engine fleet wraps the model in."""
@@ -57,6 +75,33 @@ def make_trainer(device: str = "cpu", **kwargs):
             return wrapped
 
     return LayoutIndependentTrainer(**kwargs)
+
+
+LOSS_WINDOW = "loss_window.json"
+
+
+def save_loss_window(trainer, checkpoint: Path) -> None:
+    """The running loss sum since the last log (averaged over the ranks, as the log averages it) and the step the
+    window started at, into the checkpoint (before its completion marker: the writers mark it later)."""
+    import json
+
+    from core.files import atomic_write
+
+    if trainer.window is None:
+        return
+    loss_sum = float(trainer._nested_gather(trainer.window).mean())  # (every rank: a collective)
+    if trainer.args.process_index == 0:
+        checkpoint.mkdir(parents=True, exist_ok=True)
+        atomic_write(checkpoint / LOSS_WINDOW, json.dumps({"loss_sum": loss_sum,
+                                                           "last_logged": trainer._globalstep_last_logged}))
+
+
+def resume_loss_window(trainer, checkpoint: str | None) -> None:
+    """A resume continues the loss window its checkpoint saved (none saved: PaddleNLP's own restart)."""
+    import json
+
+    if checkpoint and (Path(checkpoint) / LOSS_WINDOW).is_file():
+        trainer.resumed_window = json.loads((Path(checkpoint) / LOSS_WINDOW).read_text())
 
 
 def prepare_model(config, model):
@@ -189,6 +234,8 @@ def main(argv: list[str] | None = None) -> None:
         callbacks=callbacks(config, layout, run_dir, pending, graceful_stop, train_args.process_index == 0,
                             corpus_blocks(run_dir / "data")),
     )
+    if hasattr(trainer, "resumed_window"):
+        resume_loss_window(trainer, args.resume_from)
     trainer.train(resume_from_checkpoint=args.resume_from or None)
     if getattr(trainer, "stage_timer", None) is not None:
         trainer.stage_timer.write(run_dir)

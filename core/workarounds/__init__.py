@@ -48,6 +48,9 @@ OVERRIDES = (
              "split of decoder layers over pipeline stages", "PaddleNLP 2.8.1"),
     Override("training/rank.py", ("Trainer._get_train_sampler",), "Trainer shuffles differently in one process and "
              "in several, so layouts would see different batches", "PaddleNLP 2.8.1"),
+    Override("training/rank.py", ("Trainer._maybe_log_save_evaluate",), "a resume restarts the loss window at the "
+             "checkpoint's step, so the first loss logged after it averages fewer steps than an uninterrupted run "
+             "(the window is saved in the checkpoint and continued)", "PaddleNLP 2.8.1"),
     Override("training/rank.py", ("Trainer._save_checkpoint", "Trainer._wrap_model"), "no hook when a save starts "
              "(checkpoint stall) or on the pipeline engine the Trainer wraps the model in (stage timing)",
              "PaddleNLP 2.8.1"),

@@ -308,3 +308,33 @@ def test_a_kill_during_an_async_save_resumes_from_the_last_complete_checkpoint(w
     _assert_losses_continue(world, "async-kill", stop_step)
     stalls = metric_history(tracking.client(world["uri"]), _run_id(world, "async-kill"), "checkpoint_stall_s")
     assert stalls and max(stalls.values()) < 1.0  # the 1 s-per-file writes never paused the loop
+
+
+def test_the_first_loss_logged_after_a_resume_averages_the_same_steps(world):
+    """Losses logged every 5 steps, checkpoints every 6: a kill -9 leaves a checkpoint inside a logging window. The
+    resume continues that window (training/rank.py loss_window.json), so every logged loss, the first after the
+    resume included, equals the uninterrupted run's (PaddleNLP alone logs the mean of the steps since the resume)."""
+    window = ["training.max_steps=20", "training.logging_interval=5", "training.eval_interval=6",
+              "training.save_interval=6"]
+    assert _train(world, "window-ref", *window).wait(timeout=300) == 0
+    reference = metric_history(tracking.client(world["uri"]), _run_id(world, "window-ref"), "loss")
+    assert sorted(reference) == [5, 10, 15, 20]
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "train", "--config", str(world["config"]),
+                             *world["common"], *window, "training.run_name=window-cut"], cwd=REPO_ROOT,
+                            env=env_for(world["uri"]), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        _wait_for_checkpoint(world, "window-cut", proc, step=6)
+        signal_pids([*reversed(descendants(proc.pid)), proc.pid], signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    latest = int((world["runs"] / "window-cut" / "checkpoints" / "latest").read_text().strip().split("-")[1])
+    assert latest % 5 != 0  # (6, 12 or 18: inside a window)
+    resumed = _resume(world, "window-cut")
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    got = metric_history(tracking.client(world["uri"]), _run_id(world, "window-cut"), "loss")
+    bad = {s: (got.get(s), reference[s]) for s in reference
+           if got.get(s) != pytest.approx(reference[s], rel=1e-6)}
+    assert not bad, (latest, bad)
