@@ -307,6 +307,13 @@ def _coerce(key: str, value: Any, tp) -> Any:
             return float(value)
         except ValueError:
             pass
+    if tp is int and isinstance(value, (str, float)) and not isinstance(value, bool):
+        try:  # "1e12" (YAML reads it as a string) or 1e+12: an integer written in scientific notation
+            number = float(value)
+            if number == int(number):
+                return int(number)
+        except (ValueError, OverflowError):
+            pass
     if tp is int and isinstance(value, bool) or not isinstance(value, tp):
         raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
     return value

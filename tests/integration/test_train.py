@@ -81,6 +81,7 @@ def test_short_training_run_is_tracked(tiny_config, tmp_path, store_uri):
     # (one config refusal through the CLI: the rules themselves are tests/unit/test_config.py's)
     ("unknown key", ["training.max_stepz=3"], "unknown key training.max_stepz"),
     ("binary corpus", ["data.source=files", "data.files=[{binary}]"], "contains NUL bytes (a binary file?)"),
+    ("a step count at no scale", ["training.max_steps=1e12"], "its sample index needs"),
 ])
 def test_bad_input_fails_before_training(tiny_config, tmp_path, store_uri, case, overrides, message):
     empty = tmp_path / "empty.txt"
@@ -96,6 +97,22 @@ def test_bad_input_fails_before_training(tiny_config, tmp_path, store_uri, case,
     assert not runs.exists() or not any(runs.iterdir())  # nothing half-written
     client = tracking.client(store_uri)
     assert client.search_runs([e.experiment_id for e in client.search_experiments()]) == []
+
+
+def test_a_step_count_at_no_scale_is_refused_within_seconds(tiny_config, tmp_path, store_uri):
+    """training.max_steps=1e12: the run's size is said and the step count refused before any index is built (the
+    index of 1e12 steps once ran for minutes and would not fit in memory), with the step count that would fit."""
+    import time
+
+    assert cli(["data", "--config", str(tiny_config)], store_uri).returncode == 0  # (the data set exists already)
+    began = time.monotonic()
+    proc = cli(["train", "--config", str(tiny_config), f"training.runs_dir={tmp_path / 'runs'}",
+                "training.max_steps=1e12"], store_uri)
+    seconds = time.monotonic() - began
+    assert proc.returncode == 2 and seconds < 10, (seconds, proc.stderr[-2000:])
+    assert "run size: 1,000,000,000,000 steps x " in proc.stdout and " epochs of the " in proc.stdout
+    [error] = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert "training.max_steps=1,000,000,000,000" in error and "use at most training.max_steps=" in error
 
 
 @pytest.mark.parametrize("content, message", [

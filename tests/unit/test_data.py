@@ -390,3 +390,23 @@ def test_a_long_document_is_tokenized_in_chunks_to_the_same_shards(tmp_path, mon
             assert not any(here) or max(sizes) >= len(want)  # (the long document is an item of its own)
             found += here
     assert found.count(True) == 1
+
+
+def test_the_sample_index_is_sized_before_it_is_built():
+    """read.index_size against the seed's shape as measured (100B tokens in 4,096-token items, global batch 1024 x
+    4096, one epoch: 373 MiB of index files), and check_index's one-line refusal with the numbers."""
+    from training.data import read
+
+    seed = read.index_size(100_000_000_000, 24_414_062, 4096, 23_841 * 1024, blended=False)
+    assert seed["epochs"] == 1 and seed["samples"] == 24_414_062
+    assert round(seed["file_bytes"] / 2**20) == 373  # (measured: 97,656,376 + 195,312,624 + 97,656,372 bytes)
+    read.check_index(seed, 23_841, 64 << 30)  # (fits: nothing raised)
+    huge = read.index_size(929_161, 236, 64, 10**12 * 8)
+    assert huge["epochs"] > 10**8 and huge["doc_entries"] > 2**31
+    with pytest.raises(ConfigError) as refused:
+        read.check_index(huge, 10**12, 8 << 30)
+    message = str(refused.value)
+    assert "training.max_steps=1,000,000,000,000" in message and "int32" in message and "GiB" in message
+    fits = int(message.split("use at most training.max_steps=")[1].split(", or")[0].replace(",", ""))
+    assert 0 < fits < 10**12
+    read.check_index(read.index_size(929_161, 236, 64, fits * 8), fits, 8 << 30)  # (the advice fits)

@@ -19,7 +19,7 @@ from core import dataset
 from core.errors import ConfigError
 from core.tokenizer import VOCAB_MULTIPLE
 from training.data.prepare import Prepared, prepare as prepare_dataset  # (training.data.prepare stays the module)
-from training.data.read import RUN_DATA
+from training.data.read import RUN_DATA, available_memory, check_index, index_size
 
 STATS_FILE = "stats.json"
 
@@ -40,6 +40,14 @@ def for_run(config, run_dir: Path, log=print) -> tuple[dict, Prepared]:
             raise ConfigError(f"the {split} split packs into {blocks[split]} blocks of {width} tokens, fewer than "
                               f"training.global_batch_size={batch}; use more data, a shorter training.seq_length, "
                               f"or a larger data.validation_fraction")
+    train_shards = [s for s in manifest["shards"] if s["split"] == "train"]
+    size = index_size(totals["train"]["tokens"], sum(s.get("items", 0) for s in train_shards), tr.seq_length,
+                      tr.max_steps * batch, blended=len(train_shards) > 1)
+    log(f"run size: {tr.max_steps:,} steps x {batch * tr.seq_length:,} tokens = {tr.max_steps * batch * tr.seq_length:,}"
+        f" tokens = {tr.max_steps * batch * tr.seq_length / max(totals['train']['tokens'], 1):,.2f} epochs of the "
+        f"{totals['train']['tokens']:,} training tokens; sample index: {size['samples']:,} samples, "
+        f"~{size['file_bytes'] / 2**20:,.0f} MB, ~{max(size['seconds'], 1):,.0f}s to build")
+    check_index(size, tr.max_steps, available_memory())
     data_dir = run_dir / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
     spec = {"path": str(prepared.path), "key": manifest["key"], "seq_length": tr.seq_length, "seed": tr.seed,

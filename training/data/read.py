@@ -51,6 +51,62 @@ def train_prefixes(path: Path, manifest: dict) -> list:
     return out
 
 
+# What PaddleNLP's sample index costs (measured: docs/data.md), for the size check before it is built: its doc index
+# is every item once per epoch (int32 positions: at most 2**31 - 1 entries; built through an int64 np.mgrid pair),
+# its sample index two int32 per sample, its shuffle index one uint32 per sample. The seed's shape (100B tokens,
+# 1 epoch, 24.4M samples) built in 7.3 s, 373 MB of files.
+INDEX_BUILD_SAMPLES_PER_S = 2.5e6  # (conservative: 3.3M/s measured on 2 cores)
+INDEX_MAX_SECONDS = 1800
+
+
+def index_size(train_tokens: int, items: int, seq_length: int, samples: int, blended: bool = True) -> dict:
+    """How big PaddleNLP's index of `samples` samples of a split of `train_tokens` tokens in `items` items is."""
+    per_epoch = max((train_tokens - 1) // seq_length, 1)
+    epochs = -(-int(samples * (1.005 if blended else 1)) // per_epoch)  # (blending asks each shard for 0.5% more)
+    doc_entries, sample_rows = epochs * items, epochs * per_epoch
+    return {"epochs": epochs, "doc_entries": doc_entries, "samples": sample_rows,
+            "file_bytes": 4 * doc_entries + 8 * (sample_rows + 1) + 4 * sample_rows,
+            "peak_bytes": 20 * doc_entries + 12 * sample_rows,
+            "seconds": sample_rows / INDEX_BUILD_SAMPLES_PER_S}
+
+
+def check_index(size: dict, steps: int, memory_bytes: int) -> None:
+    """Refuse, in one line with the numbers, a step count whose index cannot be built (int32 positions, memory,
+    time) -- before anything is built."""
+    problems = []
+    if size["doc_entries"] >= 2**31 - 1:
+        problems.append(f"{size['doc_entries']:.3g} document-index entries (PaddleNLP's int32 index holds "
+                        f"{2**31 - 1:.3g})")
+    if size["peak_bytes"] > memory_bytes:
+        problems.append(f"~{size['peak_bytes'] / 2**30:,.3g} GiB to build (this machine has {memory_bytes / 2**30:,.1f} "
+                        "GiB available)")
+    if size["seconds"] > INDEX_MAX_SECONDS:
+        problems.append(f"~{size['seconds'] / 3600:,.3g} h to build")
+    if problems:
+        fits = max_steps_that_fit(size, steps, memory_bytes)
+        raise ConfigError(f"training.max_steps={steps:,}: {size['epochs']:,} epochs of the corpus, "
+                          f"{size['samples']:.3g} samples; its sample index needs " + " and ".join(problems)
+                          + f": use at most training.max_steps={fits:,}, or more data")
+
+
+def max_steps_that_fit(size: dict, steps: int, memory_bytes: int) -> int:
+    """The largest step count whose index fits every bound, scaled from this one (the index grows linearly)."""
+    scale = min((2**31 - 2) / max(size["doc_entries"], 1), memory_bytes / max(size["peak_bytes"], 1),
+                INDEX_MAX_SECONDS / max(size["seconds"], 1e-9))
+    return max(int(steps * scale * 0.95), 0)
+
+
+def available_memory() -> int:
+    """Half of what /proc/meminfo says is available (the launcher builds the index; the ranks start after)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024 // 2
+    except OSError:
+        pass
+    return 8 << 30
+
+
 class Samples:
     """PaddleNLP's {"text": seq_length + 1 tokens} samples as the {"input_ids", "labels"} examples the Trainer feeds
     to the model (PaddleNLP's Llama criterion does not shift labels itself). The length is cut to a multiple of the
