@@ -1,10 +1,50 @@
-"""`python -m bench [--quick] [--out DIR]` (`make bench`): the benchmark suite, bench/suite.py."""
+"""`python -m bench [--quick] [--out DIR] [--sections ...] [--export DIR]` (`make bench`): the benchmark suite,
+bench/suite.py.
+
+A stopped bench leaves nothing behind: SIGTERM or SIGINT (a scheduler's time limit, Ctrl-C) unwinds it, so every
+server it started is stopped and every child process it waits on is killed; when `make` itself is killed, this
+process gets SIGTERM too (it dies with its parent). A server left by a bench that could not clean up (SIGKILL) is
+found and stopped at the start of the next one, and `make stop` stops it too (serving/state.py register)."""
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 import core  # noqa: F401  (zlib before paddle)
+
+
+class Stopped(BaseException):
+    """Raised in the main thread by SIGTERM / SIGINT, so that every `finally` of the suite runs."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop(signum, frame):
+    signal.signal(signum, signal.SIG_IGN)  # (once: the clean-up itself must not be interrupted)
+    raise Stopped(signum)
+
+
+def stop_leftovers(out) -> list[str]:
+    """Servers an earlier bench left running (listed, or in this output directory): stopped now, one line each."""
+    from pathlib import Path
+
+    from serving import controller
+    from serving.state import registered, unregister
+
+    lines = []
+    for state_dir in dict.fromkeys([*registered("bench"), *Path(out).glob("serving-*")]):
+        state = controller.running(state_dir)
+        if state:
+            lines.append(f"[bench] a server left by an earlier bench is running (pid {state['pid']}, {state_dir}): "
+                         "stopping it")
+            print(lines[-1], flush=True)
+            controller.stop(state_dir)
+        else:
+            unregister(state_dir)
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -13,14 +53,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny settings: checks the harness, not the machine")
     p.add_argument("--out", default="", help="output directory (default reports/bench)")
     p.add_argument("--sections", default="", help="comma-separated subset of: runtime, scaling, serving, generate, data")
+    p.add_argument("--export", default="", help="serve and generate with this export directory instead of training "
+                                                "and exporting one (the serving and generate sections)")
     args = p.parse_args(argv)
+    from core.processes import die_with_parent
     from bench import suite
 
     sections = tuple(s for s in args.sections.split(",") if s) or suite.SECTIONS
     unknown = set(sections) - set(suite.SECTIONS)
     if unknown:
         p.error(f"unknown section(s) {', '.join(sorted(unknown))}; choose from {', '.join(suite.SECTIONS)}")
-    suite.run(quick=args.quick, out=args.out or None, sections=sections)
+    import paddlenlp  # noqa: F401  (its import resets SIGTERM to the default action: the handlers go after it)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _stop)
+    die_with_parent(signal.SIGTERM)
+    out = suite.out_dir(args.out)
+    try:
+        stop_leftovers(out)
+        suite.run(quick=args.quick, out=out, sections=sections, export=args.export)
+    except Stopped as stopped:
+        stop_leftovers(out)  # (a server whose start was interrupted, before the suite's own clean-up knew of it)
+        print(f"[bench] stopped by {signal.Signals(stopped.signum).name}: its servers and processes are stopped",
+              file=sys.stderr, flush=True)
+        return 128 + stopped.signum
     return 0
 
 

@@ -93,8 +93,8 @@ def served(export_dir: Path, out: Path, scheduler: str, clients: tuple, duration
     ports = [f"serving.{key}={free_port()}" for key in ("http_port", "rpc_port", "api_port", "metrics_port")]
     config = load_config(DEFAULT_CONFIG, [*ports, f"serving.scheduler={scheduler}"])
     state_dir = out / f"serving-{scheduler}"
-    state = controller.start(config, export_dir, state_dir)
-    try:
+    try:  # (the start too: a signal while it waits for readiness still stops the server)
+        state = controller.start(config, export_dir, state_dir, owner="bench")
         client = GenerationClient(state["http_url"], state["rpc_address"], timeout=60)
         session, body = requests.Session(), {"model": exportdir.read_meta(export_dir)["registered_model_name"],
                                              "prompt": PROMPTS[0], "max_tokens": OVERHEAD_TOKENS, "temperature": 0}

@@ -148,9 +148,15 @@ print("BARE", json.dumps(out.metrics))
 SECTIONS = ("runtime", "scaling", "serving", "generate", "data")  # (serving and generate serve the scaling run's export)
 
 
-def run(quick: bool = False, out: Path | None = None, sections: tuple[str, ...] = SECTIONS) -> dict:
-    out = Path(out) if out else REPO_ROOT / "reports" / "bench"
-    out.mkdir(parents=True, exist_ok=True)
+def out_dir(out: str | Path | None) -> Path:
+    """Where the bench writes (default reports/bench), created."""
+    path = Path(out) if out else REPO_ROOT / "reports" / "bench"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def run(quick: bool = False, out: Path | None = None, sections: tuple[str, ...] = SECTIONS, export: str = "") -> dict:
+    out = out_dir(out)
     uri = f"sqlite:///{out / 'bench-mlflow.db'}"
     results: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "quick": quick,
                      "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}"}
@@ -159,7 +165,9 @@ def run(quick: bool = False, out: Path | None = None, sections: tuple[str, ...] 
         for name, v in results["runtime"]["settings"].items():
             print(f"[bench] {name}: {v['tokens_per_s']['median']:.0f} tok/s ({v['speedup_vs_before']:.2f}x before), "
                   f"MFU {v['mfu']['median']:.1%}, peak {v['matmul_peak_gflops']['median']:.0f} GFLOP/s", flush=True)
-    if {"scaling", "serving", "generate"} & set(sections):
+    if export:  # (an export given: serve and generate with it, nothing trained)
+        _serve_and_generate(results, Path(export), out, quick, sections)
+    elif {"scaling", "serving", "generate"} & set(sections):
         _scaling_and_export(results, out, uri, quick, sections)
     if "data" in sections:
         from bench import data_prep
@@ -195,11 +203,16 @@ def _scaling_and_export(results: dict, out: Path, uri: str, quick: bool, section
     meta = _export(single["run_id"], uri)
     results["export"] = {"wall_s": time.perf_counter() - t0, **meta["timings_s"],
                          "parity_max_abs_error": meta["parity_max_abs_error"]}
+    _serve_and_generate(results, Path(meta["export_dir"]), out, quick, sections)
+
+
+def _serve_and_generate(results: dict, export_dir: Path, out: Path, quick: bool, sections: tuple[str, ...]) -> None:
     from bench import batch_generate, serving_load
+
     if "serving" in sections:
-        results["serving"] = serving_load.run(Path(meta["export_dir"]), out, quick)
+        results["serving"] = serving_load.run(export_dir, out, quick)
     if "generate" in sections:
-        results["generate"] = batch_generate.run(Path(meta["export_dir"]), out, quick)
+        results["generate"] = batch_generate.run(export_dir, out, quick)
 
 
 def _scaling(out: Path, uri: str, steps: int, stamp: str, quick: bool) -> dict:

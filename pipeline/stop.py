@@ -1,11 +1,19 @@
-"""`make stop`: drain the running endpoint (requests in flight finish) and stop its whole process group."""
+"""`make stop`: drain the running endpoint (requests in flight finish) and stop its whole process group; also any
+server a bench left running (`make bench` lists its servers until it stops them)."""
 from __future__ import annotations
 
 from core.config import Config
 from serving import controller
-from serving.state import default_state_dir
+from serving.state import default_state_dir, registered, unregister
 
 
 def main(config: Config, args) -> int:
     print("stopped" if controller.stop(default_state_dir(config)) else "no server was running")
+    for state_dir in registered("bench"):  # (a bench stopped by SIGKILL could not stop its own)
+        state = controller.running(state_dir)
+        if state:
+            controller.stop(state_dir)
+            print(f"stopped the server a bench left running (pid {state['pid']}, {state_dir})")
+        else:
+            unregister(state_dir)
     return 0

@@ -24,7 +24,7 @@ from core.processes import group_alive, log_tail, port_in_use, proc_stat, start_
 from core.workarounds.paddle_serving import COMPAT_DIR
 from serving.client.client import GenerationClient
 from serving.server.sizes import render_config
-from serving.state import clear_state, read_state, write_state
+from serving.state import clear_state, read_state, register, unregister, write_state
 
 
 def prepare(config: Config, model_dir: Path, state_dir: Path, follow: str = "") -> tuple[list[str], dict, dict]:
@@ -59,13 +59,16 @@ def prepare(config: Config, model_dir: Path, state_dir: Path, follow: str = "") 
     return cmd, env, state
 
 
-def start(config: Config, model_dir: Path, state_dir: Path, follow: str = "") -> dict:
+def start(config: Config, model_dir: Path, state_dir: Path, follow: str = "", owner: str = "") -> dict:
     """Start the server in its own process group and return once it is ready (/health/ready: a worker is loaded and
-    answered a tiny generation; Paddle Serving's HTTP answers too)."""
+    answered a tiny generation; Paddle Serving's HTTP answers too). `owner` (the bench): the state directory is
+    listed for `make stop` until it is stopped (serving/state.py register)."""
     cmd, env, state = prepare(config, model_dir, state_dir, follow)
     proc = start_group(cmd, state_dir / "server.log", state_dir, env)
     state["pid"] = proc.pid
     write_state(state_dir, state)
+    if owner:
+        register(state_dir, owner)
     s = config.serving
     outcome = wait_ready(proc, lambda: _ready(state["api_url"]) and _answers(state), s.start_timeout_s)
     if outcome == "exited":
@@ -100,6 +103,12 @@ def _answers(state: dict) -> bool:
     return GenerationClient(state["http_url"], timeout=10).generate("你好", max_new_tokens=1) is not None
 
 
+def running(state_dir: Path) -> dict | None:
+    """The state of a server that still runs from `state_dir`, else None."""
+    state = read_state(state_dir)
+    return state if state and group_alive(state["pid"]) else None
+
+
 def stop(state_dir: Path, grace_s: float | None = None) -> bool:
     """SIGTERM to the server: it drains (requests in flight finish, up to serving.drain_grace_s) and exits; whatever
     of its process group is left after that is interrupted, then killed. False if nothing was running."""
@@ -117,6 +126,7 @@ def stop(state_dir: Path, grace_s: float | None = None) -> bool:
             time.sleep(0.1)
     stop_group(state["pid"], ((signal.SIGINT, 5.0), (signal.SIGKILL, 10.0)))
     clear_state(state_dir)
+    unregister(state_dir)
     for key in ("http_port", "rpc_port", "api_port", "metrics_port"):
         deadline = time.time() + 10
         while state.get(key) and port_in_use(state[key]) and time.time() < deadline:

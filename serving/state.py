@@ -39,3 +39,37 @@ def read_worker(state_dir: Path) -> dict:
         return json.loads((Path(state_dir) / WORKER_FILE).read_text())
     except (OSError, ValueError):
         return {}
+
+
+def registry_dir() -> Path:
+    """Where servers started on behalf of a tool (the bench) are listed, per user: `make stop` finds them there."""
+    return Path("~/.cache/paddle-train-to-serve/servers").expanduser()
+
+
+def register(state_dir: Path, owner: str) -> None:
+    import hashlib
+
+    entry = registry_dir() / f"{hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:16]}.json"
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(entry, json.dumps({"state_dir": str(state_dir.resolve()), "owner": owner}))
+
+
+def unregister(state_dir: Path) -> None:
+    for entry, info in _entries():
+        if info.get("state_dir") == str(state_dir.resolve()):
+            entry.unlink(missing_ok=True)
+
+
+def registered(owner: str) -> list[Path]:
+    """The state directories of servers `owner` started and did not stop (they may have died since)."""
+    return [Path(info["state_dir"]) for _, info in _entries() if info.get("owner") == owner]
+
+
+def _entries() -> list[tuple[Path, dict]]:
+    out = []
+    for entry in sorted(registry_dir().glob("*.json")) if registry_dir().is_dir() else []:
+        try:
+            out.append((entry, json.loads(entry.read_text())))
+        except (OSError, ValueError):
+            continue
+    return out

@@ -245,3 +245,55 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(exported, tmp_path_
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def _bench(exported, out, **popen) -> subprocess.Popen:
+    """`make bench` on the serving section of the shared export, as a user (or a scheduler) runs it."""
+    from helpers import make_command
+
+    args = f"--quick --sections serving --export {exported['export_dir']} --out {out}"
+    return subprocess.Popen(make_command("bench", f"ARGS={args}"), cwd=REPO_ROOT, env=env_for(exported["uri"]),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+
+
+def _bench_server(out, proc) -> dict:
+    """The state of the first server the bench started, once it answers."""
+    state_file = out / "serving-static" / "server.json"
+    assert wait_until(lambda: state_file.exists() and "ready_after_s" in json.loads(state_file.read_text()), 180,
+                      0.1, alive=proc, context=lambda: proc.stdout.read()[-3000:]), "the bench started no server"
+    return json.loads(state_file.read_text())
+
+
+def _left(out, state) -> list:
+    from core.processes import port_in_use
+    from helpers import processes_matching
+
+    return processes_matching("serving.server.main", str(out)) + [
+        state[k] for k in ("http_port", "rpc_port", "api_port", "metrics_port") if port_in_use(state[k])]
+
+
+def test_a_stopped_bench_leaves_nothing_and_a_killed_one_is_cleaned_up_next_time(exported, tmp_path):
+    """SIGTERM to `make bench` (a scheduler's time limit) while its server runs: no process and no listener is
+    left. SIGKILL (nothing can clean up): the next `make bench` says at its start that it found the server, stops
+    it and runs to the end."""
+    out = tmp_path / "bench"
+    proc = _bench(exported, out)
+    state = _bench_server(out, proc)
+    proc.send_signal(signal.SIGTERM)  # (make alone: it passes SIGTERM on, and its child dies with it anyway)
+    output, _ = proc.communicate(timeout=120)
+    assert "[bench] stopped by SIGTERM" in output, output[-3000:]
+    assert wait_until(lambda: not _left(out, state), 30), _left(out, state)
+
+    proc = _bench(exported, out, start_new_session=True)
+    state = _bench_server(out, proc)
+    from core.processes import descendants, signal_pids
+
+    signal_pids([proc.pid, *descendants(proc.pid)][:2], signal.SIGKILL)  # (make and the bench: not the server)
+    proc.wait(timeout=30)
+    assert _left(out, state), "the server should outlive a SIGKILL of the bench"
+    again = _bench(exported, out)
+    output, _ = again.communicate(timeout=600)
+    assert again.returncode == 0, output[-3000:]
+    first = [line for line in output.splitlines() if line.startswith("[bench]")][0]
+    assert first.startswith(f"[bench] a server left by an earlier bench is running (pid {state['pid']}"), output[:2000]
+    assert not _left(out, state) and json.loads((out / "bench.json").read_text())["serving"]["continuous"]["load"]
