@@ -28,7 +28,7 @@ FORCE ?=
 # `make test` runs this many pytest-xdist workers: most tests wait on processes, servers and I/O part of the time
 TEST_WORKERS ?= 2
 
-.PHONY: setup doctor data train evaluate promote export serve stop smoke reload generate all compare sweep bench plan test test-fast test-gpu-setup runs mlflow-ui mlflow-server mlflow-stop clean
+.PHONY: setup doctor data train evaluate promote export serve stop smoke reload generate all compare sweep bench plan test test-fast test-gpu-setup runs mlflow-ui mlflow-server mlflow-stop object-store object-store-stop clean
 setup: $(STAMP)
 
 # One environment from exact pins (requirements/lock.txt, verified to install and import together) plus the Paddle
@@ -113,6 +113,13 @@ mlflow-server: $(STAMP)
 
 mlflow-stop: $(STAMP)
 	$(PY) -m pipeline mlflow-stop
+
+# A local S3 endpoint (SeaweedFS from .venv) for storage.uri; credentials in runs/object-store/credentials.env.
+object-store: $(STAMP)
+	$(PY) -m pipeline object-store
+
+object-store-stop: $(STAMP)
+	$(PY) -m pipeline object-store-stop
 
 test: $(STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) tests/unit tests/integration

@@ -255,6 +255,17 @@ class ClusterConfig:
 
 
 @dataclass
+class StorageConfig:
+    """An object store for what must outlive a machine (docs/storage.md): complete checkpoints are uploaded there in
+    the background and a resume on a machine with an empty disk starts from it. Endpoint and credentials come from
+    the standard environment (AWS_ENDPOINT_URL or MLFLOW_S3_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)."""
+
+    uri: str = ""  # s3://bucket/prefix; "" = local disk only (the default)
+    upload_wait_s: float = 300.0  # at the end of a run: how long to wait for pending uploads before naming them
+    max_pending: int = 2  # checkpoints waiting to upload; a newer one replaces the oldest waiting beyond this
+
+
+@dataclass
 class Config:
     name: str = "tiny"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -267,6 +278,7 @@ class Config:
     export: ExportConfig = field(default_factory=ExportConfig)
     serving: ServingConfig = field(default_factory=ServingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -435,8 +447,19 @@ def validate(config: Config) -> None:
     _validate_tracking_and_export(config.tracking, config.export)
     _validate_serving(config.serving)
     _validate_cluster(config.cluster)
+    _validate_storage(config.storage)
     checked_layout(config)
     _validate_performance(config.performance, config.parallel)
+
+
+def _validate_storage(s: StorageConfig) -> None:
+    import re
+
+    _require(not s.uri or re.fullmatch(r"s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?", s.uri) is not None,
+             f"storage.uri: expected s3://<bucket>[/<prefix>] (an S3 bucket name: lower case, digits, '.', '-'), "
+             f"got {s.uri!r}")
+    _require(s.upload_wait_s >= 0, f"storage.upload_wait_s: must be >= 0, got {s.upload_wait_s}")
+    _require(s.max_pending >= 1, f"storage.max_pending: must be >= 1, got {s.max_pending}")
 
 
 def checked_layout(config: Config) -> ParallelLayout:

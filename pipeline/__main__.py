@@ -1,7 +1,8 @@
 """`python -m pipeline <verb> [options] [section.key=value ...]` -- the one CLI the Makefile calls.
 
 Each verb is one module of pipeline/ named after it (`VERBS`: data, train, export, serve, stop, smoke, reload, compare,
-sweep, runs, plan, doctor, evaluate, promote, generate, mlflow-server, mlflow-stop), whose `main(config, args)` is
+sweep, runs, plan, doctor, evaluate, promote, generate, mlflow-server, mlflow-stop, object-store,
+object-store-stop), whose `main(config, args)` is
 handed the config, loaded once (`verb_config`), and the parsed arguments. What the verbs share to run training,
 servers and MLflow runs is in pipeline/runner/.
 The benchmark suite has its own entry point: `python -m bench` (bench/).
@@ -36,7 +37,8 @@ def verb_config(args) -> Config:
 
         return train.resumed_config(args.resume, args.overrides)
     own_overrides = args.verb in ("export", "sweep")
-    return load_config(args.config or DEFAULT_CONFIG, [] if own_overrides else getattr(args, "overrides", []))
+    return load_config(getattr(args, "config", None) or DEFAULT_CONFIG,
+                       [] if own_overrides else getattr(args, "overrides", []))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -96,9 +98,17 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument("--write", default="", help="write the top layout as a config file (check it with DRY_RUN=1)")
     plan.add_argument("overrides", nargs="*", help="e.g. cluster.gpus=512 cluster.gpu_memory_gb=80")
     add_lifecycle_verbs(sub, config_help)
-    sub.add_parser("mlflow-server", help="start a tracking server on 127.0.0.1 (settings: mlflow/server.env)")
-    sub.add_parser("mlflow-stop", help="stop the tracking server")
+    add_service_verbs(sub)
     return p
+
+
+def add_service_verbs(sub) -> None:
+    """The local services the pipeline can use: an MLflow tracking server and an S3 endpoint."""
+    for verb, text in (("mlflow-server", "start a tracking server on 127.0.0.1 (settings: mlflow/server.env)"),
+                       ("mlflow-stop", "stop the tracking server"),
+                       ("object-store", "a local S3 endpoint (SeaweedFS) for storage.uri, on 127.0.0.1:8333"),
+                       ("object-store-stop", "stop the local S3 endpoint (its data is kept)")):
+        sub.add_parser(verb, help=text)
 
 
 def add_lifecycle_verbs(sub, config_help: str) -> None:
@@ -141,7 +151,7 @@ def add_generate_verb(sub, config_help: str) -> None:
 # pipeline/runner/, never a verb
 VERBS = {verb: verb.replace("-", "_") for verb in (
     "data", "train", "export", "serve", "stop", "smoke", "reload", "compare", "sweep", "runs", "plan", "doctor",
-    "evaluate", "promote", "generate", "mlflow-server", "mlflow-stop")}
+    "evaluate", "promote", "generate", "mlflow-server", "mlflow-stop", "object-store", "object-store-stop")}
 
 
 def run_verb(verb: str, config: Config, args) -> int:

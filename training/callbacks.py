@@ -51,9 +51,10 @@ class CheckpointCompleteCallback(TrainerCallback):
     Each save's pause of the training loop is logged as `checkpoint_stall_s`."""
 
     def __init__(self, mlflow_logger: "MlflowLogger | None", upload_mode: str = "none", metric: str = "eval_loss",
-                 keep: int = 0, writer=None, peers_timeout_s: float = 3600.0):
+                 keep: int = 0, writer=None, peers_timeout_s: float = 3600.0, store=None, store_wait_s: float = 0):
         self.mlflow_logger, self.upload_mode, self.metric, self.keep = mlflow_logger, upload_mode, metric, keep
         self.writer, self.peers_timeout_s = writer, peers_timeout_s
+        self.store, self.store_wait_s = store, store_wait_s  # (training/store_upload.py, rank 0 with storage.uri)
         self.noted = False
 
     def on_save(self, args, state, control, **kwargs):
@@ -87,6 +88,13 @@ class CheckpointCompleteCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self.writer is not None:
             self.writer.drain()  # the last checkpoint is complete (or its failure raised) before the rank exits
+        if self.store is not None:
+            missing = self.store.finish(self.store_wait_s)
+            text = (f"store: not uploaded within storage.upload_wait_s={self.store_wait_s:g}s: {', '.join(missing)} "
+                    "(complete on local disk; a resume from this disk uploads them)" if missing else
+                    f"store: every checkpoint is in {self.store.store.uri}")
+            print(text, flush=True)
+            progress.note(Path(args.output_dir).parent, text)
 
     def _finish(self, checkpoint: Path, info: dict, rank: int, world: int) -> None:
         """In the rank's writer thread, after its files of this checkpoint are written and fsynced."""
@@ -110,7 +118,8 @@ class CheckpointCompleteCallback(TrainerCallback):
         earlier = [checkpoint_info(path) for step, path in complete_checkpoints(checkpoint.parent.parent)
                    if step != info["step"]] if self.upload_mode == "best" else []
         mark_complete(checkpoint, info)
-        uploading = self.mlflow_logger.uploading() if self.mlflow_logger else set()
+        uploading = (self.mlflow_logger.uploading() if self.mlflow_logger else set()) | \
+            (self.store.uploading() if self.store else set())
         removed = prune(checkpoint.parent.parent, self.keep, self.metric, info["step"], uploading)
         if removed:
             print(f"checkpoints: removed {', '.join(p.name for p in removed)}", flush=True)
@@ -119,6 +128,8 @@ class CheckpointCompleteCallback(TrainerCallback):
                 progress.note(checkpoint.parent.parent, f"checkpoints: keeping the newest {self.keep} and the best by "
                               f"{self.metric} (training.keep_checkpoints); older ones are removed as new ones "
                               f"complete")
+        if self.store is not None:
+            self.store.submit(checkpoint, info)
         if self.mlflow_logger:
             self.mlflow_logger.log_checkpoint(info, should_upload(self.upload_mode, self.metric, info, earlier))
 

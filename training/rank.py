@@ -297,6 +297,16 @@ def model_and_trainer_class(config: Config, layout: ParallelLayout, train_args, 
     return model, new_trainer
 
 
+def store_uploader(config: Config, run_dir: Path, first_process: bool):
+    """Rank 0 uploads complete checkpoints when storage.uri names a store (training/store_upload.py)."""
+    if not config.storage.uri or not first_process:
+        return None
+    from training.store_upload import StoreUploader
+
+    return StoreUploader(config.storage.uri, run_dir, config.training.keep_checkpoints, config.export.metric,
+                         config.storage.max_pending)
+
+
 def callbacks(config: Config, layout: ParallelLayout, run_dir: Path, pending: Path | None, graceful_stop,
               first_process: bool, train_blocks: int) -> list:
     """Stop on a signal (`graceful_stop`), promote a resume's config, measure memory, mark checkpoints complete (and prune, upload), and on the first
@@ -320,7 +330,9 @@ def callbacks(config: Config, layout: ParallelLayout, run_dir: Path, pending: Pa
     found = [FinalStepCallback(), graceful_stop, PromoteConfig(pending, run_dir / "config.yaml"),
              PeakMemory(run_dir, layout.device),
              CheckpointCompleteCallback(mlflow_logger, config.tracking.checkpoint_artifacts, config.export.metric,
-                                        config.training.keep_checkpoints, writer)]
+                                        config.training.keep_checkpoints, writer, store=store_uploader(
+                                            config, run_dir, first_process),
+                                        store_wait_s=config.storage.upload_wait_s)]
     if mlflow_logger:
         found.append(mlflow_logger)
     if first_process:

@@ -21,9 +21,64 @@ def find(resume: str, uri: str) -> Path:
     except Exception:  # noqa: BLE001  (MLflow raises several types for an unknown id)
         raise ConfigError(f"RESUME={resume}: neither a run directory nor a known MLflow run id") from None
     run_dir = run.data.tags.get(tracking.TAG_RUN_DIR)
-    if not run_dir or not Path(run_dir).is_dir():
-        raise ConfigError(f"RESUME={resume}: MLflow run has no run directory on this machine ({run_dir})")
-    return Path(run_dir)
+    if run_dir and Path(run_dir).is_dir():
+        return Path(run_dir)
+    return restore(run, uri, resume)
+
+
+def restore(run, uri: str, resume: str) -> Path:
+    """A run begun on another machine, made again here from its MLflow record and the object store: its recorded
+    config (storage.uri included), its data set (prepared here from the same corpus: the same content key), and its
+    latest checkpoint complete in the store (docs/storage.md)."""
+    import json
+    import tempfile
+
+    from core import storage
+    from core.config import load_config
+
+    client = tracking.client(uri)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            config = load_config(Path(client.download_artifacts(run.info.run_id, "config.yaml", tmp)))
+        except Exception:  # noqa: BLE001  (no such artifact, or the store behind it is unreachable)
+            config = None
+    recorded = run.data.tags.get(tracking.TAG_RUN_DIR) or ""
+    if config is None or not config.storage.uri:
+        raise ConfigError(f"RESUME={resume}: the MLflow run has no run directory on this machine ({recorded}) and no "
+                          "storage.uri to restore it from; resume on the machine that has it, or train with "
+                          "storage.uri=s3://... so that checkpoints outlive a disk")
+    name = Path(recorded).name or run.info.run_name
+    store = storage.Store(config.storage.uri)
+    steps = storage.complete_steps(store, name)
+    run_dir = runs_root(config) / name
+    if run_dir.exists():
+        raise ConfigError(f"RESUME={resume}: {run_dir} exists but is not the run's directory ({recorded}); move it")
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir()
+    try:
+        (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
+        import paddlenlp  # noqa: F401  (as create: its import resets SIGTERM)
+        stop_signal_handler()
+        from training import data
+        from training.checkpoints import LATEST_FILE
+
+        data.for_run(config, run_dir, log=lambda line: print(line, flush=True))
+        (run_dir / "mlflow_run.json").write_text(json.dumps({"run_id": run.info.run_id, "tracking_uri": uri}))
+        if steps:
+            began, step = time.time(), max(steps)
+            checkpoint = run_dir / "checkpoints" / f"checkpoint-{step}"
+            files = store.download(f"{storage.checkpoints_prefix(store, name)}/{checkpoint.name}", checkpoint)
+            (checkpoint.parent / LATEST_FILE).write_text(checkpoint.name + "\n")
+            size = sum(f.stat().st_size for f in files)
+            print(f"restored {name} from {store.uri}: {checkpoint.name} ({size / 2**20:.1f} MB in "
+                  f"{time.time() - began:.1f}s)", flush=True)
+        else:
+            print(f"restored {name} from its MLflow record: no checkpoint complete in {store.uri} yet, it starts "
+                  "over", flush=True)
+    except BaseException:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    return run_dir
 
 
 def runs_root(config: Config) -> Path:

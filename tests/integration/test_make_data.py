@@ -137,8 +137,8 @@ def test_a_corpus_of_2000_small_files_prepares_and_trains(tmp_path):
     manifest = json.loads((made / dataset.MANIFEST).read_text())
     train = [s for s in manifest["shards"] if s["split"] == "train"]
     total = sum(p.stat().st_size for p in root.iterdir())
-    assert len(train) == -(-total // (1 << 20)) == 4  # (pieces of 1 MB, the smallest: by size, not by file count)
-    assert sum(s["files"] for s in train) == 2003  # (three files cut across two pieces)
+    least = -(-total // (1 << 20))  # (pieces of up to 1 MB, the smallest: by size, not by file count)
+    assert least <= len(train) <= least + 1 and sum(s["files"] for s in train) == 2000
     ernie = load_tokenizer(made / "tokenizer")
     stream = [t for _, s in dataset.shard_prefixes(made, manifest, "train")[:1]
               for t in dataset.tokens(made / "train" / s["name"], np.dtype(manifest["tokenizer"]["dtype"])).tolist()]

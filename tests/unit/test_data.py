@@ -173,15 +173,13 @@ def test_the_content_key_follows_bytes_and_settings_not_workers(tmp_path):
 
 
 def test_one_or_two_workers_write_the_same_bytes(tmp_path):
-    files = [reviews(tmp_path / f"c{i}.txt", 12000 + i, salt=str(i)) for i in range(3)]  # (~0.7 MB each)
+    files = [reviews(tmp_path / f"c{i}.txt", 7000 + i, salt=str(i)) for i in range(3)]  # (~0.4 MB each)
     settings = ["data.shard_mb=1"]
     one = prepare(config_for(tmp_path, files, [*settings, "data.workers=1", f"data.cache_dir={tmp_path / 'one'}"]))
     two = prepare(config_for(tmp_path, files, [*settings, "data.workers=2", f"data.cache_dir={tmp_path / 'two'}"]))
     assert one.path.name == two.path.name and snapshot(one.path) == snapshot(two.path)
     shards = dataset.shard_prefixes(two.path, two.manifest, "train")
-    total = sum(f.stat().st_size for f in files)
-    assert len(shards) == -(-total // (1 << 20)) == 3  # (pieces of 1 MB whatever the files: two are cut across)
-    assert [s["files"] for _, s in shards] == [2, 2, 1]
+    assert [s["files"] for _, s in shards] == [2, 1]  # (small files grouped into pieces of up to 1 MB)
 
 
 def snapshot(path: Path) -> dict:
@@ -308,8 +306,8 @@ def anon_mb() -> float:
 
 
 def test_small_files_are_grouped_into_pieces_that_follow_the_corpus_size(tmp_path):
-    """2,000 small files (and one big and one compressed file among them) -> pieces of about shard_bytes, every
-    document once and in file order; the same pieces whatever order the files were listed in."""
+    """2,000 small files (one big and one compressed file among them) -> pieces of up to shard_bytes, every
+    document once and in file order; the big file is cut as before, on its own; the same pieces every time."""
     import gzip
 
     root = tmp_path / "many"
@@ -326,17 +324,18 @@ def test_small_files_are_grouped_into_pieces_that_follow_the_corpus_size(tmp_pat
         f.write("\n".join(zipped) + "\n")
     expected = expected[:701 * 3] + big + expected[701 * 3:1401 * 3] + zipped + expected[1401 * 3:]
     files = corpus.expand([str(root)], "data.files")
-    total = sum(f.stat().st_size for f in files)
-    shard = total // 20
+    big_size = (root / "part-00700a.txt").stat().st_size
+    small = sum(f.stat().st_size for f in files) - big_size
+    shard = big_size // 3  # (the big file: 3 or 4 pieces of its own; the small ones grouped)
     made = corpus.pieces([corpus.Corpus("c", 1, tuple(files))], shard)
-    assert 20 <= len(made) <= 22  # (the compressed file counts whole where it starts)
-    assert sum(len(p.segments) for p in made) > 2002  # (the big file is cut)
-    assert all(p.size <= shard + (root / "part-01400a.txt.gz").stat().st_size for p in made)
+    cut = [p for p in made if p.segments[0].path.endswith("part-00700a.txt")]
+    assert len(cut) == -(-big_size // shard) and all(len(p.segments) == 1 for p in cut)
+    grouped = [p for p in made if p not in cut]
+    assert small // shard <= len(grouped) <= small // shard + 3  # (by size: not 2,001 pieces)
+    assert sum(len(p.segments) for p in grouped) == 2001 and all(p.size <= shard for p in grouped)
     assert [d for p in made for d in corpus.documents(p, "text")] == expected
-    again = corpus.pieces([corpus.Corpus("c", 1, tuple(files))], shard)
-    assert again == made and [p.name for p in made] == sorted(p.name for p in made)
-    limited = corpus.documents(made[0], "text", limit=5)
-    assert list(limited) == expected[:5]
+    assert corpus.pieces([corpus.Corpus("c", 1, tuple(files))], shard) == made
+    assert list(corpus.documents(made[0], "text", limit=5)) == expected[:5]
     task_piece = corpus.Piece(**__import__("dataclasses").asdict(made[3]))  # (as a task hands it to a worker)
     assert task_piece == made[3]
 

@@ -191,6 +191,18 @@ def long_functions(paths) -> list[str]:
     return long
 
 
+def test_every_verb_without_required_arguments_gets_its_config():
+    """(`make mlflow-server` once failed here: its parser has no --config)"""
+    from pipeline.__main__ import VERBS, parser, verb_config
+
+    for verb in sorted(VERBS):
+        try:
+            args = parser().parse_args([verb])
+        except SystemExit:  # (a verb with required arguments, e.g. generate's --input)
+            continue
+        assert verb_config(args).name, verb
+
+
 def test_no_function_is_longer_than_60_lines():
     """(a function that does not fit on a screen is a function to split; tests included)"""
     long = long_functions([*modules().values(), *sorted((REPO_ROOT / "tests").rglob("*.py"))])

@@ -43,10 +43,11 @@ def for_run(config, run_dir: Path, log=print) -> tuple[dict, Prepared]:
     train_shards = [s for s in manifest["shards"] if s["split"] == "train"]
     size = index_size(totals["train"]["tokens"], sum(s.get("items", 0) for s in train_shards), tr.seq_length,
                       tr.max_steps * batch, blended=len(train_shards) > 1)
-    log(f"run size: {tr.max_steps:,} steps x {batch * tr.seq_length:,} tokens = {tr.max_steps * batch * tr.seq_length:,}"
-        f" tokens = {tr.max_steps * batch * tr.seq_length / max(totals['train']['tokens'], 1):,.2f} epochs of the "
-        f"{totals['train']['tokens']:,} training tokens; sample index: {size['samples']:,} samples, "
-        f"~{size['file_bytes'] / 2**20:,.0f} MB, ~{max(size['seconds'], 1):,.0f}s to build")
+    run_tokens, corpus_tokens = tr.max_steps * batch * tr.seq_length, blocks["train"] * tr.seq_length
+    log(f"run size: {tr.max_steps:,} steps x {batch * tr.seq_length:,} tokens = {run_tokens:,} tokens = "
+        f"{run_tokens / max(corpus_tokens, 1):,.2f} epochs of the {corpus_tokens:,} training tokens; sample index: "
+        f"{size['samples']:,} samples, ~{size['file_bytes'] / 2**20:,.0f} MB, ~{max(size['seconds'], 1):,.0f}s to "
+        "build")
     check_index(size, tr.max_steps, available_memory())
     data_dir = run_dir / "data"
     data_dir.mkdir(parents=True, exist_ok=True)

@@ -80,8 +80,8 @@ class Segment:
 
 @dataclass(frozen=True)
 class Piece:
-    """What one task reads: consecutive byte ranges of a corpus's files, about data.shard_mb in all. Small files are
-    grouped into one piece, a big plain file is cut across pieces; a compressed file is never cut (one segment)."""
+    """What one task reads: a byte range of one big file, or a group of consecutive whole files (small ones, or
+    compressed ones, which are never cut), up to data.shard_mb in all."""
     name: str
     corpus: str
     segments: tuple[Segment, ...]
@@ -94,39 +94,38 @@ class Piece:
 
 
 def pieces(corpora_: list[Corpus], shard_bytes: int) -> list[Piece]:
-    """Each corpus's files, in order, as one stream of bytes cut every `shard_bytes` (a compressed file counts
-    whole where it starts): the number of pieces follows the corpus's size, not its number of files. Named
-    c<corpus>-p<piece>, deterministic for the same files and shard size whatever the workers."""
+    """Each corpus's files, in order: a plain file bigger than `shard_bytes` is cut into pieces of that size; the
+    others (small files, and compressed files, which are never cut) are grouped, in order, into pieces of up to
+    `shard_bytes`. So the number of pieces follows the corpus's size, not its number of files. Named
+    c<corpus>-p<piece>, the same for the same files and shard size whatever the workers."""
     out = []
     for ci, corpus in enumerate(corpora_):
-        segments: list[Segment] = []
+        group: list[Segment] = []
         filled, made = 0, 0
 
-        def close() -> None:
-            nonlocal segments, filled, made
-            if segments:
-                out.append(Piece(f"c{ci}-p{made:05d}", corpus.name, tuple(segments), filled))
-                made += 1
-            segments, filled = [], 0
+        def add(segments: list[Segment], size: int) -> None:
+            nonlocal made
+            out.append(Piece(f"c{ci}-p{made:05d}", corpus.name, tuple(segments), size))
+            made += 1
 
         for path in corpus.files:
             size = path.stat().st_size
-            if str(path).endswith((".gz", ".zst")):
-                segments.append(Segment(str(path), 0, None))
-                filled += size
-            else:
-                start = 0
-                while size - start > shard_bytes - filled:  # (the rest of the file overfills this piece: cut it)
-                    end = start + shard_bytes - filled
-                    segments.append(Segment(str(path), start, end))
-                    filled, start = shard_bytes, end
-                    close()
-                if size > start:
-                    segments.append(Segment(str(path), start, None))
-                    filled += size - start
-            if filled >= shard_bytes:
-                close()
-        close()
+            if size > shard_bytes and not str(path).endswith((".gz", ".zst")):
+                cuts = list(range(0, size, shard_bytes))
+                if group:
+                    add(group, filled)
+                    group, filled = [], 0
+                for i, start in enumerate(cuts):
+                    end = cuts[i + 1] if i + 1 < len(cuts) else None
+                    add([Segment(str(path), start, end)], (end if end is not None else size) - start)
+                continue
+            if group and filled + size > shard_bytes:
+                add(group, filled)
+                group, filled = [], 0
+            group.append(Segment(str(path), 0, None))
+            filled += size
+        if group:
+            add(group, filled)
     return out
 
 

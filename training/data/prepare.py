@@ -2,8 +2,8 @@
 
     key      a hash of the corpus bytes, every setting that shapes the result and this code: a second run, or another
              node that sees the same directory, reuses the set
-    pieces   each corpus's files as one stream cut into pieces of data.shard_mb: small files grouped, big ones
-             cut (a compressed file is never cut), so the shards follow the corpus's size, not its file count
+    pieces   a big file cut into pieces of data.shard_mb, small (and compressed) files grouped into pieces of up
+             to it: the shards follow the corpus's size, not its file count
     count    (data.max_documents only) documents per piece, so "the first N documents" is known per piece
     vocab    character counts of the training documents, summed over pieces -> the frozen vocabulary (or the
              tokenizer of tokenizer.path, used as it is)

@@ -1,0 +1,117 @@
+"""The object store (`storage.uri` = s3://bucket/prefix): any S3 endpoint, through boto3.
+
+Endpoint and credentials come from the standard environment that boto3 and MLflow read: AWS_ENDPOINT_URL (or
+MLFLOW_S3_ENDPOINT_URL), AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION. boto3 rather than MLflow's
+artifact repository because a checkpoint needs what that repository does not offer: a conditional write (the
+completion marker, written last with If-None-Match, so two writers never both publish one and a reader never takes
+a partial checkpoint), listing by prefix and deleting (retention).
+
+Layout (docs/storage.md):
+    <prefix>/runs/<run name>/checkpoints/checkpoint-<step>/<the checkpoint's files>
+                                                           checkpoint_complete.json   (last)
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from core.errors import ConfigError
+
+COMPLETE_MARKER = "checkpoint_complete.json"  # (the same name as on disk: training/checkpoints.py)
+
+
+def endpoint() -> str | None:
+    return os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("MLFLOW_S3_ENDPOINT_URL") or None
+
+
+class Store:
+    def __init__(self, uri: str, attempts: int = 3):
+        import boto3
+        from botocore.config import Config as BotoConfig
+
+        if not uri.startswith("s3://"):
+            raise ConfigError(f"storage.uri: expected s3://<bucket>[/<prefix>], got {uri!r}")
+        self.uri = uri.rstrip("/")
+        self.bucket, _, self.prefix = uri[5:].partition("/")
+        self.prefix = self.prefix.strip("/")
+        self.client = boto3.client("s3", endpoint_url=endpoint(), region_name=os.environ.get("AWS_DEFAULT_REGION")
+                                   or "us-east-1", config=BotoConfig(
+                                       retries={"max_attempts": attempts, "mode": "standard"}, connect_timeout=5,
+                                       read_timeout=60))
+
+    def key(self, *parts: str) -> str:
+        return "/".join(p.strip("/") for p in (self.prefix, *parts) if p)
+
+    def ensure_bucket(self) -> None:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except ClientError:
+            self.client.create_bucket(Bucket=self.bucket)
+
+    def upload_file(self, local: Path, key: str) -> None:
+        self.client.upload_file(str(local), self.bucket, key)
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Write `key` only if nothing is there yet (If-None-Match: *); False if it already was."""
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=data, IfNoneMatch="*")
+            return True
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("PreconditionFailed", "412"):
+                return False
+            raise
+
+    def read(self, key: str) -> bytes | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                return None
+            raise
+
+    def keys(self, prefix: str) -> list[str]:
+        out, token = [], None
+        while True:
+            page = self.client.list_objects_v2(Bucket=self.bucket, Prefix=prefix.rstrip("/") + "/",
+                                               **({"ContinuationToken": token} if token else {}))
+            out += [item["Key"] for item in page.get("Contents", [])]
+            if not page.get("IsTruncated"):
+                return out
+            token = page["NextContinuationToken"]
+
+    def download(self, prefix: str, local_dir: Path) -> list[Path]:
+        """Every object under `prefix`, into `local_dir` (relative paths kept)."""
+        written = []
+        for key in self.keys(prefix):
+            target = local_dir / key[len(prefix.rstrip("/")) + 1:]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            self.client.download_file(self.bucket, key, str(target))
+            written.append(target)
+        return written
+
+    def delete(self, keys: list[str]) -> None:
+        for i in range(0, len(keys), 1000):
+            self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]]})
+
+
+def checkpoints_prefix(store: Store, run_name: str) -> str:
+    return store.key("runs", run_name, "checkpoints")
+
+
+def complete_steps(store: Store, run_name: str) -> dict[int, dict]:
+    """step -> the completion record of every checkpoint of the run that is complete in the store."""
+    import json
+
+    prefix = checkpoints_prefix(store, run_name)
+    steps = {}
+    for key in store.keys(prefix):
+        name, _, rest = key[len(prefix) + 1:].partition("/")
+        if rest == COMPLETE_MARKER and name.startswith("checkpoint-") and name[11:].isdigit():
+            steps[int(name[11:])] = json.loads(store.read(key) or b"{}")
+    return steps

