@@ -39,11 +39,10 @@ def environment(state: dict) -> dict[str, str]:
 
 def start(state_dir: Path = STATE_DIR, port: int = PORT, timeout_s: float = 60) -> dict:
     """Start SeaweedFS's S3 endpoint (or find it running); returns its state, with `environment(state)` to use it."""
+    state = running(state_dir)
+    if state:
+        return state
     state_file = state_dir / "server.json"
-    if state_file.exists():
-        state = json.loads(state_file.read_text())
-        if group_alive(state["pid"]):
-            return state
     if port_in_use(port):
         raise ConfigError(f"port {port} is in use; stop what holds it or pick another port")
     (state_dir / "data").mkdir(parents=True, exist_ok=True)
@@ -75,6 +74,29 @@ def _answers(state: dict) -> bool:
                           aws_secret_access_key=state["secret_key"], region_name="us-east-1")
     client.list_buckets()
     return True
+
+
+def running(state_dir: Path = STATE_DIR) -> dict | None:
+    state_file = state_dir / "server.json"
+    if state_file.exists():
+        state = json.loads(state_file.read_text())
+        if group_alive(state["pid"]):
+            return state
+    return None
+
+
+def ensure_bucket(state: dict, uri: str) -> None:
+    """The bucket of `uri` exists on this store (made if missing)."""
+    import boto3
+    from botocore.exceptions import ClientError
+
+    client = boto3.client("s3", endpoint_url=state["endpoint"], aws_access_key_id=state["access_key"],
+                          aws_secret_access_key=state["secret_key"], region_name="us-east-1")
+    bucket = uri[5:].split("/", 1)[0]
+    try:
+        client.head_bucket(Bucket=bucket)
+    except ClientError:
+        client.create_bucket(Bucket=bucket)
 
 
 def stop(state_dir: Path = STATE_DIR) -> bool:

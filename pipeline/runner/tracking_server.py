@@ -29,8 +29,10 @@ def settings() -> dict[str, str]:
     return values
 
 
-def start(host: str, port: int, backend_store: Path, artifacts: Path, state_dir: Path, workers: int = 1,
-          timeout_s: float = 90) -> dict:
+def start(host: str, port: int, backend_store: Path, artifacts: Path | str, state_dir: Path, workers: int = 1,
+          timeout_s: float = 90, store_env: dict | None = None) -> dict:
+    """`artifacts`: a local directory, or s3://bucket/prefix with `store_env` (the object store's endpoint and
+    credentials: the server writes the artifacts it proxies there, clients need no credentials of their own)."""
     import requests
 
     state_file = state_dir / "server.json"
@@ -38,14 +40,14 @@ def start(host: str, port: int, backend_store: Path, artifacts: Path, state_dir:
         raise ConfigError(f"an MLflow server is already running ({state_file}); `make mlflow-stop` first")
     if port_in_use(port):
         raise ConfigError(f"port {port} is in use; change PORT in mlflow/server.env")
-    for directory in (state_dir, backend_store.parent, artifacts):
-        directory.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")  # no extra job-runner processes
+    for directory in (state_dir, backend_store.parent, *([] if str(artifacts).startswith("s3://") else [artifacts])):
+        Path(directory).mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false", **(store_env or {}))  # (no job runners)
     cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{backend_store}",
            "--artifacts-destination", str(artifacts), "--host", host, "--port", str(port), "--workers", str(workers)]
     proc = start_group(cmd, state_dir / "server.log", state_dir, env)
     url = f"http://{host}:{port}"
-    state = {"pid": proc.pid, "url": url}
+    state = {"pid": proc.pid, "url": url, "artifacts": str(artifacts)}
     state_file.write_text(json.dumps(state))
     if wait_ready(proc, lambda: requests.get(url + "/health", timeout=2).ok, timeout_s) != "ready":
         stop(state_dir)

@@ -104,3 +104,28 @@ def _complete(store) -> dict:
 def _run_id(client, name: str) -> str:
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()], f"attributes.run_name = '{name}'")
     return runs[0].info.run_id
+
+
+def test_a_tracking_server_keeps_its_artifacts_in_the_store(s3, tmp_path):
+    """`mlflow server --artifacts-destination s3://...` over the store: an artifact logged through the server (what
+    export does) lands in the bucket, and a client with no store credentials reads it back through the server."""
+    from core import storage, tracking
+    from pipeline.runner import object_store, tracking_server
+
+    object_store.ensure_bucket(s3["state"], "s3://mlflow-tests")
+    state = tracking_server.start("127.0.0.1", free_port(), tmp_path / "db" / "mlflow.db", "s3://mlflow-tests/art",
+                                  tmp_path / "server", store_env=s3["env"])
+    try:
+        client = tracking.client(state["url"])
+        run = client.create_run(client.create_experiment("store"))
+        exported = tmp_path / "model.txt"
+        exported.write_text("权重")
+        client.log_artifact(run.info.run_id, str(exported), "exports")
+        for key, value in s3["env"].items():
+            __import__("os").environ[key] = value
+        keys = storage.Store("s3://mlflow-tests/art").keys("art")
+        assert any(k.endswith(f"{run.info.run_id}/artifacts/exports/model.txt") for k in keys), keys
+        back = client.download_artifacts(run.info.run_id, "exports/model.txt", str(tmp_path / "back"))
+        assert open(back, encoding="utf-8").read() == "权重"
+    finally:
+        tracking_server.stop(tmp_path / "server")
