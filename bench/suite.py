@@ -241,29 +241,56 @@ CHECKPOINT_MODEL = ["model.hidden_size=256", "model.intermediate_size=688", "mod
 
 def checkpoint_stall(out: Path, uri: str, stamp: str, rounds: int = 3, steps: int = 12) -> dict:
     """How long the training loop pauses per checkpoint (`checkpoint_stall_s`: from the start of the save to the
-    end of the save callbacks on rank 0), with training.async_checkpoint on and off, in interleaved runs."""
-    model = CHECKPOINT_MODEL
-    stalls: dict[str, list[float]] = {"sync": [], "async": []}
-    runtimes: dict[str, list[float]] = {"sync": [], "async": []}
-    sizes = []
-    for i in range(rounds):
-        for name, on in (("sync", "false"), ("async", "true")):
-            r = train_run(f"ckpt-{name}-{i}-{stamp}", [*model, f"training.async_checkpoint={on}",
-                                                        f"training.max_steps={steps}", "training.eval_interval=2",
-                                                        "training.save_interval=2", "training.keep_checkpoints=0"],
-                          out, uri)
-            client = tracking.client(uri)
-            stalls[name] += list(tracking.metric_history(client, r["run_id"], "checkpoint_stall_s").values())
-            runtimes[name].append(r["train_runtime_s"])  # (the whole loop: do background writes slow the steps?)
-            latest = Path(r["run_dir"]) / "checkpoints" / f"checkpoint-{steps}"
-            sizes.append(sum(f.stat().st_size for f in latest.rglob("*") if f.is_file()))
+    end of the save callbacks on rank 0), with training.async_checkpoint off, on, and on with every checkpoint
+    uploaded to a local S3 store (SeaweedFS, storage.uri), in interleaved runs; and the upload's MB/s."""
+    from core.processes import free_port
+    from pipeline.runner import object_store
+
+    store = object_store.start(out / "object-store", free_port())
+    os.environ.update(object_store.environment(store))  # (the training subprocesses read the store's environment)
+    settings = {"sync": ["training.async_checkpoint=false"], "async": ["training.async_checkpoint=true"],
+                "async+store": ["training.async_checkpoint=true", "storage.upload_wait_s=600"]}
+    stalls: dict[str, list[float]] = {name: [] for name in settings}
+    runtimes: dict[str, list[float]] = {name: [] for name in settings}
+    sizes, uploads = [], []
+    try:
+        for i in range(rounds):
+            for name, extra in settings.items():
+                store_uri = [f"storage.uri=s3://bench/ckpt-{stamp}-{i}"] if name.endswith("store") else []
+                r = train_run(f"ckpt-{name}-{i}-{stamp}", [*CHECKPOINT_MODEL, *extra, *store_uri,
+                                                            f"training.max_steps={steps}", "training.eval_interval=2",
+                                                            "training.save_interval=2", "training.keep_checkpoints=0"],
+                              out, uri)
+                stalls[name] += list(tracking.metric_history(tracking.client(uri), r["run_id"],
+                                                             "checkpoint_stall_s").values())
+                runtimes[name].append(r["train_runtime_s"])  # (the whole loop: do background writes slow the steps?)
+                latest = Path(r["run_dir"]) / "checkpoints" / f"checkpoint-{steps}"
+                sizes.append(sum(f.stat().st_size for f in latest.rglob("*") if f.is_file()))
+                uploads += _upload_rates(Path(r["run_dir"]))
+    finally:
+        object_store.stop(out / "object-store")
     result = {name: spread(v) for name, v in stalls.items()}
     result.update(saves_per_setting=len(stalls["sync"]), checkpoint_mb=float(np.median(sizes)) / 2**20,
                   train_runtime_s={name: spread(v) for name, v in runtimes.items()},
-                  async_vs_sync=result["async"]["median"] / result["sync"]["median"])
+                  async_vs_sync=result["async"]["median"] / result["sync"]["median"],
+                  store_vs_async=result["async+store"]["median"] / result["async"]["median"],
+                  upload_mb_per_s=spread(uploads))
     print(f"[bench] checkpoint stall: sync {result['sync']['median'] * 1000:.0f} ms, async "
-          f"{result['async']['median'] * 1000:.0f} ms per save ({result['checkpoint_mb']:.0f} MB)", flush=True)
+          f"{result['async']['median'] * 1000:.0f} ms, async + store {result['async+store']['median'] * 1000:.0f} ms "
+          f"per save ({result['checkpoint_mb']:.0f} MB; uploads {result['upload_mb_per_s']['median']:.0f} MB/s)",
+          flush=True)
     return result
+
+
+def _upload_rates(run_dir: Path) -> list[float]:
+    """MB/s of each checkpoint upload, from rank 0's log (training/store_upload.py UPLOADED lines)."""
+    from training.store_upload import UPLOADED
+
+    import re
+
+    found = re.findall(rf"^{re.escape(UPLOADED)} checkpoint-\d+: ([\d.]+) MB in ([\d.]+)s$",
+                       (run_dir / "logs" / "workerlog.0").read_text(errors="replace"), re.M)
+    return [float(mb) / max(float(seconds), 1e-9) for mb, seconds in found]
 
 
 # pp2 with 4 micro-batches of 2: 1F1B and interleaved (which needs m >= 2p) see the same batches
@@ -420,9 +447,13 @@ def _training_lines(r: dict) -> list[str]:
         lines.append(f"| training paused per checkpoint ({c['checkpoint_mb']:.0f} MB, {c['saves_per_setting']} saves "
                      f"each), ms: synchronous / asynchronous | {ms(c['sync'])} / {ms(c['async'])} = "
                      f"{c['async_vs_sync']:.2f}x |")
+        lines.append(f"| paused per checkpoint, asynchronous + uploads to the object store / asynchronous alone | "
+                     f"{ms(c['async+store'])} / {ms(c['async'])} = {c['store_vs_async']:.2f}x; uploads "
+                     f"{c['upload_mb_per_s']['median']:.0f} [{c['upload_mb_per_s']['min']:.0f}-"
+                     f"{c['upload_mb_per_s']['max']:.0f}] MB/s |")
         rt = c["train_runtime_s"]
-        lines.append(f"| training loop of those runs (s): synchronous / asynchronous | {rt['sync']['median']:.1f} / "
-                     f"{rt['async']['median']:.1f} |")
+        lines.append(f"| training loop of those runs (s): synchronous / asynchronous / + store | "
+                     f"{rt['sync']['median']:.1f} / {rt['async']['median']:.1f} / {rt['async+store']['median']:.1f} |")
     e = r["export"]
     lines.append(f"| export wall (load / convert / parity / MLflow model) | {e['wall_s']:.1f} s "
                  f"({e['load_s']:.1f} / {e['convert_s']:.1f} / {e['parity_s']:.1f} / {e.get('mlflow_model_s', 0):.1f} s), parity "

@@ -87,6 +87,9 @@ def check_before_launch(launch: Launch) -> None:
         if problems:
             raise ConfigError("; ".join(f"{c.name}: {c.text}" for c in problems) + " (make doctor)")
     launch.layout.check_fits_machine()
+    from training.data import check_size_early
+
+    check_size_early(launch.config)  # (a step count at no scale: refused now, not after MLflow and paddle start)
     if launch.layout.nnodes > 1 and not os.environ.get("MASTER"):
         raise ConfigError("parallel.nnodes > 1: set MASTER=<host:port> of node 0 (and NODE_RANK) on every node")
     if launch.layout.nnodes > 1 and launch.run_dir is None and not launch.config.training.run_name:

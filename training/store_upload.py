@@ -21,6 +21,7 @@ from core import storage
 from training import progress
 
 BACKOFF_S = (0.5, 1, 2, 4, 8, 15, 30)
+UPLOADED = "store: uploaded"  # (the rank log's line per checkpoint: the bench reads MB/s from it)
 
 
 class StoreUploader:
@@ -98,11 +99,15 @@ class StoreUploader:
             self.bucket_checked = True
         if self.store.read(marker) is not None:
             return  # (uploaded before an interruption)
+        began, size = time.monotonic(), 0
         for path in sorted(p for p in checkpoint.rglob("*") if p.is_file()):
             relative = path.relative_to(checkpoint).as_posix()
             if relative != storage.COMPLETE_MARKER and not relative.startswith(".done-rank"):
                 self.store.upload_file(path, f"{prefix}/{relative}")
+                size += path.stat().st_size
         self.store.put_if_absent(marker, json.dumps(info).encode())
+        seconds = time.monotonic() - began
+        print(f"{UPLOADED} {checkpoint.name}: {size / 2**20:.2f} MB in {seconds:.3f}s", flush=True)  # (rank log)
         self.uploaded.append(int(info["step"]))
         self._retention()
 

@@ -26,6 +26,24 @@ STATS_FILE = "stats.json"
 __all__ = ["Prepared", "prepare_dataset", "for_run", "STATS_FILE"]
 
 
+def run_index_size(config, manifest: dict) -> dict:
+    """The sample index a run of `config` would build over the prepared set of `manifest` (training/data/read.py)."""
+    tr = config.training
+    train_shards = [s for s in manifest["shards"] if s["split"] == "train"]
+    return index_size(manifest["totals"]["train"]["tokens"], sum(s.get("items", 0) for s in train_shards),
+                      tr.seq_length, tr.max_steps * tr.global_batch_size, blended=len(train_shards) > 1)
+
+
+def check_size_early(config) -> None:
+    """Before anything starts (MLflow, paddle): refuse a step count whose index cannot be built, when the config's
+    data set is prepared already (else `for_run` checks once it is)."""
+    from training.data.prepare import find_prepared
+
+    manifest = find_prepared(config)
+    if manifest is not None:
+        check_index(run_index_size(config, manifest), config.training.max_steps, available_memory())
+
+
 def for_run(config, run_dir: Path, log=print) -> tuple[dict, Prepared]:
     """Prepare (or find) the config's data set, copy its tokenizer into the run, record which set and which samples
     the run reads (data/dataset.json), build the sample index, and return the run's data statistics."""
@@ -40,9 +58,7 @@ def for_run(config, run_dir: Path, log=print) -> tuple[dict, Prepared]:
             raise ConfigError(f"the {split} split packs into {blocks[split]} blocks of {width} tokens, fewer than "
                               f"training.global_batch_size={batch}; use more data, a shorter training.seq_length, "
                               f"or a larger data.validation_fraction")
-    train_shards = [s for s in manifest["shards"] if s["split"] == "train"]
-    size = index_size(totals["train"]["tokens"], sum(s.get("items", 0) for s in train_shards), tr.seq_length,
-                      tr.max_steps * batch, blended=len(train_shards) > 1)
+    size = run_index_size(config, manifest)
     run_tokens, corpus_tokens = tr.max_steps * batch * tr.seq_length, blocks["train"] * tr.seq_length
     log(f"run size: {tr.max_steps:,} steps x {batch * tr.seq_length:,} tokens = {run_tokens:,} tokens = "
         f"{run_tokens / max(corpus_tokens, 1):,.2f} epochs of the {corpus_tokens:,} training tokens; sample index: "

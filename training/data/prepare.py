@@ -102,6 +102,14 @@ def prepare(config, run_dir: Path | None = None, log=print) -> Prepared:
     return Prepared(final, manifest, False, time.time() - t0)
 
 
+def find_prepared(config) -> dict | None:
+    """The manifest of the config's prepared set if it is in data.cache_dir already (nothing is prepared)."""
+    if not config.data.cache_dir:
+        return None
+    path = data_root(config) / content_key(config, corpus.corpora(config.data)) / dataset.MANIFEST
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def _check_tokenizer_path(path: str) -> None:
     if path and not (Path(path).expanduser() / "vocab.txt").is_file():
         raise ConfigError(f"tokenizer.path: {path} has no vocab.txt (expected a PaddleNLP tokenizer directory, "
