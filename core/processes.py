@@ -150,3 +150,15 @@ def log_tail(path: Path, lines: int) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
+
+
+def stop_recorded(state_file: Path, steps=((15, 15.0), (9, 10.0))) -> bool:
+    """Stop the process group whose pid the JSON `state_file` records (SIGTERM, then SIGKILL), and remove the file;
+    False if nothing was recorded."""
+    import json
+
+    if not state_file.exists():
+        return False
+    stop_group(json.loads(state_file.read_text())["pid"], steps)
+    state_file.unlink(missing_ok=True)
+    return True

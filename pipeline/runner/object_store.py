@@ -10,14 +10,13 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import signal
 import sys
 from pathlib import Path
 
 from core import REPO_ROOT
 from core.errors import ConfigError
 from core.files import atomic_write
-from core.processes import group_alive, log_tail, port_in_use, start_group, stop_group, wait_ready
+from core.processes import group_alive, log_tail, port_in_use, start_group, stop_recorded, wait_ready
 
 STATE_DIR = REPO_ROOT / "runs" / "object-store"
 PORT = 8333
@@ -67,12 +66,15 @@ def start(state_dir: Path = STATE_DIR, port: int = PORT, timeout_s: float = 60) 
     return state
 
 
-def _answers(state: dict) -> bool:
+def _client(state: dict):
     import boto3
 
-    client = boto3.client("s3", endpoint_url=state["endpoint"], aws_access_key_id=state["access_key"],
-                          aws_secret_access_key=state["secret_key"], region_name="us-east-1")
-    client.list_buckets()
+    return boto3.client("s3", endpoint_url=state["endpoint"], aws_access_key_id=state["access_key"],
+                        aws_secret_access_key=state["secret_key"], region_name="us-east-1")
+
+
+def _answers(state: dict) -> bool:
+    _client(state).list_buckets()
     return True
 
 
@@ -87,12 +89,9 @@ def running(state_dir: Path = STATE_DIR) -> dict | None:
 
 def ensure_bucket(state: dict, uri: str) -> None:
     """The bucket of `uri` exists on this store (made if missing)."""
-    import boto3
     from botocore.exceptions import ClientError
 
-    client = boto3.client("s3", endpoint_url=state["endpoint"], aws_access_key_id=state["access_key"],
-                          aws_secret_access_key=state["secret_key"], region_name="us-east-1")
-    bucket = uri[5:].split("/", 1)[0]
+    client, bucket = _client(state), uri[5:].split("/", 1)[0]
     try:
         client.head_bucket(Bucket=bucket)
     except ClientError:
@@ -100,9 +99,4 @@ def ensure_bucket(state: dict, uri: str) -> None:
 
 
 def stop(state_dir: Path = STATE_DIR) -> bool:
-    state_file = state_dir / "server.json"
-    if not state_file.exists():
-        return False
-    stop_group(json.loads(state_file.read_text())["pid"], ((signal.SIGTERM, 15.0), (signal.SIGKILL, 10.0)))
-    state_file.unlink(missing_ok=True)
-    return True
+    return stop_recorded(state_dir / "server.json")

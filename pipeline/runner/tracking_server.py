@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 from pathlib import Path
 
 from core import REPO_ROOT
 from core.config import ConfigError
-from core.processes import group_alive, log_tail, port_in_use, start_group, stop_group, wait_ready
+from core.processes import group_alive, log_tail, port_in_use, start_group, stop_recorded, wait_ready
 
 SETTINGS = REPO_ROOT / "mlflow" / "server.env"
 STATE_DIR = REPO_ROOT / "mlflow" / "server"
@@ -57,9 +56,4 @@ def start(host: str, port: int, backend_store: Path, artifacts: Path | str, stat
 
 
 def stop(state_dir: Path) -> bool:
-    state_file = state_dir / "server.json"
-    if not state_file.exists():
-        return False
-    stop_group(json.loads(state_file.read_text())["pid"], ((signal.SIGTERM, 15.0), (signal.SIGKILL, 10.0)))
-    state_file.unlink(missing_ok=True)
-    return True
+    return stop_recorded(state_dir / "server.json")
