@@ -86,11 +86,12 @@ def in_process(export_dir: Path, quick: bool):
 
 def served(export_dir: Path, out: Path, scheduler: str, clients: tuple, duration: float, quick: bool,
            alone) -> dict:
-    from core.processes import free_port
+    from core.processes import free_ports
     from serving import controller
     from serving.client.client import GenerationClient
 
-    ports = [f"serving.{key}={free_port()}" for key in ("http_port", "rpc_port", "api_port", "metrics_port")]
+    ports = [f"serving.{key}={port}" for key, port in zip(("http_port", "rpc_port", "api_port", "metrics_port"),
+                                                          free_ports(4))]  # (distinct: the OS may repeat one)
     config = load_config(DEFAULT_CONFIG, [*ports, f"serving.scheduler={scheduler}"])
     state_dir = out / f"serving-{scheduler}"
     try:  # (the start too: a signal while it waits for readiness still stops the server)

@@ -40,6 +40,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct ports nothing listens on right now (the OS may hand the same free port out twice in a row)."""
+    chosen: list[int] = []
+    while len(chosen) < n:
+        port = free_port(host)
+        if port not in chosen:
+            chosen.append(port)
+    return chosen
+
+
 def children_map() -> dict[int, list[int]]:
     """parent pid -> child pids, from /proc."""
     tree: dict[int, list[int]] = {}

@@ -139,13 +139,10 @@ def wait_until(condition, timeout_s: float = 5.0, interval_s: float = 0.01, aliv
 
 def serving_ports() -> list[str]:
     """Four distinct free ports for a server's http, rpc, api and metrics ports, as overrides."""
-    chosen: list[int] = []
-    while len(chosen) < 4:
-        port = free_port()
-        if port not in chosen:
-            chosen.append(port)
+    from core.processes import free_ports
+
     return [f"serving.{key}={port}" for key, port in zip(("http_port", "rpc_port", "api_port", "metrics_port"),
-                                                          chosen)]
+                                                          free_ports(4))]
 
 
 def make_command(*args: str) -> list[str]:
