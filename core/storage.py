@@ -17,7 +17,7 @@ from pathlib import Path
 
 from core.errors import ConfigError
 
-COMPLETE_MARKER = "checkpoint_complete.json"  # (the same name as on disk: training/checkpoints.py)
+COMPLETE_MARKER = "checkpoint_complete.json"  # (a complete checkpoint's record, on disk as in the store)
 
 
 def endpoint() -> str | None:

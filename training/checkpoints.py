@@ -12,9 +12,10 @@ import json
 import re
 import shutil
 from pathlib import Path
-from core.files import atomic_write, fsync_path
 
-COMPLETE_MARKER = "checkpoint_complete.json"
+from core.files import atomic_write, fsync_path
+from core.storage import COMPLETE_MARKER  # (one name for the record, on disk and in the store)
+
 # Written in the run directory by rank 0 when a signal stopped training early (step, signal).
 STOPPED_MARKER = "stopped.json"
 LATEST_FILE = "latest"

@@ -3,6 +3,7 @@ link to its MLflow run. Claimed atomically (runs started together never share on
 all, and found again by path or MLflow run id for a resume."""
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
 from pathlib import Path
@@ -55,29 +56,23 @@ def restore(run, uri: str, resume: str) -> Path:
         raise ConfigError(f"RESUME={resume}: {run_dir} exists but is not the run's directory ({recorded}); move it")
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     run_dir.mkdir()
-    try:
-        (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
-        import paddlenlp  # noqa: F401  (as create: its import resets SIGTERM)
-        stop_signal_handler()
-        from training import data
-        from training.checkpoints import LATEST_FILE
+    with _removed_on_failure(run_dir):
+        _fill(config, run_dir)
+        from pipeline.runner.tracked_run import RUN_INFO
+        from training.checkpoints import mark_complete
 
-        data.for_run(config, run_dir, log=lambda line: print(line, flush=True))
-        (run_dir / "mlflow_run.json").write_text(json.dumps({"run_id": run.info.run_id, "tracking_uri": uri}))
+        (run_dir / RUN_INFO).write_text(json.dumps({"run_id": run.info.run_id, "tracking_uri": uri}))
         if steps:
             began, step = time.time(), max(steps)
             checkpoint = run_dir / "checkpoints" / f"checkpoint-{step}"
             files = store.download(f"{storage.checkpoints_prefix(store, name)}/{checkpoint.name}", checkpoint)
-            (checkpoint.parent / LATEST_FILE).write_text(checkpoint.name + "\n")
+            mark_complete(checkpoint, steps[step])  # (its record as the store has it, and `latest`)
             size = sum(f.stat().st_size for f in files)
             print(f"restored {name} from {store.uri}: {checkpoint.name} ({size / 2**20:.1f} MB in "
                   f"{time.time() - began:.1f}s)", flush=True)
         else:
             print(f"restored {name} from its MLflow record: no checkpoint complete in {store.uri} yet, it starts "
                   "over", flush=True)
-    except BaseException:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        raise
     return run_dir
 
 
@@ -113,22 +108,32 @@ def create(config: Config) -> Path:
     """Create runs/<name>/ with the resolved config, tokenizer and the link to its prepared data (made now if
     missing: `make data`); nothing is left if this fails."""
     run_dir = claim(config)
-    try:
-        (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
-        t0 = time.time()
-        import paddlenlp  # noqa: F401  (the sample index needs it; its import resets SIGTERM to the default action,
-        stop_signal_handler()  # so re-arm: a SIGTERM during data preparation still removes the half-made run)
-        from training import data
+    with _removed_on_failure(run_dir):
+        _fill(config, run_dir)
+    return run_dir
 
-        stats, prepared = data.for_run(config, run_dir, log=lambda line: print(line, flush=True))
-        print(f"data: {stats['train_documents']:,} train / {stats['validation_documents']:,} validation documents, "
-              f"{stats['train_tokens']:,} / {stats['validation_tokens']:,} tokens in {stats['shards']} shard(s) -> "
-              f"{stats['train_blocks']:,} / {stats['validation_blocks']:,} blocks of {config.training.seq_length} "
-              f"tokens; vocabulary {stats['vocab_size']} (model {stats['model_vocab_size']}), validation unknown rate "
-              f"{stats['unknown_rate']:.4f}; {time.time() - t0:.1f}s"
-              + (f" (prepared data reused: {prepared.path})" if prepared.reused else f" ({prepared.path})"),
-              flush=True)
+
+@contextlib.contextmanager
+def _removed_on_failure(run_dir: Path):
+    try:
+        yield
     except BaseException:
         shutil.rmtree(run_dir, ignore_errors=True)  # nothing half-written is left behind
         raise
-    return run_dir
+
+
+def _fill(config: Config, run_dir: Path) -> None:
+    """A claimed run directory's config, tokenizer and data (the set prepared now if missing, its sample index)."""
+    (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
+    t0 = time.time()
+    import paddlenlp  # noqa: F401  (the sample index needs it; its import resets SIGTERM to the default action,
+    stop_signal_handler()  # so re-arm: a SIGTERM during data preparation still removes the half-made run)
+    from training import data
+
+    stats, prepared = data.for_run(config, run_dir, log=lambda line: print(line, flush=True))
+    print(f"data: {stats['train_documents']:,} train / {stats['validation_documents']:,} validation documents, "
+          f"{stats['train_tokens']:,} / {stats['validation_tokens']:,} tokens in {stats['shards']} shard(s) -> "
+          f"{stats['train_blocks']:,} / {stats['validation_blocks']:,} blocks of {config.training.seq_length} "
+          f"tokens; vocabulary {stats['vocab_size']} (model {stats['model_vocab_size']}), validation unknown rate "
+          f"{stats['unknown_rate']:.4f}; {time.time() - t0:.1f}s"
+          + (f" (prepared data reused: {prepared.path})" if prepared.reused else f" ({prepared.path})"), flush=True)

@@ -72,9 +72,22 @@ def content_key(config, corpora: list[corpus.Corpus]) -> str:
                 key.update((Path(t.path) / name).read_bytes())
     for c in corpora:
         for path in c.files:
-            with open(path, "rb") as f:
-                key.update(hashlib.file_digest(f, "sha256").digest())
+            key.update(_file_digest(path))
     return key.hexdigest()[:32]
+
+
+_DIGESTS: dict[tuple, bytes] = {}
+
+
+def _file_digest(path: Path) -> bytes:
+    """sha256 of a corpus file, read once per process while the file is unchanged (the launcher's size check and
+    its preparation both need the content key: a 100 GB corpus is not read twice)."""
+    stat = path.stat()
+    known = (str(path), stat.st_size, stat.st_mtime_ns)
+    if known not in _DIGESTS:
+        with open(path, "rb") as f:
+            _DIGESTS[known] = hashlib.file_digest(f, "sha256").digest()
+    return _DIGESTS[known]
 
 
 def prepare(config, run_dir: Path | None = None, log=print) -> Prepared:
