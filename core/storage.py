@@ -8,7 +8,9 @@ a partial checkpoint), listing by prefix and deleting (retention).
 
 Layout (docs/storage.md):
     <prefix>/runs/<run name>/checkpoints/checkpoint-<step>/<the checkpoint's files>
+                                                           .parts/node-<k>.json       (nodes without a shared disk)
                                                            checkpoint_complete.json   (last)
+    <prefix>/runs/<run name>/launch.json, run.json        (nodes without a shared disk: where they meet)
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from pathlib import Path
 from core.errors import ConfigError
 
 COMPLETE_MARKER = "checkpoint_complete.json"  # (a complete checkpoint's record, on disk as in the store)
+PARTS_DIR = ".parts"  # (in the store: one record per node whose part of the checkpoint is uploaded)
+ABSENT = ("NoSuchKey", "404", "NoSuchBucket")  # (error codes of a read of nothing: no such object, or no bucket yet)
 
 
 def endpoint() -> str | None:
@@ -53,6 +57,19 @@ class Store:
     def upload_file(self, local: Path, key: str) -> None:
         self.client.upload_file(str(local), self.bucket, key)
 
+    def upload_tree(self, local_dir: Path, prefix: str, skip=lambda relative: False) -> int:
+        """Every file under `local_dir` to `prefix`/<its relative path> (but those `skip` names); the bytes sent."""
+        size = 0
+        for path in sorted(p for p in local_dir.rglob("*") if p.is_file()):
+            relative = path.relative_to(local_dir).as_posix()
+            if not skip(relative):
+                self.upload_file(path, f"{prefix}/{relative}")
+                size += path.stat().st_size
+        return size
+
+    def put(self, key: str, data: bytes) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=key, Body=data)
+
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """Write `key` only if nothing is there yet (If-None-Match: *); False if it already was."""
         from botocore.exceptions import ClientError
@@ -71,15 +88,22 @@ class Store:
         try:
             return self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
         except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+            if exc.response.get("Error", {}).get("Code") in ABSENT:
                 return None
             raise
 
     def keys(self, prefix: str) -> list[str]:
+        from botocore.exceptions import ClientError
+
         out, token = [], None
         while True:
-            page = self.client.list_objects_v2(Bucket=self.bucket, Prefix=prefix.rstrip("/") + "/",
-                                               **({"ContinuationToken": token} if token else {}))
+            try:
+                page = self.client.list_objects_v2(Bucket=self.bucket, Prefix=prefix.rstrip("/") + "/",
+                                                   **({"ContinuationToken": token} if token else {}))
+            except ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") == "NoSuchBucket":
+                    return []
+                raise
             out += [item["Key"] for item in page.get("Contents", [])]
             if not page.get("IsTruncated"):
                 return out
@@ -100,8 +124,17 @@ class Store:
             self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]]})
 
 
+def run_prefix(store: Store, run_name: str) -> str:
+    return store.key("runs", run_name)
+
+
 def checkpoints_prefix(store: Store, run_name: str) -> str:
     return store.key("runs", run_name, "checkpoints")
+
+
+def part_key(store: Store, run_name: str, checkpoint: str, node: int) -> str:
+    """A node's record that its part of a checkpoint is in the store (runs whose nodes share no filesystem)."""
+    return f"{checkpoints_prefix(store, run_name)}/{checkpoint}/{PARTS_DIR}/node-{node}.json"
 
 
 def complete_steps(store: Store, run_name: str) -> dict[int, dict]:

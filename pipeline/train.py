@@ -73,10 +73,26 @@ def resumed_config(resume: str, overrides: list[str]) -> Config:
 
 def resolve(config: Config, resume: str) -> Launch:
     layout = ParallelLayout.from_config(config)
+    store = nodes.meeting_store(config)
+    if not resume and store is not None and nodes.node_rank() == 0 and config.training.run_name:
+        resume = _requeued(config, store)
     if not resume:
         return Launch(config, layout, None)
     run_dir = rundir.find(resume, tracking.tracking_uri(config))
+    if store is not None and nodes.node_rank() == 0:  # (the nodes' disks differ: the store says what is complete)
+        return Launch(config, layout, run_dir, rundir.latest_in_store(store, run_dir), run_dir / PENDING_CONFIG)
     return Launch(config, layout, run_dir, _latest(run_dir), run_dir / PENDING_CONFIG)
+
+
+def _requeued(config: Config, store) -> str:
+    """Node 0 of nodes that share no filesystem, started as a new run: a run of that name that node 0 began
+    before (on another disk) continues, by its MLflow run id; "" for a new run."""
+    run_dir = rundir.runs_root(config) / config.training.run_name
+    run_id = "" if run_dir.exists() else nodes.recorded_run_id(store, run_dir)
+    if run_id:
+        print(f"{config.training.run_name}: begun before on another disk (MLflow run {run_id}); continuing it from "
+              f"{config.storage.uri}", flush=True)
+    return run_id
 
 
 def check_before_launch(launch: Launch) -> None:
@@ -117,7 +133,7 @@ def close(launch: Launch, tracked: TrackedRun, outcome: Outcome) -> None:
     MLflow run's status)."""
     run_dir, layout = launch.run_dir, launch.layout
     if layout.nnodes > 1:
-        nodes.withdraw(run_dir)
+        nodes.withdraw(run_dir, nodes.meeting_store(launch.config))
     started = not launch.resumed or not launch.pending.exists()
     if not started:
         launch.pending.unlink(missing_ok=True)

@@ -81,6 +81,20 @@ def tiny_config(tmp_path) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """A real S3 endpoint (SeaweedFS from .venv, pipeline/runner/object_store.py) on a free port, per module."""
+    from core.processes import free_port
+    from pipeline.runner import object_store
+
+    root = tmp_path_factory.mktemp("s3")
+    port = free_port()
+    state = object_store.start(root / "store", port)
+    yield {"root": root, "port": port, "state": state, "env": object_store.environment(state),
+           "restart": lambda: object_store.start(root / "store", port)}
+    object_store.stop(root / "store")
+
+
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory):
     """One short real training run (single process) in its own MLflow store, shared by export and serving tests."""

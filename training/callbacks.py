@@ -42,7 +42,9 @@ def should_upload(mode: str, metric: str, info: dict, earlier: list[dict]) -> bo
 class CheckpointCompleteCallback(TrainerCallback):
     """After every rank has written checkpoint-<step> and made its files durable (fsync), rank 0 marks it complete,
     applies retention (training.keep_checkpoints) and records it in MLflow (uploading the files too when
-    tracking.checkpoint_artifacts asks for it; in the background, training does not wait for the upload).
+    tracking.checkpoint_artifacts asks for it; in the background, training does not wait for the upload). When the
+    nodes share no filesystem, each node's first rank does this for its node's part on its own disk, and the store
+    says when the checkpoint is whole (training/store_upload.py).
 
     Synchronous saves: every rank fsyncs, a barrier, rank 0 marks. Asynchronous saves (`writer`, see
     training/async_checkpoint.py): each rank's writer thread, once its files are written and fsynced, leaves a
@@ -51,9 +53,11 @@ class CheckpointCompleteCallback(TrainerCallback):
     Each save's pause of the training loop is logged as `checkpoint_stall_s`."""
 
     def __init__(self, mlflow_logger: "MlflowLogger | None", upload_mode: str = "none", metric: str = "eval_loss",
-                 keep: int = 0, writer=None, peers_timeout_s: float = 3600.0, store=None, store_wait_s: float = 0):
+                 keep: int = 0, writer=None, peers_timeout_s: float = 3600.0, store=None, store_wait_s: float = 0,
+                 owner: bool = False, peers: range = range(0)):
         self.mlflow_logger, self.upload_mode, self.metric, self.keep = mlflow_logger, upload_mode, metric, keep
         self.writer, self.peers_timeout_s = writer, peers_timeout_s
+        self.owner, self.peers = owner, peers  # (training/rank.py checkpoint_roles: who marks, over whose parts)
         self.store, self.store_wait_s = store, store_wait_s  # (training/store_upload.py, rank 0 with storage.uri)
         self.noted = False
 
@@ -68,12 +72,12 @@ class CheckpointCompleteCallback(TrainerCallback):
             info["eval_perplexity"] = tracking.perplexity(info["eval_loss"])
         if self.writer is not None:
             self.writer.check()  # an earlier write failed: stop here, not silently without checkpoints
-            self.writer.submit(self._finish, checkpoint, info, dist.get_rank(), dist.get_world_size())
+            self.writer.submit(self._finish, checkpoint, info, dist.get_rank())
         else:
             make_durable(checkpoint)  # each rank: what it wrote reaches the disk before the checkpoint can count
             if dist.get_world_size() > 1:
                 dist.barrier()
-            if state.is_world_process_zero:
+            if self.owner:
                 self._complete(checkpoint, info)
         started = getattr(state, "checkpoint_started_at", None)
         if started and self.mlflow_logger:
@@ -92,22 +96,23 @@ class CheckpointCompleteCallback(TrainerCallback):
             missing = self.store.finish(self.store_wait_s)
             text = (f"store: not uploaded within storage.upload_wait_s={self.store_wait_s:g}s: {', '.join(missing)} "
                     "(complete on local disk; a resume from this disk uploads them)" if missing else
-                    f"store: every checkpoint is in {self.store.store.uri}")
+                    f"store: {self.store.what()} is in {self.store.store.uri}")
             print(text, flush=True)
             progress.note(Path(args.output_dir).parent, text)
 
-    def _finish(self, checkpoint: Path, info: dict, rank: int, world: int) -> None:
+    def _finish(self, checkpoint: Path, info: dict, rank: int) -> None:
         """In the rank's writer thread, after its files of this checkpoint are written and fsynced."""
         make_durable(checkpoint)
+        checkpoint.mkdir(parents=True, exist_ok=True)  # (a rank with nothing to save, on a disk of its own)
         marker = checkpoint / f"{DONE_MARKER_PREFIX}{rank}"
         with open(marker, "w") as fh:
             fh.write(str(time.time()))
             fh.flush()
             os.fsync(fh.fileno())
-        if rank != 0:
+        if not self.owner:
             return
         deadline = time.time() + self.peers_timeout_s
-        while not all((checkpoint / f"{DONE_MARKER_PREFIX}{r}").exists() for r in range(world)):
+        while not all((checkpoint / f"{DONE_MARKER_PREFIX}{r}").exists() for r in self.peers):
             if time.time() > deadline:
                 raise TimeoutError(f"{checkpoint}: not every rank finished writing within {self.peers_timeout_s:g}s")
             time.sleep(0.05)
@@ -115,6 +120,7 @@ class CheckpointCompleteCallback(TrainerCallback):
 
     def _complete(self, checkpoint: Path, info: dict) -> None:
         """Rank 0: mark complete, apply retention, record (and maybe upload) in MLflow."""
+        checkpoint.mkdir(parents=True, exist_ok=True)  # (a node whose ranks had nothing to save, on its own disk)
         earlier = [checkpoint_info(path) for step, path in complete_checkpoints(checkpoint.parent.parent)
                    if step != info["step"]] if self.upload_mode == "best" else []
         mark_complete(checkpoint, info)
@@ -186,11 +192,12 @@ class PromoteConfig(TrainerCallback):
     and rank 0 moves it into place only once the resumed run has completed a step, so a resume that fails leaves
     the run as it was."""
 
-    def __init__(self, pending: Path | None, target: Path):
-        self.pending, self.target = pending, target
+    def __init__(self, pending: Path | None, target: Path, owner: bool):
+        self.pending, self.target, self.owner = pending, target, owner  # (owner: rank 0, or each node's first rank
+        # when every node has its own run directory)
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.pending and state.is_world_process_zero and self.pending.exists():
+        if self.pending and self.owner and self.pending.exists():
             os.replace(self.pending, self.target)
         self.pending = None
         return control

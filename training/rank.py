@@ -297,14 +297,27 @@ def model_and_trainer_class(config: Config, layout: ParallelLayout, train_args, 
     return model, new_trainer
 
 
-def store_uploader(config: Config, run_dir: Path, first_process: bool):
-    """Rank 0 uploads complete checkpoints when storage.uri names a store (training/store_upload.py)."""
-    if not config.storage.uri or not first_process:
+def checkpoint_roles(config: Config, layout: ParallelLayout, rank: int) -> tuple[bool, range]:
+    """Whether `rank` marks checkpoints complete, and over which ranks' parts: rank 0 over every rank (one run
+    directory), or, when the nodes share no filesystem (storage.shared_filesystem=false), each node's first rank
+    over its node's ranks (`--rank NODE_RANK` gives node k the ranks k*n .. k*n+n-1)."""
+    if config.storage.shared_filesystem or layout.nnodes == 1:
+        return rank == 0, range(layout.world_size)
+    first = rank - rank % layout.procs_per_node
+    return rank == first, range(first, first + layout.procs_per_node)
+
+
+def store_uploader(config: Config, layout: ParallelLayout, run_dir: Path, owner: bool, rank: int):
+    """The rank that marks checkpoints complete uploads them when storage.uri names a store
+    (training/store_upload.py): all of each, or its node's part when the nodes share no filesystem."""
+    if not config.storage.uri or not owner:
         return None
     from training.store_upload import StoreUploader
 
+    nodes = 1 if config.storage.shared_filesystem else layout.nnodes
     return StoreUploader(config.storage.uri, run_dir, config.training.keep_checkpoints, config.export.metric,
-                         config.storage.max_pending)
+                         config.storage.max_pending, node=rank // layout.procs_per_node if nodes > 1 else 0,
+                         nnodes=nodes)
 
 
 def callbacks(config: Config, layout: ParallelLayout, run_dir: Path, pending: Path | None, graceful_stop,
@@ -327,11 +340,14 @@ def callbacks(config: Config, layout: ParallelLayout, run_dir: Path, pending: Pa
 
         async_checkpoint.apply()
         writer = async_checkpoint.writer()
-    found = [FinalStepCallback(), graceful_stop, PromoteConfig(pending, run_dir / "config.yaml"),
+    import paddle.distributed as dist
+
+    owner, peers = checkpoint_roles(config, layout, dist.get_rank())
+    found = [FinalStepCallback(), graceful_stop, PromoteConfig(pending, run_dir / "config.yaml", owner),
              PeakMemory(run_dir, layout.device),
              CheckpointCompleteCallback(mlflow_logger, config.tracking.checkpoint_artifacts, config.export.metric,
-                                        config.training.keep_checkpoints, writer, store=store_uploader(
-                                            config, run_dir, first_process),
+                                        config.training.keep_checkpoints, writer, owner=owner, peers=peers,
+                                        store=store_uploader(config, layout, run_dir, owner, dist.get_rank()),
                                         store_wait_s=config.storage.upload_wait_s)]
     if mlflow_logger:
         found.append(mlflow_logger)

@@ -7,8 +7,9 @@ metric) applies in the store after each upload. While the store is down the thre
 says so once, and again when it is back); at most `max_pending` checkpoints wait, a newer one replacing the oldest
 waiting. At the end of the run the rank waits up to `storage.upload_wait_s` and names what is still missing.
 
-Multi-node runs without a shared filesystem (each node uploading its own ranks' files) are not handled yet: rank 0
-uploads the checkpoint directory it sees.
+Nodes that share no filesystem (storage.shared_filesystem=false): each node's first rank uploads its node's part
+(the files its ranks wrote on its disk), then the part's record (`.parts/node-<k>.json`). Whichever node finds every
+part there writes the completion record (node 0's record, conditionally: one writer wins) and applies retention.
 """
 from __future__ import annotations
 
@@ -25,8 +26,10 @@ UPLOADED = "store: uploaded"  # (the rank log's line per checkpoint: the bench r
 
 
 class StoreUploader:
-    def __init__(self, uri: str, run_dir: Path, keep: int, metric: str, max_pending: int = 2):
+    def __init__(self, uri: str, run_dir: Path, keep: int, metric: str, max_pending: int = 2, node: int = 0,
+                 nnodes: int = 1):
         self.store = storage.Store(uri)
+        self.node, self.nnodes = node, nnodes  # (nnodes > 1: this node's part only; the nodes share no disk)
         self.run_dir, self.run_name, self.keep, self.metric = run_dir, run_dir.name, keep, metric
         self.max_pending = max_pending
         self.waiting: list[tuple[Path, dict]] = []
@@ -51,6 +54,9 @@ class StoreUploader:
         """Checkpoint paths queued or being uploaded (retention on disk must keep them)."""
         with self.cond:
             return {str(p.resolve()) for p, _ in self.waiting} | ({str(self.current.resolve())} if self.current else set())
+
+    def what(self) -> str:
+        return "every checkpoint" if self.nnodes == 1 else f"node {self.node}'s part of every checkpoint"
 
     def finish(self, wait_s: float) -> list[str]:
         """Wait up to `wait_s` for the queue to empty; the checkpoints still missing in the store."""
@@ -99,17 +105,25 @@ class StoreUploader:
             self.bucket_checked = True
         if self.store.read(marker) is not None:
             return  # (uploaded before an interruption)
-        began, size = time.monotonic(), 0
-        for path in sorted(p for p in checkpoint.rglob("*") if p.is_file()):
-            relative = path.relative_to(checkpoint).as_posix()
-            if relative != storage.COMPLETE_MARKER and not relative.startswith(".done-rank"):
-                self.store.upload_file(path, f"{prefix}/{relative}")
-                size += path.stat().st_size
-        self.store.put_if_absent(marker, json.dumps(info).encode())
+        began = time.monotonic()
+        part = storage.part_key(self.store, self.run_name, checkpoint.name, self.node)
+        size = 0
+        if self.nnodes == 1 or self.store.read(part) is None:
+            size = self.store.upload_tree(checkpoint, prefix, lambda relative: relative == storage.COMPLETE_MARKER
+                                          or relative.startswith(".done-rank"))
+        if self.nnodes > 1:
+            self.store.put(part, json.dumps(info).encode())
+            info = self._all_parts(checkpoint.name)
         seconds = time.monotonic() - began
         print(f"{UPLOADED} {checkpoint.name}: {size / 2**20:.2f} MB in {seconds:.3f}s", flush=True)  # (rank log)
-        self.uploaded.append(int(info["step"]))
-        self._retention()
+        self.uploaded.append(int(checkpoint.name.split("-")[1]))
+        if info is not None and self.store.put_if_absent(marker, json.dumps(info).encode()):
+            self._retention()
+
+    def _all_parts(self, name: str) -> dict | None:
+        """Node 0's record of the checkpoint once every node's part is in the store; None while one is missing."""
+        records = [self.store.read(storage.part_key(self.store, self.run_name, name, k)) for k in range(self.nnodes)]
+        return None if any(r is None for r in records) else json.loads(records[0])
 
     def _retention(self) -> None:
         if self.keep <= 0:
@@ -120,7 +134,10 @@ class StoreUploader:
         if rated:
             keep.add(min(rated, key=rated.get))
         prefix = storage.checkpoints_prefix(self.store, self.run_name)
-        for step in sorted(set(steps) - keep):
+        started = {int(name[11:]) for name in {k[len(prefix) + 1:].split("/")[0] for k in self.store.keys(prefix)}
+                   if name.startswith("checkpoint-") and name[11:].isdigit()}
+        never = {s for s in started - set(steps) if s < max(steps)}  # (parts of one that never completed: dropped)
+        for step in sorted((set(steps) - keep) | never):
             base = f"{prefix}/checkpoint-{step}"
             self.store.delete([f"{base}/{storage.COMPLETE_MARKER}"])  # (the marker first: never a partial one)
             self.store.delete([k for k in self.store.keys(base)])

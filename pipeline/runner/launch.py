@@ -44,7 +44,8 @@ def launch_ranks(launch: Launch, tracked: TrackedRun, stopper: supervise.Stopper
     if launch.pending is not None:  # (the new config, maybe another layout, goes live after the first step)
         launch.pending.write_text(config.to_yaml(), encoding="utf-8")
     if layout.nnodes > 1:
-        nodes.announce(run_dir, config.to_yaml(), launch.resume_from, launch.pending)
+        nodes.announce(run_dir, config.to_yaml(), launch.resume_from, launch.pending, nodes.meeting_store(config),
+                       tracked.run_id)
     stopped = run_dir / STOPPED_MARKER
     stopped.unlink(missing_ok=True)
     if stopper.signum:  # a signal while the run was being opened: do not start the ranks at all
@@ -86,9 +87,13 @@ def run_other_node(launch: Launch) -> int:
     """Node k > 0: wait for node 0's run directory and launch announcement, then run this node's ranks."""
     config, layout = launch.config, launch.layout
     run_dir = launch.run_dir or rundir.runs_root(config) / config.training.run_name
-    info = nodes.wait_for_launch(run_dir, config.to_yaml(), config.parallel.node_wait_s)
-    resume_from = Path(info["resume_from"]) if info["resume_from"] else None
-    pending = Path(info["pending_config"]) if info["pending_config"] else None
+    store = nodes.meeting_store(config)
+    info = nodes.wait_for_launch(run_dir, config.to_yaml(), config.parallel.node_wait_s, store=store)
+    if store is not None:  # (this node's own disk: its run directory made here, the checkpoint from the store)
+        resume_from, pending = rundir.join_locally(config, run_dir, info, store)
+    else:
+        resume_from = Path(info["resume_from"]) if info["resume_from"] else None
+        pending = Path(info["pending_config"]) if info["pending_config"] else None
     print(f"node {nodes.node_rank()}: joining {run_dir}" + (f", resuming from {resume_from}" if resume_from else ""),
           flush=True)
     stopper = supervise.Stopper(config.training.stop_grace_s)

@@ -59,21 +59,80 @@ def restore(run, uri: str, resume: str) -> Path:
     with _removed_on_failure(run_dir):
         _fill(config, run_dir)
         from pipeline.runner.tracked_run import RUN_INFO
-        from training.checkpoints import mark_complete
 
         (run_dir / RUN_INFO).write_text(json.dumps({"run_id": run.info.run_id, "tracking_uri": uri}))
         if steps:
-            began, step = time.time(), max(steps)
-            checkpoint = run_dir / "checkpoints" / f"checkpoint-{step}"
-            files = store.download(f"{storage.checkpoints_prefix(store, name)}/{checkpoint.name}", checkpoint)
-            mark_complete(checkpoint, steps[step])  # (its record as the store has it, and `latest`)
-            size = sum(f.stat().st_size for f in files)
-            print(f"restored {name} from {store.uri}: {checkpoint.name} ({size / 2**20:.1f} MB in "
-                  f"{time.time() - began:.1f}s)", flush=True)
+            checkpoint, size, seconds = fetch_checkpoint(store, run_dir, max(steps), steps[max(steps)])
+            print(f"restored {name} from {store.uri}: {checkpoint.name} ({size / 2**20:.1f} MB in {seconds:.1f}s)",
+                  flush=True)
         else:
             print(f"restored {name} from its MLflow record: no checkpoint complete in {store.uri} yet, it starts "
                   "over", flush=True)
     return run_dir
+
+
+def fetch_checkpoint(store, run_dir: Path, step: int, record: dict) -> tuple[Path, int, float]:
+    """Checkpoint `step`, complete in the store, into the run directory: the files this disk lacks (all of them
+    unless this disk holds a complete part of it), marked complete with the store's record. (path, bytes, seconds)"""
+    from core import storage
+    from training.checkpoints import COMPLETE_MARKER, mark_complete
+
+    began = time.time()
+    checkpoint = run_dir / "checkpoints" / f"checkpoint-{step}"
+    if not (checkpoint / COMPLETE_MARKER).is_file():
+        shutil.rmtree(checkpoint, ignore_errors=True)  # (a part cut short here: taken whole from the store)
+    prefix = f"{storage.checkpoints_prefix(store, run_dir.name)}/{checkpoint.name}"
+    size = 0
+    for key in store.keys(prefix):
+        relative = key[len(prefix) + 1:]
+        target = checkpoint / relative
+        if relative.split("/")[0] in (storage.PARTS_DIR, storage.COMPLETE_MARKER) or target.is_file():
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        store.client.download_file(store.bucket, key, str(target))
+        size += target.stat().st_size
+    mark_complete(checkpoint, record)  # (its record as the store has it, and `latest`)
+    return checkpoint, size, time.time() - began
+
+
+def latest_in_store(store, run_dir: Path) -> Path | None:
+    """Nodes that share no filesystem: the latest checkpoint complete in the store (every node's part there),
+    made whole on this disk; None if there is none yet."""
+    from core import storage
+
+    steps = storage.complete_steps(store, run_dir.name)
+    if not steps:
+        return None
+    checkpoint, size, seconds = fetch_checkpoint(store, run_dir, max(steps), steps[max(steps)])
+    if size:
+        print(f"{checkpoint.name}: the other nodes' parts from {store.uri} ({size / 2**20:.1f} MB in {seconds:.1f}s)",
+              flush=True)
+    return checkpoint
+
+
+def join_locally(config: Config, run_dir: Path, info: dict, store) -> tuple[Path | None, Path | None]:
+    """Node k > 0 of nodes that share no filesystem: its own run directory, made from its config (node 0's: the
+    announcement checked it) when this disk has none, and the announced checkpoint fetched from the store.
+    (where the ranks resume from, the pending config)"""
+    if not run_dir.exists():
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        run_dir.mkdir()
+        with _removed_on_failure(run_dir):
+            _fill(config, run_dir)
+    resume_from = None
+    if info["resume_checkpoint"]:
+        from core import storage
+
+        step = int(info["resume_checkpoint"].split("-")[1])
+        record = storage.complete_steps(store, run_dir.name).get(step)
+        if record is None:
+            raise ConfigError(f"node 0 resumes from {info['resume_checkpoint']}, which is not complete in {store.uri}")
+        resume_from = fetch_checkpoint(store, run_dir, step, record)[0]
+    pending = None
+    if info["pending_config"]:
+        pending = run_dir / Path(info["pending_config"]).name
+        pending.write_text(config.to_yaml(), encoding="utf-8")
+    return resume_from, pending
 
 
 def runs_root(config: Config) -> Path:

@@ -5,6 +5,7 @@ Every run here starts from the same saved weights and sees the same batches, so 
 with one uninterrupted single-process reference (layouts agree to ~1e-7; asserted 1e-4 relative)."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -274,6 +275,76 @@ def test_node_lost_requeued_on_one_node_then_two_continues_the_same_run(world):
     assert len(client.search_runs([client.get_run(run_id).info.experiment_id],
                                   "attributes.run_name = 'cluster'")) == 1
     _assert_losses_continue(world, "cluster", 0)
+
+
+def _start_apart(world, s3, *extra, resume: bool = False) -> list[subprocess.Popen]:
+    """Two nodes (one pipeline stage each) that share no filesystem: each its own runs_dir and data copy; they
+    meet in the object store. Node 0
+    requeued continues its own run directory (as deploy/train-node.sh does); node 1 always runs the first command."""
+    from helpers import free_port
+
+    env = {**env_for(world["uri"]), **s3["env"], "MASTER": f"127.0.0.1:{free_port()}"}
+    procs = []
+    for node in (1, 0):
+        disk = world["root"] / f"disk{node}"
+        what = ["--resume", str(disk / "runs" / "apart")] if resume and node == 0 else \
+            ["--config", str(world["config"]), *world["common"], "training.run_name=apart"]
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "pipeline", "train", *what, f"training.runs_dir={disk / 'runs'}",
+             f"data.local_dir={disk / 'data'}", "data.cache_dir=s3://pipeline/apart-data",
+             "storage.uri=s3://pipeline/apart", "storage.shared_filesystem=false", "parallel.nnodes=2",
+             *LAYOUTS["pp2"], *extra], cwd=REPO_ROOT, env={**env, "NODE_RANK": str(node)}, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True))
+    return procs  # [node 1, node 0]
+
+
+def test_nodes_without_a_shared_disk_meet_in_the_store_and_a_lost_node_resumes_onto_an_empty_disk(world, s3,
+                                                                                                    monkeypatch):
+    from core import storage
+
+    for key, value in s3["env"].items():
+        monkeypatch.setenv(key, value)
+    store = storage.Store("s3://pipeline/apart")
+    procs = _start_apart(world, s3, "parallel.collective_timeout_s=10")
+    try:
+        assert wait_until(lambda: storage.complete_steps(store, "apart"), 240, 0.2, alive=procs[1],
+                          context=lambda: procs[1].stdout.read()[-3000:]), "no checkpoint complete in the store"
+        signal_pids([*reversed(descendants(procs[0].pid)), procs[0].pid], signal.SIGKILL)  # node 1 is lost ...
+        (_, _), (rc0, out0) = _finish(procs, timeout=120)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert rc0 != 0, out0[-2000:]
+    step = max(storage.complete_steps(store, "apart"))
+    assert step < STEPS
+    shutil.rmtree(world["root"] / "disk1")  # ... with its disk: requeued onto an empty one
+    procs = _start_apart(world, s3, "parallel.collective_timeout_s=10", resume=True)  # (the same command again)
+    try:
+        ((rc1, out1),) = _finish(procs[:1], timeout=300)
+        assert rc1 == 0, out1[-3000:]
+        ((rc0, out0),) = _finish(procs[1:], timeout=60)
+        assert rc0 == 0, out0[-3000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    node1 = world["root"] / "disk1" / "runs" / "apart"
+    assert f"node 1: joining {node1}, resuming from {node1 / 'checkpoints' / f'checkpoint-{step}'}" in out1
+    assert "data: fetched" in out1  # (its data copy from the store, not prepared again)
+    # each node uploaded its own ranks' part (stage 1's weights are node 1's); the last checkpoint is whole only in
+    # the store
+    last = f"{storage.checkpoints_prefix(store, 'apart')}/checkpoint-{STEPS}/"
+    keys = {k[len(last):] for k in store.keys(last)}
+    shards = {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}
+    assert {".parts/node-0.json", ".parts/node-1.json", "checkpoint_complete.json", *shards} <= keys, keys
+    local = {p.name for p in (world["root"] / "disk0" / "runs" / "apart" / "checkpoints" / f"checkpoint-{STEPS}").iterdir()}
+    assert local & shards == {"model-00001-of-00002.safetensors"}, local
+    run_id = json.loads((world["root"] / "disk0" / "runs" / "apart" / "mlflow_run.json").read_text())["run_id"]
+    got = metric_history(tracking.client(world["uri"]), run_id, "loss")
+    assert sorted(got) == list(range(1, STEPS + 1))
+    bad = {s: (got[s], world["reference"][s]) for s in got if got[s] != pytest.approx(world["reference"][s], rel=RTOL)}
+    assert not bad, bad
 
 
 def test_a_kill_during_an_async_save_resumes_from_the_last_complete_checkpoint(world):

@@ -1,7 +1,7 @@
 """Object storage against a real S3 endpoint (SeaweedFS from .venv, started per module on a free port): complete
 checkpoints reach the store in the background while training goes on, the store killed with SIGKILL mid-run and
 restarted, and a run resumed by its MLflow run id on an empty disk (run directory and data cache gone) continues
-with the uninterrupted run's losses."""
+with the uninterrupted run's losses. (Nodes that share no disk: tests/integration/test_resume.py.)"""
 import json
 import shutil
 import signal
@@ -18,18 +18,6 @@ pytestmark = pytest.mark.slow
 MAX_STEPS = 150
 STEPS = [f"training.max_steps={MAX_STEPS}", "training.save_interval=6", "training.eval_interval=6", "training.logging_interval=1",
          "training.keep_checkpoints=2", "training.warmup_steps=2"]
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    from pipeline.runner import object_store
-
-    root = tmp_path_factory.mktemp("s3")
-    port = free_port()
-    state = object_store.start(root / "store", port)
-    yield {"root": root, "port": port, "state": state, "env": object_store.environment(state),
-           "restart": lambda: object_store.start(root / "store", port)}
-    object_store.stop(root / "store")
 
 
 def _env(s3, uri):
@@ -53,7 +41,8 @@ def test_checkpoints_outlive_the_store_failing_and_the_disk(s3, tmp_path):
     ref = _train(s3, tmp_path / "ref", uri, "ref")
     assert ref.wait(timeout=300) == 0, ref.stdout.read()[-3000:]
     bucket = "s3://pipeline/tests"
-    run = _train(s3, tmp_path / "node", uri, "cut", f"storage.uri={bucket}")
+    run = _train(s3, tmp_path / "node", uri, "cut", f"storage.uri={bucket}", f"data.cache_dir={bucket}/data",
+                 f"data.local_dir={tmp_path / 'node' / 'disk' / 'cache'}")
     for key, value in s3["env"].items():  # (this process reads the store too)
         __import__("os").environ[key] = value
     store = storage.Store(bucket, attempts=1)
@@ -82,6 +71,7 @@ def test_checkpoints_outlive_the_store_failing_and_the_disk(s3, tmp_path):
                              env=_env(s3, uri), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"restored cut from {bucket}: checkpoint-{max(steps)}" in resumed.stdout
+    assert f"from {bucket}/data (" in resumed.stdout and "data: fetched" in resumed.stdout  # (not prepared again)
     client = tracking.client(uri)
     expected = metric_history(client, _run_id(client, "ref"), "loss")
     got = metric_history(client, run_id, "loss")
@@ -129,3 +119,39 @@ def test_a_tracking_server_keeps_its_artifacts_in_the_store(s3, tmp_path):
         assert open(back, encoding="utf-8").read() == "权重"
     finally:
         tracking_server.stop(tmp_path / "server")
+
+
+def test_a_data_set_is_published_whole_and_fetched_once(s3, tmp_path, monkeypatch):
+    """data.cache_dir=s3://...: a set prepared on one machine is published by content key, manifest last; a set
+    whose manifest is missing in the store (a publish cut short) is never taken; another machine fetches the whole
+    set into its local directory, byte for byte, and a second preparation there reuses that copy."""
+    from core import dataset, storage
+    from core.config import load_config, with_overrides
+    from training.data.prepare import content_key, prepare
+    from training.data.corpus import corpora
+
+    for key, value in s3["env"].items():
+        monkeypatch.setenv(key, value)
+    (tmp_path / "t.yaml").write_text(TINY_CONFIG)
+    uri = "s3://pipeline/data-tests"
+
+    def machine(name):
+        return with_overrides(load_config(tmp_path / "t.yaml"), [f"data.cache_dir={uri}",
+                                                                 f"data.local_dir={tmp_path / name}"])
+    first = prepare(machine("a"), log=print)
+    key = content_key(machine("a"), corpora(machine("a").data))
+    remote = storage.Store(uri)
+    assert not first.reused and remote.read(remote.key(key, dataset.MANIFEST)) == (first.path / "manifest.json").read_bytes()
+    remote.delete([remote.key(key, dataset.MANIFEST)])  # (the store holds every shard but not the manifest)
+    lines = []
+    again = prepare(machine("b"), log=lines.append)
+    assert not again.reused and not any("fetched" in line for line in lines), lines  # built, then published
+    fetched = prepare(machine("c"), log=lines.append)
+    assert fetched.reused and fetched.path == tmp_path / "c" / key and any("data: fetched" in line for line in lines)
+    def files(path):
+        return {p.relative_to(path).as_posix(): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+    assert files(fetched.path) == files(again.path)  # (the set the store holds: b's publish, manifest included)
+    assert {k: v for k, v in files(first.path).items() if k != "manifest.json"} == \
+        {k: v for k, v in files(again.path).items() if k != "manifest.json"}  # (and a's shards, byte for byte)
+    assert not [p for p in (tmp_path / "c").iterdir() if p.name.startswith(".")]  # (no staging left)
+    assert prepare(machine("c"), log=lines.append).reused and sum("data: fetched" in line for line in lines) == 1

@@ -67,6 +67,9 @@ def test_non_utf8_config_says_where(tmp_path):
     ("tracking.checkpoint_artifacts=some", "tracking.checkpoint_artifacts: 'some' is not allowed"),
     ("training.stop_grace_s=0", "training.stop_grace_s: must be > 0"),
     ("tracking.stale_after_s=30", "tracking.stale_after_s: must be at least 2 x tracking.heartbeat_s"),
+    ("storage.shared_filesystem=false", "storage.shared_filesystem=false: the nodes meet in the object store; set "
+                                        "storage.uri"),
+    ("data.cache_dir=gs://bucket/data", "data.cache_dir: a local directory or s3://<bucket>"),
 ])
 def test_stop_and_tracking_settings_are_checked(override, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):

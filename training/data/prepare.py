@@ -31,7 +31,7 @@ from core import REPO_ROOT, dataset
 from core.errors import ConfigError
 from core.tokenizer import EOS_TOKEN, SPECIAL_TOKENS, read_vocab, write_tokenizer
 from core.files import atomic_write
-from training.data import corpus, engines
+from training.data import corpus, engines, store
 
 CODE = [Path(__file__).parent / name for name in ("corpus.py", "shards.py", "prepare.py")] + \
        [REPO_ROOT / "core" / "dataset.py", REPO_ROOT / "core" / "tokenizer.py"]
@@ -46,7 +46,10 @@ class Prepared:
 
 
 def data_root(config, run_dir: Path | None = None) -> Path:
-    """Where data sets are kept: data.cache_dir, or the run directory's data/ when caching is off."""
+    """Where data sets are kept on this machine: data.cache_dir, data.local_dir when the cache is an object store
+    (training/data/store.py), or the run directory's data/ when caching is off."""
+    if store.in_store(config):
+        return store.local_root(config)
     if config.data.cache_dir:
         return Path(config.data.cache_dir).expanduser().resolve()
     if run_dir is None:
@@ -98,19 +101,26 @@ def prepare(config, run_dir: Path | None = None, log=print) -> Prepared:
     root = data_root(config, run_dir)
     key = content_key(config, corpora)
     final = root / key
+    remote = store.open_store(config) if store.in_store(config) else None
     if (final / dataset.MANIFEST).is_file():
+        if remote is not None:
+            store.publish(remote, final, key, log)  # (made here before the store was configured)
         return Prepared(final, dataset.check(final), True, time.time() - t0)
     root.mkdir(parents=True, exist_ok=True)
     staging = root / f".staging-{key}"
     with open(root / f".staging-{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # (a concurrent preparation of the same key: wait, then reuse its set)
-        if (final / dataset.MANIFEST).is_file():
-            return Prepared(final, dataset.check(final), True, time.time() - t0)
-        if staging.exists():
-            log(f"data: continuing the interrupted preparation in {staging}")
-        manifest = _build(config, corpora, staging, key, log)
-        dataset.publish(staging, final)
+        reused = (final / dataset.MANIFEST).is_file() or (remote is not None and store.fetch(remote, key, root, log))
+        if not reused:
+            if staging.exists():
+                log(f"data: continuing the interrupted preparation in {staging}")
+            manifest = _build(config, corpora, staging, key, log)
+            dataset.publish(staging, final)
     os.unlink(root / f".staging-{key}.lock")
+    if reused:
+        return Prepared(final, dataset.check(final), True, time.time() - t0)
+    if remote is not None:
+        store.publish(remote, final, key, log)
     manifest["prepare_seconds"] = round(time.time() - t0, 2)
     return Prepared(final, manifest, False, time.time() - t0)
 
@@ -119,8 +129,11 @@ def find_prepared(config) -> dict | None:
     """The manifest of the config's prepared set if it is in data.cache_dir already (nothing is prepared)."""
     if not config.data.cache_dir:
         return None
-    path = data_root(config) / content_key(config, corpus.corpora(config.data)) / dataset.MANIFEST
-    return json.loads(path.read_text()) if path.is_file() else None
+    key = content_key(config, corpus.corpora(config.data))
+    path = data_root(config) / key / dataset.MANIFEST
+    if path.is_file():
+        return json.loads(path.read_text())
+    return store.manifest(store.open_store(config), key) if store.in_store(config) else None
 
 
 def _check_tokenizer_path(path: str) -> None:
@@ -247,8 +260,8 @@ def _manifest(config, corpora, pieces, results, key, vocab_size, extra, engine) 
         "corpora": [{"name": c.name, "weight": c.weight, "files": [str(f) for f in c.files]} for c in corpora],
         "tokenizer": {"vocab_size": vocab_size, "eos_id": extra["eos_id"], "unk_id": extra["unk_id"],
                       "dtype": extra["dtype"], "source": config.tokenizer.path or "built from the training split"},
-        "settings": {k: v for k, v in asdict(config.data).items() if k not in ("cache_dir", "workers", "engine",
-                                                                                 "ray_address")},
+        "settings": {k: v for k, v in asdict(config.data).items() if k not in ("cache_dir", "local_dir", "workers",
+                                                                                 "engine", "ray_address")},
         "shards": shards, "totals": totals,
         "validation_unknown_rate": unknown / max(totals["validation"]["tokens"], 1),
         "input_bytes": sum(p.size for p in pieces), "engine": engine.describe(),

@@ -1,0 +1,64 @@
+"""Prepared data sets in the object store (`data.cache_dir=s3://bucket/prefix`, docs/storage.md).
+
+A set is found or made on local disk as always, under `data.local_dir`, and published to the store by its content
+key: every file first, its manifest last and only if absent (core/storage.py put_if_absent). A reader that finds
+the manifest finds the whole set, and of two machines publishing one key one wins (the same bytes either way).
+A machine that lacks a set fetches it once from the store into a staging directory renamed into place (core/dataset.py
+publish), and reads it memory-mapped from local disk as from any cache.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from core import dataset
+
+DEFAULT_LOCAL_DIR = "~/.cache/paddle-train-to-serve/data"
+
+
+def in_store(config) -> bool:
+    return config.data.cache_dir.startswith("s3://")
+
+
+def local_root(config) -> Path:
+    """Where this machine keeps its copies of the store's sets."""
+    return Path(config.data.local_dir or DEFAULT_LOCAL_DIR).expanduser().resolve()
+
+
+def open_store(config):
+    from core.storage import Store
+
+    return Store(config.data.cache_dir)
+
+
+def manifest(store, key: str) -> dict | None:
+    """The manifest of the set `key` if the store has the whole set."""
+    data = store.read(store.key(key, dataset.MANIFEST))
+    return json.loads(data) if data is not None else None
+
+
+def fetch(store, key: str, root: Path, log=print) -> bool:
+    """The set `key` from the store into `root`/`key`; False if the store does not have it (whole)."""
+    if manifest(store, key) is None:
+        return False
+    began = time.time()
+    staging = root / f".fetching-{key}-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    size = sum(f.stat().st_size for f in store.download(store.key(key), staging))
+    dataset.publish(staging, root / key)
+    log(f"data: fetched {key} from {store.uri} ({size / 2**20:.1f} MB in {time.time() - began:.1f}s)")
+    return True
+
+
+def publish(store, final: Path, key: str, log=print) -> None:
+    """The local set `final` into the store under `key`, unless the store has it already; the manifest last."""
+    if manifest(store, key) is not None:
+        return
+    began = time.time()
+    store.ensure_bucket()
+    size = store.upload_tree(final, store.key(key), lambda relative: relative == dataset.MANIFEST)
+    if store.put_if_absent(store.key(key, dataset.MANIFEST), (final / dataset.MANIFEST).read_bytes()):
+        log(f"data: published {key} to {store.uri} ({size / 2**20:.1f} MB in {time.time() - began:.1f}s)")
