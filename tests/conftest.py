@@ -77,7 +77,7 @@ def store_uri(tmp_path) -> str:
 @pytest.fixture
 def tiny_config(tmp_path) -> Path:
     path = tmp_path / "tiny-test.yaml"
-    path.write_text(TINY_CONFIG + f"\n# runs of this test go under its temporary directory\n")
+    path.write_text(TINY_CONFIG + "\n# runs of this test go under its temporary directory\n")
     return path
 
 

@@ -110,7 +110,7 @@ def test_top_p_logprobs_and_stop_are_per_sequence_and_batch_invariant():
         done = drive(scheduler(stop_check=stop_after), {0: jobs([mixed[i]], i)})
         return done[i][1]
 
-    s, logged = scheduler(stop_check=stop_after), {}
+    s = scheduler(stop_check=stop_after)
     queued = jobs(mixed)
     arrivals = {0: queued[:2], 1: queued[2:4], 3: queued[4:]}
     done, step = {}, 0
