@@ -3,7 +3,9 @@
 #
 # Contract (set by deploy/slurm/train.sbatch, deploy/kubernetes/paddlejob-train.yaml, or by hand):
 #   MASTER=<host:port of node 0>  NODE_RANK=<0..NNODES-1>  NNODES=<nodes>
-#   RUNS_DIR=<a directory every node mounts (shared storage)>  RUN_NAME=<the same on every node>
+#   RUNS_DIR=<a directory every node mounts (shared storage); or the node's own disk with EXTRA_ARGS
+#            "storage.uri=s3://... storage.shared_filesystem=false" (the nodes meet in the object store)>
+#   RUN_NAME=<the same on every node>
 #   CONFIG=<configs/x.yaml>  EXTRA_ARGS="<more key=value overrides>"  DRY_RUN=1 (print the layout only)
 #   DEVICE=gpu (default; the Paddle build `make setup` installs)
 #   PIPELINE_LAUNCH_ID=<unique per launch, e.g. job id + restart count> (default: MASTER)

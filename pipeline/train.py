@@ -29,7 +29,7 @@ PENDING_CONFIG = "config.next.yaml"
 
 
 def run(config: Config, resume: str = "", dry_run: bool = False) -> int:
-    launch = resolve(config, resume)
+    launch = resolve(config, resume, dry_run)
     print(describe(launch), flush=True)
     if dry_run:
         return 0
@@ -71,10 +71,10 @@ def resumed_config(resume: str, overrides: list[str]) -> Config:
     return config
 
 
-def resolve(config: Config, resume: str) -> Launch:
+def resolve(config: Config, resume: str, dry_run: bool = False) -> Launch:
     layout = ParallelLayout.from_config(config)
     store = nodes.meeting_store(config)
-    if not resume and store is not None and nodes.node_rank() == 0 and config.training.run_name:
+    if not resume and store is not None and nodes.node_rank() == 0 and config.training.run_name and not dry_run:
         resume = _requeued(config, store)
     if not resume:
         return Launch(config, layout, None)

@@ -1,6 +1,7 @@
-"""A real `mlflow server` as the only link between machines: train -> export on "another machine" (the training
-run directory is gone) -> serve `models:/<name>/<version>` from a clean directory -> one HTTP request. And a
-registration that fails half-way publishes nothing."""
+"""A real `mlflow server` as the only link between machines, keeping its artifacts in a real object store
+(SeaweedFS, `--artifacts-destination s3://...`; the machines hold no store credentials): train -> export on "another
+machine" (the training run directory is gone) -> serve `models:/<name>/<version>` from a clean directory -> one HTTP
+request. And a registration that fails half-way publishes nothing."""
 import json
 import shutil
 
@@ -17,18 +18,20 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def remote(tmp_path_factory):
+def remote(tmp_path_factory, s3):
     from helpers import TINY_CONFIG
+    from pipeline.runner import object_store
 
     root = tmp_path_factory.mktemp("remote")
     port = free_port()
     state_dir = root / "server"
-    store, artifacts = root / "store" / "mlflow.db", root / "server-artifacts"
-    state = tracking_server.start("127.0.0.1", port, store, artifacts, state_dir)
+    store, artifacts = root / "store" / "mlflow.db", "s3://mlflow-remote/artifacts"
+    object_store.ensure_bucket(s3["state"], artifacts)
+    state = tracking_server.start("127.0.0.1", port, store, artifacts, state_dir, store_env=s3["env"])
     config = root / "tiny.yaml"
     config.write_text(TINY_CONFIG)
     yield {"root": root, "url": state["url"], "port": port, "state_dir": state_dir, "store": store,
-           "artifacts": artifacts, "config": config}
+           "artifacts": artifacts, "config": config, "s3": s3}
     tracking_server.stop(state_dir)
     assert not group_alive(state["pid"]) and not port_in_use(port), "tracking server left behind"
 
@@ -54,7 +57,13 @@ def test_train_here_export_there_serve_a_registered_version(remote):
     assert version.source == f"runs:/{run_id}/exports/remote-model/v1" and version.run_id == run_id
     exported = {a.path for a in client.list_artifacts(run_id, "exports/remote-model/v1")}
     assert {"exports/remote-model/v1/model.pdiparams", "exports/remote-model/v1/export.json"} <= exported
-    assert list((remote["artifacts"]).rglob("model.pdiparams")), "artifacts are stored by the server"
+    with pytest.MonkeyPatch.context() as patch:  # (only this check reads the store directly)
+        for key, value in remote["s3"]["env"].items():
+            patch.setenv(key, value)
+        from core.storage import Store
+        keys = Store(remote["artifacts"]).keys("artifacts")
+    assert any(k.endswith(f"{run_id}/artifacts/exports/remote-model/v1/model.pdiparams") for k in keys), \
+        "the server keeps the export in the object store"
     # machine C: serve the registered version from a clean directory (downloads it)
     shutil.rmtree(export_root)
     overrides = [f"serving.http_port={free_port()}", f"serving.rpc_port={free_port()}",
@@ -123,7 +132,8 @@ def test_registration_failure_publishes_nothing(remote):
     assert "nothing was published" in proc.stdout
     assert not (export_root / "exports" / "remote-model").exists() or \
         not any(p.name.isdigit() for p in (export_root / "exports" / "remote-model").iterdir())
-    tracking_server.start("127.0.0.1", remote["port"], remote["store"], remote["artifacts"], remote["state_dir"])
+    tracking_server.start("127.0.0.1", remote["port"], remote["store"], remote["artifacts"], remote["state_dir"],
+                          store_env=remote["s3"]["env"])
     assert len(client.search_model_versions("name='remote-model'")) == before
     retry = cli(["export", "--run-id", run_id, override], remote["url"])
     assert retry.returncode == 0, retry.stderr[-3000:]

@@ -1,7 +1,9 @@
 """Object storage against a real S3 endpoint (SeaweedFS from .venv, started per module on a free port): complete
 checkpoints reach the store in the background while training goes on, the store killed with SIGKILL mid-run and
 restarted, and a run resumed by its MLflow run id on an empty disk (run directory and data cache gone) continues
-with the uninterrupted run's losses. (Nodes that share no disk: tests/integration/test_resume.py.)"""
+with the uninterrupted run's losses; a data set published to the store and fetched by another machine. (Nodes that
+share no disk: tests/integration/test_resume.py; a tracking server whose artifacts, exports included, live in the
+store: tests/integration/test_remote.py.)"""
 import json
 import shutil
 import signal
@@ -11,7 +13,7 @@ import sys
 import pytest
 
 from core import REPO_ROOT
-from core.processes import descendants, free_port, signal_pids
+from core.processes import descendants, signal_pids
 from helpers import TINY_CONFIG, env_for, metric_history, progress_events, wait_until
 
 pytestmark = pytest.mark.slow
@@ -34,7 +36,7 @@ def _train(s3, tmp, uri, name, *extra):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def test_checkpoints_outlive_the_store_failing_and_the_disk(s3, tmp_path):
+def test_checkpoints_outlive_the_store_failing_and_the_disk(s3, tmp_path, monkeypatch):
     from core import storage, tracking
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -44,7 +46,7 @@ def test_checkpoints_outlive_the_store_failing_and_the_disk(s3, tmp_path):
     run = _train(s3, tmp_path / "node", uri, "cut", f"storage.uri={bucket}", f"data.cache_dir={bucket}/data",
                  f"data.local_dir={tmp_path / 'node' / 'disk' / 'cache'}")
     for key, value in s3["env"].items():  # (this process reads the store too)
-        __import__("os").environ[key] = value
+        monkeypatch.setenv(key, value)
     store = storage.Store(bucket, attempts=1)
     run_dir = tmp_path / "node" / "disk" / "runs" / "cut"
     try:
@@ -94,31 +96,6 @@ def _complete(store) -> dict:
 def _run_id(client, name: str) -> str:
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()], f"attributes.run_name = '{name}'")
     return runs[0].info.run_id
-
-
-def test_a_tracking_server_keeps_its_artifacts_in_the_store(s3, tmp_path):
-    """`mlflow server --artifacts-destination s3://...` over the store: an artifact logged through the server (what
-    export does) lands in the bucket, and a client with no store credentials reads it back through the server."""
-    from core import storage, tracking
-    from pipeline.runner import object_store, tracking_server
-
-    object_store.ensure_bucket(s3["state"], "s3://mlflow-tests")
-    state = tracking_server.start("127.0.0.1", free_port(), tmp_path / "db" / "mlflow.db", "s3://mlflow-tests/art",
-                                  tmp_path / "server", store_env=s3["env"])
-    try:
-        client = tracking.client(state["url"])
-        run = client.create_run(client.create_experiment("store"))
-        exported = tmp_path / "model.txt"
-        exported.write_text("权重")
-        client.log_artifact(run.info.run_id, str(exported), "exports")
-        for key, value in s3["env"].items():
-            __import__("os").environ[key] = value
-        keys = storage.Store("s3://mlflow-tests/art").keys("art")
-        assert any(k.endswith(f"{run.info.run_id}/artifacts/exports/model.txt") for k in keys), keys
-        back = client.download_artifacts(run.info.run_id, "exports/model.txt", str(tmp_path / "back"))
-        assert open(back, encoding="utf-8").read() == "权重"
-    finally:
-        tracking_server.stop(tmp_path / "server")
 
 
 def test_a_data_set_is_published_whole_and_fetched_once(s3, tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ from core import REPO_ROOT
 DEPLOY = REPO_ROOT / "deploy"
 SBATCH = DEPLOY / "slurm" / "train.sbatch"
 PADDLEJOB = DEPLOY / "kubernetes" / "paddlejob-train.yaml"
+PADDLEJOB_LOCAL_DISK = DEPLOY / "kubernetes" / "paddlejob-train-local-disk.yaml"  # (no ReadWriteMany volume)
 
 
 @pytest.mark.parametrize("script", [SBATCH, DEPLOY / "train-node.sh"])
@@ -57,8 +58,9 @@ def test_sbatch_script_dry_runs_a_new_run_then_the_requeued_one(tmp_path):
     assert f"node 0: continuing {runs}/llama-4242" in proc.stdout and "world size 512" in proc.stdout
 
 
-def test_paddlejob_manifest_runs_the_node_script_with_the_contract(tmp_path):
-    job = yaml.safe_load(PADDLEJOB.read_text())
+@pytest.mark.parametrize("manifest", [PADDLEJOB, PADDLEJOB_LOCAL_DISK])
+def test_paddlejob_manifest_runs_the_node_script_with_the_contract(tmp_path, manifest):
+    job = yaml.safe_load(manifest.read_text())
     assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "PaddleJob")
     worker = job["spec"]["paddleReplicaSpecs"]["Worker"]
     pod = worker["template"]["spec"]
@@ -82,6 +84,9 @@ def test_paddlejob_manifest_runs_the_node_script_with_the_contract(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"node 0: new run {runs}/{env['RUN_NAME']['value']}" in proc.stdout
     assert "world size 512" in proc.stdout
+    if manifest == PADDLEJOB_LOCAL_DISK:  # (its settings are a valid config: the dry run validated them)
+        assert "storage.shared_filesystem=false" in env["EXTRA_ARGS"]["value"]
+        assert not [v for v in pod["volumes"] if "persistentVolumeClaim" in v]
 
 
 SERVING = DEPLOY / "kubernetes" / "serving.yaml"
