@@ -4,7 +4,11 @@ stopped (`make object-store`, `make object-store-stop`, and the tests' store).
 Its state directory holds the data, the identities (`s3.json`), `server.json` (pid, endpoint) and
 `credentials.env`: the standard environment that boto3 and MLflow read (AWS_ENDPOINT_URL, MLFLOW_S3_ENDPOINT_URL,
 AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION), to `source` before `make train ARGS=storage.uri=...`.
-Telemetry off and loopback only: SeaweedFS's defaults are telemetry on and a non-loopback address."""
+Telemetry off and loopback only: SeaweedFS's defaults are telemetry on and a non-loopback address. Its inner
+servers (master, volume, filer, admin, each with a gRPC port) listen on fixed default ports (9333, 9340, 8888,
+23646, each +10000): a second store on the machine (tests in parallel, a bench next to `make object-store`) would
+find them taken. So every port is chosen free at the first start and kept in `ports.json` (the same ports on a
+restart, while they are free)."""
 from __future__ import annotations
 
 import json
@@ -54,7 +58,7 @@ def start(state_dir: Path = STATE_DIR, port: int = PORT, timeout_s: float = 60) 
     credentials = json.loads(identities.read_text())["identities"][0]["credentials"][0]
     cmd = [str(weed()), "mini", f"-dir={state_dir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
            "-master.telemetry=false", "-webdav=false", "-admin.ui=false", f"-s3.port={port}", "-s3.port.iceberg=0",
-           "-s3.port.lance=0", f"-s3.config={identities}"]
+           "-s3.port.lance=0", f"-s3.config={identities}", *inner_ports(state_dir)]
     proc = start_group(cmd, state_dir / "server.log", state_dir, dict(os.environ))
     state = {"pid": proc.pid, "endpoint": f"http://127.0.0.1:{port}", "port": port,
              "access_key": credentials["accessKey"], "secret_key": credentials["secretKey"]}
@@ -64,6 +68,22 @@ def start(state_dir: Path = STATE_DIR, port: int = PORT, timeout_s: float = 60) 
         raise ConfigError("the object store did not answer; last log lines:\n" + log_tail(state_dir / "server.log", 20))
     atomic_write(state_dir / "credentials.env", "".join(f"export {k}={v}\n" for k, v in environment(state).items()))
     return state
+
+
+INNER = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
+         "admin.port", "admin.port.grpc", "s3.port.grpc")
+
+
+def inner_ports(state_dir: Path) -> list[str]:
+    """The inner servers' port flags: those of the last start while all are free, else new free ones."""
+    from core.processes import free_ports
+
+    record = state_dir / "ports.json"
+    ports = json.loads(record.read_text()) if record.exists() else {}
+    if set(ports) != set(INNER) or any(port_in_use(p) for p in ports.values()):
+        ports = dict(zip(INNER, free_ports(len(INNER))))
+        atomic_write(record, json.dumps(ports))
+    return [f"-{flag}={value}" for flag, value in ports.items()]
 
 
 def _client(state: dict):

@@ -132,3 +132,4 @@ def test_a_data_set_is_published_whole_and_fetched_once(s3, tmp_path, monkeypatc
         {k: v for k, v in files(again.path).items() if k != "manifest.json"}  # (and a's shards, byte for byte)
     assert not [p for p in (tmp_path / "c").iterdir() if p.name.startswith(".")]  # (no staging left)
     assert prepare(machine("c"), log=lines.append).reused and sum("data: fetched" in line for line in lines) == 1
+
