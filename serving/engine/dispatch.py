@@ -50,7 +50,8 @@ class _Pending:
     done: threading.Event = field(default_factory=threading.Event)
     result: dict | None = None
     error: RequestError | None = None
-    # called on the worker's reader thread with ("delta", text), then ("done", result) or ("error", RequestError)
+    # called on the worker's reader thread with ("delta", {"text", "logprobs"}), then ("done", result) or
+    # ("error", RequestError)
     on_event: object = None
 
     def finish(self, result: dict | None = None, error: RequestError | None = None) -> None:

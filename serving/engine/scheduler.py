@@ -44,6 +44,7 @@ class Job:
     logprobs: list = field(default_factory=list)  # (settings.logprobs >= 0) one entry per new token
     stream: bool = False  # the worker sends its text as it grows
     streamed: int = 0  # characters of its text already sent
+    streamed_logprobs: int = 0  # (stream with logprobs) tokens whose logprobs were already sent
     stop_at: int | None = None  # where a stop string begins in its text (finished by it)
 
 

@@ -148,12 +148,14 @@ class Worker:
         self.scheduler.add(Job(job_id, ids, settings, deadline=deadline, stream=stream))
 
     def stream(self, jobs: list[Job]) -> None:
-        """Send each streaming job's new text since the last step (the server forwards it as it comes)."""
+        """Send each streaming job's new text since the last step (the server forwards it as it comes), with the
+        logprobs of the tokens generated since the last delta when asked (joined: the unstreamed answer's)."""
         for job in jobs:
             text = streamable_text(self.model, job)
             if len(text) > job.streamed:
-                self.send("delta", job.id, text[job.streamed:])
-                job.streamed = len(text)
+                lp = logprobs(self.model, job, job.streamed_logprobs) if job.settings.logprobs >= 0 else None
+                self.send("delta", job.id, {"text": text[job.streamed:], "logprobs": lp})
+                job.streamed, job.streamed_logprobs = len(text), len(job.new)
 
     def report(self, outcome) -> None:
         job = outcome.job
@@ -171,13 +173,15 @@ def job_result(model: ExportedModel, job: Job) -> dict:
             "prompt_token_ids": job.prompt_ids, "batch_size": max(1, job.peak_batch), "received": job.received,
             "first_token_at": job.first_token_at, "finished_at": time.monotonic(),
             "finish_reason": "stop" if stopped else "length", "streamed": job.streamed,
+            "streamed_logprobs": job.streamed_logprobs,
             **({"logprobs": logprobs(model, job)} if job.settings.logprobs >= 0 else {})}
 
 
-def logprobs(model: ExportedModel, job: Job) -> dict:
-    """OpenAI's completion logprobs: each new token's text, log-probability and top alternatives (as text)."""
+def logprobs(model: ExportedModel, job: Job, start: int = 0) -> dict:
+    """OpenAI's completion logprobs: each new token's text, log-probability and top alternatives (as text), from
+    new token `start` on."""
     piece = lambda i: model.decode([i]) if i != model.eos_id else ""  # noqa: E731
-    kept = job.logprobs[:len(job.new)]
+    kept = job.logprobs[start:len(job.new)]
     return {"tokens": [piece(e["token"]) for e in kept], "token_logprobs": [e["logprob"] for e in kept],
             "top_logprobs": [{piece(i): lp for i, lp in e["top"]} for e in kept]}
 

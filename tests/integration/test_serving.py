@@ -214,6 +214,18 @@ def test_streaming_and_chat_with_the_openai_client(server):
                                                    temperature=0, stream=True))
     assert streamed[0].choices[0].delta.role == "assistant" and len(streamed) >= 3
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == chat.choices[0].message.content
+    # logprobs stream too, on both routes (as OpenAI and vLLM): the chunks' joined equal the unstreamed answer's
+    asked = dict(model="test-model", max_tokens=16, temperature=0)
+    plain = client.completions.create(prompt="人工智能", logprobs=2, **asked).choices[0].logprobs
+    chunks = [c.choices[0].logprobs for c in client.completions.create(prompt="人工智能", logprobs=2, stream=True,
+                                                                       **asked) if c.choices[0].logprobs]
+    assert len(chunks) >= 2 and sum((c.tokens for c in chunks), []) == plain.tokens
+    assert sum((c.token_logprobs for c in chunks), []) == pytest.approx(plain.token_logprobs, abs=1e-5)
+    plain = client.chat.completions.create(messages=messages, logprobs=True, top_logprobs=2, **asked)
+    chunks = [c.choices[0].logprobs for c in client.chat.completions.create(
+        messages=messages, logprobs=True, top_logprobs=2, stream=True, **asked) if c.choices[0].logprobs]
+    joined = [(t.token, len(t.top_logprobs)) for c in chunks for t in c.content]
+    assert joined == [(t.token, len(t.top_logprobs)) for t in plain.choices[0].logprobs.content] and joined
 
 
 def test_options_have_exact_semantics_alone_and_among_concurrent_requests(server):

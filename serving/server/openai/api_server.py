@@ -10,7 +10,8 @@ generation workers: FastAPI on uvicorn (what vLLM's OpenAI server runs on), in a
 Both POST routes take prompt/messages, max_tokens, temperature (default 1, as OpenAI), top_p, top_k, seed, stop, n,
 logprobs (completions; chat: logprobs + top_logprobs), echo (completions), stream (+ stream_options.include_usage):
 the same checks as every other entry point (serving/protocol.py). `stream: true` answers Server-Sent Events in
-OpenAI's chunk format, each chunk as the worker produces its tokens, ending with `data: [DONE]`; a client that
+OpenAI's chunk format, each chunk as the worker produces its tokens (with their logprobs when asked: joined, the
+unstreamed answer's), ending with `data: [DONE]`; a client that
 disconnects cancels its sequences (they leave the running batch at once). With serving.api_key (or PIPELINE_API_KEY)
 set, the /v1 routes need `Authorization: Bearer <key>`.
 """

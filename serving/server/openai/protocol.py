@@ -32,8 +32,6 @@ def openai_values(body: dict, chat: bool) -> dict:
             values.pop("logprobs", None)
         else:
             raise bad("`logprobs` must be true or false (chat)", "logprobs")
-    if body.get("stream") and values.get("logprobs") is not None:
-        raise bad("`logprobs` with `stream` is not supported by this server", "logprobs")
     return values
 
 

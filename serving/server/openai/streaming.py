@@ -8,7 +8,7 @@ import time
 import uuid
 
 from serving.protocol import Request, RequestError
-from serving.server.openai.protocol import error_body, fingerprint, usage_of
+from serving.server.openai.protocol import chat_logprobs, error_body, fingerprint, usage_of
 
 
 class Generation:
@@ -68,18 +68,26 @@ class Generation:
                 self.dispatcher.cancel(ticket)
 
 
+def _rest(result: dict) -> dict | None:
+    """A finished sequence's logprobs not yet streamed (the tokens after the last delta)."""
+    if "logprobs" not in result:
+        return None
+    start = result.get("streamed_logprobs", 0)
+    return {key: values[start:] for key, values in result["logprobs"].items()}
+
+
 async def sse_events(run: "Generation", chat: bool, arrived: float, metrics=None):
     """OpenAI's chunks as the worker's text arrives; cancels the sequences if the client goes away."""
     request = run.request
     ident, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(index: int, text: str | None, finish: str | None, role: bool = False) -> str:
+    def chunk(index: int, text: str | None, finish: str | None, role: bool = False, logprobs=None) -> str:
         if chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs), "finish_reason": finish}
         else:
-            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         body = {"id": ident, "object": kind, "created": created, "model": request.extra["model"],
                 "system_fingerprint": fingerprint(run.tickets[index].worker.lineage), "choices": [choice]}
         if request.extra["include_usage"]:
@@ -96,11 +104,11 @@ async def sse_events(run: "Generation", chat: bool, arrived: float, metrics=None
                 yield chunk(index, request.prompt, None)
         async for index, event, value in run.events():
             if event == "delta":
-                yield chunk(index, value, None)
+                yield chunk(index, value["text"], None, logprobs=value["logprobs"])
             elif event == "done":
                 results[index] = value
                 rest = value["text"][value.get("streamed", 0):]
-                yield chunk(index, rest or None, value["finish_reason"])
+                yield chunk(index, rest or None, value["finish_reason"], logprobs=_rest(value))
     except RequestError as exc:
         if metrics:
             metrics.refused("openai", exc.kind)
