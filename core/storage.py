@@ -38,7 +38,8 @@ class Store:
         self.uri = uri.rstrip("/")
         self.bucket, _, self.prefix = uri[5:].partition("/")
         self.prefix = self.prefix.strip("/")
-        self.client = boto3.client("s3", endpoint_url=endpoint(), region_name=os.environ.get("AWS_DEFAULT_REGION")
+        # (a session of its own: boto3's default session keeps the first credentials it read for the whole process)
+        self.client = boto3.session.Session().client("s3", endpoint_url=endpoint(), region_name=os.environ.get("AWS_DEFAULT_REGION")
                                    or "us-east-1", config=BotoConfig(
                                        retries={"max_attempts": attempts, "mode": "standard"}, connect_timeout=5,
                                        read_timeout=60))

@@ -80,8 +80,11 @@ def inner_ports(state_dir: Path) -> list[str]:
 
     record = state_dir / "ports.json"
     ports = json.loads(record.read_text()) if record.exists() else {}
-    if set(ports) != set(INNER) or any(port_in_use(p) for p in ports.values()):
+    if set(ports) != set(INNER) or any(port_in_use(p) for p in ports.values()) or ports["admin.port"] > 55535:
         ports = dict(zip(INNER, free_ports(len(INNER))))
+        while ports["admin.port"] > 55535 or port_in_use(ports["admin.port"] + 10000):
+            ports["admin.port"] = free_ports(1)[0]  # (its worker dials admin.port + 10000, whatever the flag says)
+        ports["admin.port.grpc"] = ports["admin.port"] + 10000
         atomic_write(record, json.dumps(ports))
     return [f"-{flag}={value}" for flag, value in ports.items()]
 
