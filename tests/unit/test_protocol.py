@@ -110,11 +110,13 @@ def test_openai_requests():
                           serving_chat.DEFAULT_CHAT_TEMPLATE)
     assert chat.prompt == "user: 你好\nassistant: " and chat.settings.logprobs == 2
     assert chat.settings.temperature == 0.0
+    streamed = serving_completion.parse_completion({"model": "m", "prompt": "a", "logprobs": 1, "stream": True}, LIMITS,
+                                                   MODEL_IDS)  # (logprobs stream, as OpenAI's and vLLM's)
+    assert streamed.stream and streamed.settings.logprobs == 1
     for body, message, status in [
         ({"model": "x", "prompt": "a"}, "The model `x` does not exist", 404),
         ({"model": "m", "prompt": "a", "suffix": "b"}, "`suffix` is not supported", 400),
         ({"model": "m", "prompt": "a", "stream": "yes"}, "`stream` must be true or false", 400),
-        ({"model": "m", "prompt": "a", "logprobs": 1, "stream": True}, "`logprobs` with `stream`", 400),
         ({"model": "m", "prompt": ["a", "b"]}, "`prompt` must be one string", 400),
         ([1, 2], "the request body must be a JSON object", 400),
     ]:
