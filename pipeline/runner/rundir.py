@@ -4,6 +4,7 @@ all, and found again by path or MLflow run id for a resume."""
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import time
 from pathlib import Path
@@ -31,7 +32,6 @@ def restore(run, uri: str, resume: str) -> Path:
     """A run begun on another machine, made again here from its MLflow record and the object store: its recorded
     config (storage.uri included), its data set (prepared here from the same corpus: the same content key), and its
     latest checkpoint complete in the store (docs/storage.md)."""
-    import json
     import tempfile
 
     from core import storage
@@ -52,14 +52,16 @@ def restore(run, uri: str, resume: str) -> Path:
     store = storage.Store(config.storage.uri)
     steps = storage.complete_steps(store, name)
     run_dir = runs_root(config) / name
+    from pipeline.runner.tracked_run import RUN_INFO
+
+    if _run_id_of(run_dir / RUN_INFO) == run.info.run_id:
+        return run_dir  # (restored here before: this machine's copy of the run, under its own runs_dir)
     if run_dir.exists():
         raise ConfigError(f"RESUME={resume}: {run_dir} exists but is not the run's directory ({recorded}); move it")
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     run_dir.mkdir()
     with _removed_on_failure(run_dir):
         _fill(config, run_dir)
-        from pipeline.runner.tracked_run import RUN_INFO
-
         (run_dir / RUN_INFO).write_text(json.dumps({"run_id": run.info.run_id, "tracking_uri": uri}))
         if steps:
             checkpoint, size, seconds = fetch_checkpoint(store, run_dir, max(steps), steps[max(steps)])
@@ -69,6 +71,13 @@ def restore(run, uri: str, resume: str) -> Path:
             print(f"restored {name} from its MLflow record: no checkpoint complete in {store.uri} yet, it starts "
                   "over", flush=True)
     return run_dir
+
+
+def _run_id_of(run_info: Path) -> str:
+    try:
+        return json.loads(run_info.read_text())["run_id"]
+    except (OSError, ValueError, KeyError):
+        return ""
 
 
 def fetch_checkpoint(store, run_dir: Path, step: int, record: dict) -> tuple[Path, int, float]:

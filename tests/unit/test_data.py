@@ -168,6 +168,11 @@ def test_the_content_key_follows_bytes_and_settings_not_workers(tmp_path):
     for extra in (["tokenizer.max_vocab_size=50"], ["data.shard_mb=2"], ["data.max_documents=10"]):
         other = config_for(tmp_path, [path], extra)
         assert content_key(other, corpus.corpora(other.data)) != key, extra
+    moved = tmp_path / "elsewhere" / "c.txt"  # (the same bytes on another machine or clone: the same set)
+    moved.parent.mkdir()
+    moved.write_bytes(path.read_bytes())
+    there = config_for(tmp_path, [moved])
+    assert content_key(there, corpus.corpora(there.data)) == key
     path.write_text(path.read_text(encoding="utf-8") + "再来一条\n", encoding="utf-8")
     assert content_key(config, corpus.corpora(config.data)) != key
 

@@ -62,7 +62,10 @@ def content_key(config, corpora: list[corpus.Corpus]) -> str:
 
     d, t = config.data, config.tokenizer
     key = hashlib.sha256(json.dumps({
-        "corpora": [{"name": c.name, "weight": c.weight, "files": [str(p) for p in c.files]} for c in corpora],
+        # (a file counts by its bytes, in order, and its kind, never by its path: the same corpus on another
+        # machine, or in another clone, is the same set)
+        "corpora": [{"name": c.name, "weight": c.weight, "files": ["".join(p.suffixes[-2:]) for p in c.files]}
+                    for c in corpora],
         "text_field": d.text_field, "validation_fraction": d.validation_fraction, "max_documents": d.max_documents,
         "split_seed": d.split_seed, "shard_mb": d.shard_mb,
         "tokenizer": {"min_frequency": t.min_frequency, "max_vocab_size": t.max_vocab_size} if not t.path else None,
