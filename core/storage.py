@@ -110,11 +110,14 @@ class Store:
                 return out
             token = page["NextContinuationToken"]
 
-    def download(self, prefix: str, local_dir: Path) -> list[Path]:
-        """Every object under `prefix`, into `local_dir` (relative paths kept)."""
+    def download(self, prefix: str, local_dir: Path, skip=lambda relative: False) -> list[Path]:
+        """Every object under `prefix` (but those `skip` names), into `local_dir` (relative paths kept)."""
         written = []
         for key in self.keys(prefix):
-            target = local_dir / key[len(prefix.rstrip("/")) + 1:]
+            relative = key[len(prefix.rstrip("/")) + 1:]
+            if skip(relative):
+                continue
+            target = local_dir / relative
             target.parent.mkdir(parents=True, exist_ok=True)
             self.client.download_file(self.bucket, key, str(target))
             written.append(target)
@@ -138,14 +141,26 @@ def part_key(store: Store, run_name: str, checkpoint: str, node: int) -> str:
     return f"{checkpoints_prefix(store, run_name)}/{checkpoint}/{PARTS_DIR}/node-{node}.json"
 
 
-def complete_steps(store: Store, run_name: str) -> dict[int, dict]:
-    """step -> the completion record of every checkpoint of the run that is complete in the store."""
+def checkpoint_keys(store: Store, run_name: str) -> dict[int, list[str]]:
+    """step -> the keys under checkpoint-<step>/ of the run (complete or not), from one listing."""
+    prefix = checkpoints_prefix(store, run_name)
+    found: dict[int, list[str]] = {}
+    for key in store.keys(prefix):
+        name = key[len(prefix) + 1:].split("/")[0]
+        if name.startswith("checkpoint-") and name[11:].isdigit():
+            found.setdefault(int(name[11:]), []).append(key)
+    return found
+
+
+def marker_key(store: Store, run_name: str, step: int) -> str:
+    return f"{checkpoints_prefix(store, run_name)}/checkpoint-{step}/{COMPLETE_MARKER}"
+
+
+def complete_steps(store: Store, run_name: str, listed: dict[int, list[str]] | None = None) -> dict[int, dict]:
+    """step -> the completion record of every checkpoint of the run that is complete in the store (`listed`: the
+    run's checkpoint_keys, when the caller has them)."""
     import json
 
-    prefix = checkpoints_prefix(store, run_name)
-    steps = {}
-    for key in store.keys(prefix):
-        name, _, rest = key[len(prefix) + 1:].partition("/")
-        if rest == COMPLETE_MARKER and name.startswith("checkpoint-") and name[11:].isdigit():
-            steps[int(name[11:])] = json.loads(store.read(key) or b"{}")
-    return steps
+    listed = checkpoint_keys(store, run_name) if listed is None else listed
+    return {step: json.loads(store.read(marker_key(store, run_name, step)) or b"{}")
+            for step, keys in listed.items() if marker_key(store, run_name, step) in keys}

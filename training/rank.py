@@ -307,17 +307,17 @@ def checkpoint_roles(config: Config, layout: ParallelLayout, rank: int) -> tuple
     return rank == first, range(first, first + layout.procs_per_node)
 
 
-def store_uploader(config: Config, layout: ParallelLayout, run_dir: Path, owner: bool, rank: int):
+def store_uploader(config: Config, layout: ParallelLayout, run_dir: Path, owner: bool, peers: range):
     """The rank that marks checkpoints complete uploads them when storage.uri names a store
-    (training/store_upload.py): all of each, or its node's part when the nodes share no filesystem."""
+    (training/store_upload.py): all of each, or its node's part (`peers`: its node's ranks) when the nodes share no
+    filesystem."""
     if not config.storage.uri or not owner:
         return None
     from training.store_upload import StoreUploader
 
-    nodes = 1 if config.storage.shared_filesystem else layout.nnodes
     return StoreUploader(config.storage.uri, run_dir, config.training.keep_checkpoints, config.export.metric,
-                         config.storage.max_pending, node=rank // layout.procs_per_node if nodes > 1 else 0,
-                         nnodes=nodes)
+                         config.storage.max_pending, node=peers.start // len(peers),
+                         nnodes=layout.world_size // len(peers))
 
 
 def callbacks(config: Config, layout: ParallelLayout, run_dir: Path, pending: Path | None, graceful_stop,
@@ -347,7 +347,7 @@ def callbacks(config: Config, layout: ParallelLayout, run_dir: Path, pending: Pa
              PeakMemory(run_dir, layout.device),
              CheckpointCompleteCallback(mlflow_logger, config.tracking.checkpoint_artifacts, config.export.metric,
                                         config.training.keep_checkpoints, writer, owner=owner, peers=peers,
-                                        store=store_uploader(config, layout, run_dir, owner, dist.get_rank()),
+                                        store=store_uploader(config, layout, run_dir, owner, peers),
                                         store_wait_s=config.storage.upload_wait_s)]
     if mlflow_logger:
         found.append(mlflow_logger)

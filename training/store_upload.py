@@ -34,7 +34,6 @@ class StoreUploader:
         self.max_pending = max_pending
         self.waiting: list[tuple[Path, dict]] = []
         self.current: Path | None = None
-        self.uploaded: list[int] = []
         self.cond = threading.Condition()
         self.down_since: float | None = None
         self.bucket_checked = False
@@ -116,7 +115,6 @@ class StoreUploader:
             info = self._all_parts(checkpoint.name)
         seconds = time.monotonic() - began
         print(f"{UPLOADED} {checkpoint.name}: {size / 2**20:.2f} MB in {seconds:.3f}s", flush=True)  # (rank log)
-        self.uploaded.append(int(checkpoint.name.split("-")[1]))
         if info is not None and self.store.put_if_absent(marker, json.dumps(info).encode()):
             self._retention()
 
@@ -128,19 +126,17 @@ class StoreUploader:
     def _retention(self) -> None:
         if self.keep <= 0:
             return
-        steps = storage.complete_steps(self.store, self.run_name)
+        listed = storage.checkpoint_keys(self.store, self.run_name)
+        steps = storage.complete_steps(self.store, self.run_name, listed)
         keep = set(sorted(steps)[-self.keep:])
         rated = {s: i[self.metric] for s, i in steps.items() if self.metric in i}
         if rated:
             keep.add(min(rated, key=rated.get))
-        prefix = storage.checkpoints_prefix(self.store, self.run_name)
-        started = {int(name[11:]) for name in {k[len(prefix) + 1:].split("/")[0] for k in self.store.keys(prefix)}
-                   if name.startswith("checkpoint-") and name[11:].isdigit()}
-        never = {s for s in started - set(steps) if s < max(steps)}  # (parts of one that never completed: dropped)
+        never = {s for s in set(listed) - set(steps) if s < max(steps)}  # (parts of one that never completed: dropped)
         for step in sorted((set(steps) - keep) | never):
-            base = f"{prefix}/checkpoint-{step}"
-            self.store.delete([f"{base}/{storage.COMPLETE_MARKER}"])  # (the marker first: never a partial one)
-            self.store.delete([k for k in self.store.keys(base)])
+            marker = storage.marker_key(self.store, self.run_name, step)
+            self.store.delete([marker])  # (the marker first: never a partial one)
+            self.store.delete([k for k in listed[step] if k != marker])
 
     def _note(self, text: str) -> None:
         print(text, flush=True)

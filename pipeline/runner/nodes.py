@@ -101,8 +101,7 @@ def withdraw(run_dir: Path, store=None) -> None:
 def wait_for_launch(run_dir: Path, config_yaml: str, wait_s: float, poll_s: float = 0.5, store=None) -> dict:
     """Nodes > 0: node 0's announcement of this launch (bounded wait), checked against this node's config."""
     deadline = time.time() + wait_s
-    where = f"{store.uri}/{_store_key(store, run_dir, LAUNCH_FILE)[len(store.prefix):].lstrip('/')}" if store \
-        else str(run_dir / LAUNCH_FILE)
+    where = f"s3://{store.bucket}/{_store_key(store, run_dir, LAUNCH_FILE)}" if store else str(run_dir / LAUNCH_FILE)
     print(f"node {node_rank()}: waiting for node 0 to prepare {run_dir if store is None else where} (launch "
           f"{launch_id()!r}, up to {wait_s:g}s)", flush=True)
     while True:

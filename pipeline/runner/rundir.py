@@ -49,13 +49,13 @@ def restore(run, uri: str, resume: str) -> Path:
                           "storage.uri to restore it from; resume on the machine that has it, or train with "
                           "storage.uri=s3://... so that checkpoints outlive a disk")
     name = Path(recorded).name or run.info.run_name
-    store = storage.Store(config.storage.uri)
-    steps = storage.complete_steps(store, name)
     run_dir = runs_root(config) / name
     from pipeline.runner.tracked_run import RUN_INFO
 
     if _run_id_of(run_dir / RUN_INFO) == run.info.run_id:
         return run_dir  # (restored here before: this machine's copy of the run, under its own runs_dir)
+    store = storage.Store(config.storage.uri)
+    steps = storage.complete_steps(store, name)
     if run_dir.exists():
         raise ConfigError(f"RESUME={resume}: {run_dir} exists but is not the run's directory ({recorded}); move it")
     run_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -90,16 +90,10 @@ def fetch_checkpoint(store, run_dir: Path, step: int, record: dict) -> tuple[Pat
     checkpoint = run_dir / "checkpoints" / f"checkpoint-{step}"
     if not (checkpoint / COMPLETE_MARKER).is_file():
         shutil.rmtree(checkpoint, ignore_errors=True)  # (a part cut short here: taken whole from the store)
-    prefix = f"{storage.checkpoints_prefix(store, run_dir.name)}/{checkpoint.name}"
-    size = 0
-    for key in store.keys(prefix):
-        relative = key[len(prefix) + 1:]
-        target = checkpoint / relative
-        if relative.split("/")[0] in (storage.PARTS_DIR, storage.COMPLETE_MARKER) or target.is_file():
-            continue
-        target.parent.mkdir(parents=True, exist_ok=True)
-        store.client.download_file(store.bucket, key, str(target))
-        size += target.stat().st_size
+    files = store.download(f"{storage.checkpoints_prefix(store, run_dir.name)}/{checkpoint.name}", checkpoint,
+                           lambda relative: relative.split("/")[0] in (storage.PARTS_DIR, storage.COMPLETE_MARKER)
+                           or (checkpoint / relative).is_file())
+    size = sum(f.stat().st_size for f in files)
     mark_complete(checkpoint, record)  # (its record as the store has it, and `latest`)
     return checkpoint, size, time.time() - began
 
