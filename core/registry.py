@@ -50,6 +50,11 @@ def resolve(config: Config, model: str = "") -> Path:
     return _download(client, version_info, target)
 
 
+def model_version(client, uri: str):
+    """The registry's entry for models:/<name>/<version>, models:/<name>@<alias> or models:/<name>/latest."""
+    return _model_version(client, *parse_models_uri(uri))
+
+
 def _model_version(client, name: str, version: str | None, alias: str | None):
     from mlflow.exceptions import MlflowException
 

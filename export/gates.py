@@ -72,11 +72,13 @@ def logits_gate(model, staging: Path, config: Config) -> float:
     return error
 
 
-def tokens_gate(dynamic_forward, predictor, staging: Path, config: Config) -> dict[str, list[int]]:
+def tokens_gate(dynamic_forward, predictor, staging: Path, config: Config, extra: tuple[str, ...] = ()) \
+        -> dict[str, list[int]]:
     """Greedy continuations: the full graph and the cache programs (each prompt alone, and all of them in one batch
-    of mixed lengths) must produce the dynamic model's tokens exactly, for the reference prompts and longer ones up
-    to the serving prompt limit. The reference prompts' tokens are stored (reference.json) so that smoke can check a
-    running server without the checkpoint."""
+    of mixed lengths) must produce the dynamic model's tokens exactly, for the reference prompts, longer ones up
+    to the serving prompt limit and `extra` (a fine-tuned model: held-out task prompts, rendered as chat). The
+    reference prompts' tokens are stored (reference.json) so that smoke can check a running server without the
+    checkpoint."""
     from serving.protocol import GenerationSettings
     from serving.engine.exported import ExportedModel
 
@@ -85,7 +87,7 @@ def tokens_gate(dynamic_forward, predictor, staging: Path, config: Config) -> di
     settings = GenerationSettings(max_new_tokens=exportdir.REFERENCE_NEW_TOKENS)
     text = "".join(exportdir.REFERENCE_PROMPTS) * 16
     limit = min(config.serving.max_prompt_chars, exported.max_length - exportdir.REFERENCE_NEW_TOKENS - 1)
-    prompts = [*exportdir.REFERENCE_PROMPTS, text[:limit // 3], text[:limit]]
+    prompts = [*exportdir.REFERENCE_PROMPTS, text[:limit // 3], text[:limit], *extra]
     encoded = [exported.encode(p) for p in prompts]
     expected = [exported.generate(dynamic_forward, ids, settings) for ids in encoded]
     paths = {"exported graph": [exported.generate(lambda x: runtime.predict(predictor, x), ids, settings)

@@ -1,6 +1,6 @@
 """`python -m pipeline <verb> [options] [section.key=value ...]` -- the one CLI the Makefile calls.
 
-Each verb is one module of pipeline/ named after it (`VERBS`: data, train, export, serve, stop, smoke, reload, compare,
+Each verb is one module of pipeline/ named after it (`VERBS`: data, train, finetune, export, serve, stop, smoke, reload, compare,
 sweep, runs, plan, doctor, evaluate, promote, generate, mlflow-server, mlflow-stop, object-store,
 object-store-stop), whose `main(config, args)` is
 handed the config, loaded once (`verb_config`), and the parsed arguments. What the verbs share to run training,
@@ -51,6 +51,18 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", default="", help="run directory or MLflow run id to continue")
     train.add_argument("--dry-run", action="store_true", help="print the parallel layout and exit")
     train.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. training.max_steps=40")
+
+    finetune = sub.add_parser("finetune", help="supervised fine-tuning (LoRA or full) of a trained model on "
+                                               "instruction data with the chat template")
+    finetune.add_argument("--config", default=None, help="YAML config (make finetune: configs/tiny-chat.yaml)")
+    finetune.add_argument("--model", default="", help="the base: an MLflow run id, a checkpoint directory or "
+                                                      "models:/<name>/<version|@alias> (default: the best run of "
+                                                      "finetune.base_experiment)")
+    finetune.add_argument("--data", default="", help="reviews (the built-in task) or a .jsonl of {src, tgt} or "
+                                                     "{messages}")
+    finetune.add_argument("--resume", default="", help="run directory or MLflow run id of a fine-tuning run")
+    finetune.add_argument("--dry-run", action="store_true", help="print the layout and exit")
+    finetune.add_argument("overrides", nargs="*", help="section.key=value, e.g. finetune.method=full")
 
     export = sub.add_parser("export", help="best checkpoint -> static graph, parity-checked, registered in MLflow")
     export.add_argument("--config", default=None, help=config_help + "; names the experiment to pick from")
@@ -150,7 +162,7 @@ def add_generate_verb(sub, config_help: str) -> None:
 # verb -> its module in pipeline/ (each has `main(config, args) -> int`); the run machinery the verbs share is in
 # pipeline/runner/, never a verb
 VERBS = {verb: verb.replace("-", "_") for verb in (
-    "data", "train", "export", "serve", "stop", "smoke", "reload", "compare", "sweep", "runs", "plan", "doctor",
+    "data", "train", "finetune", "export", "serve", "stop", "smoke", "reload", "compare", "sweep", "runs", "plan", "doctor",
     "evaluate", "promote", "generate", "mlflow-server", "mlflow-stop", "object-store", "object-store-stop")}
 
 

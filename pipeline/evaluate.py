@@ -30,7 +30,7 @@ from core.config import Config, ConfigError
 PROMPTS = ("人工智能", "这本书", "快递很快，", "价格便宜", "我们今天", "手机很好用", "质量不错，", "服务态度")
 NEW_TOKENS = 32
 BATCH = 16
-HEADLINE = ("eval_loss", "perplexity", "distinct_1", "distinct_2", "repetition_rate", "mean_length")
+HEADLINE = ("eval_loss", "perplexity", "distinct_1", "distinct_2", "repetition_rate", "mean_length", "task_accuracy")
 
 
 def run(config: Config, model: str, data: str = "") -> dict:
@@ -44,10 +44,21 @@ def run(config: Config, model: str, data: str = "") -> dict:
     client = tracking.client(uri)
     held_out = held_out_set(config, client, export_dir, meta, data)
     t0 = time.time()
-    loss, tokens = token_loss(export_dir, held_out["blocks"])
+    if "task" in held_out:  # (a fine-tuned model: the loss on the answers, and the task's accuracy)
+        loss, tokens = answer_loss(export_dir, held_out["rows"])
+        accuracy, graded = task_accuracy(export_dir, held_out["task"])
+        print(f"task accuracy {accuracy:.4f} ({sum(g['correct'] for g in graded)} of {len(graded)} held-out "
+              f"examples answered exactly, greedy, through the exported graph)", flush=True)
+    else:
+        loss, tokens = token_loss(export_dir, held_out["blocks"])
     answers = generate_prompts(export_dir)
     metrics = {"eval_loss": loss, "perplexity": math.exp(loss), **text_metrics(answers)}
+    if "task" in held_out:
+        metrics["task_accuracy"] = accuracy
     run_id = record(client, uri, meta, held_out, metrics, answers, tokens)
+    if "task" in held_out:
+        client.log_table(run_id, {k: [g[k] for g in graded] for k in ("prompt", "answer", "expected", "correct")},
+                         "task_answers.json")
     tag_version(client, meta, held_out["digest"], metrics, run_id)
     print(f"{meta['registered_model_name']} v{meta['version']} on {held_out['name']} ({tokens:,} tokens, set "
           f"{held_out['digest']}): eval_loss {loss:.4f} (perplexity {math.exp(loss):.1f}); prompts: distinct-1 "
@@ -74,6 +85,8 @@ def held_out_set(config: Config, client, export_dir: Path, meta: dict, data: str
         blocks = np.concatenate([read.split_blocks(prepared.path, prepared.manifest, split, seq)
                                  for split in ("validation", "train")])
         key, name = prepared.manifest["key"], f"corpus {data}"
+    elif _fine_tuned(_source_run_dir(client, meta)):
+        return fine_tuning_held_out(_source_run_dir(client, meta), export_dir)
     else:
         spec = _source_data(client, meta)
         from core import dataset
@@ -87,10 +100,33 @@ def held_out_set(config: Config, client, export_dir: Path, meta: dict, data: str
     return {"name": name, "digest": identity, "blocks": blocks, "dataset_key": key, "seq_length": seq}
 
 
+def fine_tuning_held_out(run_dir: Path, export_dir: Path) -> dict:
+    """A fine-tuning run's validation examples (the rows it computed eval_loss on, all of them) and its held-out
+    task: each example's messages rendered with the export's chat template, and the expected answer."""
+    from core import chat
+    from core.config import load_config
+    from training.data import sft
+
+    config = load_config(run_dir / "config.yaml")
+    rows = np.load(run_dir / "data" / sft.FILE.format(split="validation"))
+    task = sft.held_out(config, chat.read(export_dir / "tokenizer"))
+    key = hashlib.sha256(rows.tobytes() + json.dumps([t["prompt"] for t in task]).encode()).hexdigest()
+    return {"name": f"the held-out examples of {config.finetune.data}", "digest": key[:16], "rows": rows,
+            "task": task, "blocks": rows[:, 0], "dataset_key": key, "seq_length": config.training.seq_length}
+
+
+def _fine_tuned(run_dir: Path) -> bool:
+    stats = run_dir / "data" / "stats.json"
+    return stats.is_file() and json.loads(stats.read_text()).get("kind") == "sft"
+
+
+def _source_run_dir(client, meta: dict) -> Path:
+    return Path(client.get_run(meta["source_run_id"]).data.tags.get(tracking.TAG_RUN_DIR, ""))
+
+
 def _source_data(client, meta: dict) -> dict:
     """The source run's data/dataset.json (which prepared set it read, and how it cut its validation split)."""
-    run = client.get_run(meta["source_run_id"])
-    run_dir = Path(run.data.tags.get(tracking.TAG_RUN_DIR, ""))
+    run_dir = _source_run_dir(client, meta)
     spec_file = run_dir / "data" / "dataset.json"
     if not spec_file.is_file():
         raise ConfigError(f"the source run {meta['source_run_id']} has no prepared data set on this machine "
@@ -112,6 +148,45 @@ def token_loss(export_dir: Path, blocks: np.ndarray) -> tuple[float, int]:
         total += float((logz - picked).sum())
         count += picked.size
     return total / count, count
+
+
+def answer_loss(export_dir: Path, rows: np.ndarray) -> tuple[float, int]:
+    """Cross-entropy of the exported graph on the answer tokens of fine-tuning examples ([N, 2, L]: input ids,
+    labels with -100 where nothing is learned), token-weighted: the eval_loss fine-tuning reports."""
+    from training.data.sft import IGNORE
+
+    predictor = runtime.create_predictor(export_dir)
+    total, count = 0.0, 0
+    for start in range(0, len(rows), BATCH):
+        ids, labels = rows[start:start + BATCH, 0].astype(np.int64), rows[start:start + BATCH, 1]
+        logits = runtime.predict(predictor, ids).astype(np.float64)
+        top = logits.max(axis=-1, keepdims=True)
+        logz = np.log(np.exp(logits - top).sum(axis=-1)) + top[..., 0]
+        learned = labels != IGNORE
+        picked = np.take_along_axis(logits, np.where(learned, labels, 0)[..., None], axis=-1)[..., 0]
+        total += float((logz - picked)[learned].sum())
+        count += int(learned.sum())
+    return total / max(count, 1), count
+
+
+def task_accuracy(export_dir: Path, task: list[dict], new_tokens: int = 8) -> tuple[float, list[dict]]:
+    """Greedy answers of the exported model to the held-out prompts (as the chat route renders them), exact match
+    with the expected answer."""
+    from serving.engine.exported import ExportedModel
+    from serving.protocol import GenerationSettings
+
+    model = ExportedModel(export_dir)
+    session = model.cached_session()
+    settings = GenerationSettings(max_new_tokens=new_tokens)
+    graded = []
+    for start in range(0, len(task), BATCH):
+        batch = task[start:start + BATCH]
+        new = model.generate_batch(session, [model.encode(t["prompt"]) for t in batch], [settings] * len(batch))
+        for item, ids in zip(batch, new):
+            answer = model.decode(ids).strip()
+            graded.append({"prompt": item["prompt"], "answer": answer, "expected": item["answer"],
+                           "correct": answer == item["answer"]})
+    return sum(g["correct"] for g in graded) / max(len(graded), 1), graded
 
 
 def generate_prompts(export_dir: Path) -> list[dict]:
@@ -171,7 +246,7 @@ def record(client, uri: str, meta: dict, held_out: dict, metrics: dict, answers:
 
 def tag_version(client, meta: dict, digest: str, metrics: dict, run_id: str) -> None:
     name, version = meta["registered_model_name"], str(meta["version"])
-    for key in HEADLINE:
+    for key in [k for k in HEADLINE if k in metrics]:
         value = f"{metrics[key]:.6g}"
         client.set_model_version_tag(name, version, f"eval.{digest}.{key}", value)
         client.set_model_version_tag(name, version, f"eval.{key}", value)

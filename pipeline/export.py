@@ -97,9 +97,9 @@ def quiet_libraries() -> None:
 # ---------------------------------------------------------------------------------------------------------------------
 # select, fetch_inputs
 
-def select(client, experiment: str, metric: str, run_id: str = "") -> Selection:
+def select(client, experiment: str, metric: str, run_id: str = "", step: int | None = None) -> Selection:
     """The best checkpoint (lowest `metric`) of the best FINISHED run, or of RUN_ID, that this machine can read:
-    on its disk, or uploaded to the run's artifacts (tracking.checkpoint_artifacts)."""
+    on its disk, or uploaded to the run's artifacts (tracking.checkpoint_artifacts); or that run's checkpoint `step`."""
     run = _source_run(client, experiment, metric, run_id)
     refs = [a.path for a in client.list_artifacts(run.info.run_id, tracking.CHECKPOINT_ARTIFACTS)
             if not a.is_dir and a.path.endswith(".json")]
@@ -107,11 +107,13 @@ def select(client, experiment: str, metric: str, run_id: str = "") -> Selection:
     with tempfile.TemporaryDirectory() as tmp:
         for ref in refs:
             info = json.loads(Path(client.download_artifacts(run.info.run_id, ref, tmp)).read_text())
-            if metric in info and ((Path(info["path"]) / COMPLETE_MARKER).is_file() or info.get("artifact")):
+            readable = (Path(info["path"]) / COMPLETE_MARKER).is_file() or info.get("artifact")
+            if metric in info and readable and step in (None, int(info["step"])):
                 candidates.append(info)
     if not candidates:
-        raise ExportError(f"run {run.info.run_id} has no checkpoint with metric {metric!r} on this machine or in "
-                          f"its MLflow artifacts ({len(refs)} recorded; see tracking.checkpoint_artifacts)")
+        raise ExportError(f"run {run.info.run_id} has no checkpoint" + (f"-{step}" if step is not None else "")
+                          + f" with metric {metric!r} on this machine or in its MLflow artifacts ({len(refs)} "
+                          "recorded; see tracking.checkpoint_artifacts)")
     best = min(candidates, key=lambda info: (info[metric], -info["step"]))
     return Selection(run_id=run.info.run_id, run_name=run.info.run_name, info=best, metric=metric)
 
@@ -195,14 +197,43 @@ def build(chosen: Selection, config: Config, checkpoint: Path, tokenizer_dir: Pa
         "trained_weight_layout": "fused" if layout_error is not None else "plain",
         "fused_vs_portable_max_abs_error": layout_error,
     }
+    meta.update(fine_tuning(config, checkpoint))
     exportdir.write_meta(staging, meta)
-    references = gates.tokens_gate(convert.dynamic_forward(model), predictor, staging, config)
+    references = gates.tokens_gate(convert.dynamic_forward(model), predictor, staging, config,
+                                   task_prompts(config, tokenizer_dir))
     exportdir.write_references(staging, references)
     timings["parity_s"] = time.time() - t0  # (in meta["timings_s"]: publish writes export.json with the version)
     t0 = time.time()
     gates.mlflow_model_gate(staging, references)
     timings["mlflow_model_s"] = time.time() - t0
     return meta
+
+
+TASK_PROMPTS = 20  # a fine-tuned model's held-out task prompts in the token gate
+
+
+def fine_tuning(config: Config, checkpoint: Path) -> dict:
+    """A fine-tuned model's lineage for export.json and the version's tags: its base and the adapter settings."""
+    if not config.finetune.data:
+        return {}
+    f = config.finetune
+    found = {"base_model": f.base, "finetune_method": f.method, "finetune_data": f.data}
+    from export.convert import LORA_CONFIG
+
+    if (checkpoint / LORA_CONFIG).is_file():
+        found.update(lora_rank=f.lora_rank, lora_alpha=f.lora_alpha, lora_targets=",".join(f.lora_targets),
+                     lora_merged=True)
+    return found
+
+
+def task_prompts(config: Config, tokenizer_dir: Path) -> tuple[str, ...]:
+    """The first TASK_PROMPTS held-out examples of a fine-tuning run's data, rendered as the chat route renders them."""
+    if not config.finetune.data:
+        return ()
+    from core import chat
+    from training.data.sft import held_out
+
+    return tuple(e["prompt"] for e in held_out(config, chat.read(tokenizer_dir), TASK_PROMPTS))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -228,7 +259,8 @@ def publish(client, chosen: Selection, meta: dict, staging: Path, root: Path) ->
         version_made = register(client, name, chosen.run_id, artifact_path, description=(
             f"checkpoint-{chosen.step} of run {chosen.run_name}"), tags={
             "parity_max_abs_error": f"{meta['parity_max_abs_error']:.3e}", "checkpoint_step": str(chosen.step),
-            "export_dir": str(target), "artifact_path": artifact_path, chosen.metric: f"{chosen.metric_value:.6f}"})
+            "export_dir": str(target), "artifact_path": artifact_path, chosen.metric: f"{chosen.metric_value:.6f}",
+            **{key: str(meta[key]) for key in FINE_TUNING_TAGS if key in meta}})
         if int(version_made.version) != version:  # another export registered concurrently: follow the registry
             version, target = int(version_made.version), root / version_made.version
             meta["version"] = version
@@ -251,6 +283,9 @@ def publish(client, chosen: Selection, meta: dict, staging: Path, root: Path) ->
     print(f"logged to runs:/{chosen.run_id}/{artifact_path}\nregistered model {name!r} version {version}: {target}",
           flush=True)
     return meta
+
+
+FINE_TUNING_TAGS = ("base_model", "finetune_method", "finetune_data", "lora_rank", "lora_alpha", "lora_targets")
 
 
 def next_version(client, name: str) -> int:

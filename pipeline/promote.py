@@ -2,7 +2,8 @@
 (the deploy pointer a server follows, `models:/<name>@<alias>`) to a version only on evidence.
 
 The version must have been evaluated (`make evaluate`) on the same held-out set as the alias's current holder, and
-be at least as good there on METRIC (lower is better: eval_loss, perplexity); otherwise the alias stays and the
+be at least as good there on METRIC (lower is better: eval_loss, perplexity; higher: task_accuracy, a fine-tuned
+model's held-out task); otherwise the alias stays and the
 refusal prints both numbers, or what to run. An unset alias takes any evaluated version. FORCE=1 moves it anyway.
 Every move is recorded on the version's tags (`promotion.<alias>`: from which version, when, on what evidence).
 """
@@ -14,7 +15,8 @@ import time
 from core import tracking
 from core.config import Config, ConfigError
 
-METRICS = ("eval_loss", "perplexity")  # lower is better
+METRICS = ("eval_loss", "perplexity", "task_accuracy")
+HIGHER_IS_BETTER = ("task_accuracy",)  # (a fine-tuned model's held-out task: make evaluate)
 
 
 def run(config: Config, model: str, alias: str = "champion", metric: str = "eval_loss", force: bool = False) -> int:
@@ -24,7 +26,8 @@ def run(config: Config, model: str, alias: str = "champion", metric: str = "eval
     if not name or by_alias or version in (None, "latest"):
         raise ConfigError("MODEL=models:/<name>/<version>: promote names the version to move the alias to")
     if metric not in METRICS:
-        raise ConfigError(f"METRIC={metric}: one of {', '.join(METRICS)} (lower is better)")
+        raise ConfigError(f"METRIC={metric}: one of {', '.join(METRICS)} (task_accuracy: higher is better; the "
+                          "others lower)")
     if not alias.replace("-", "_").isidentifier():
         raise ConfigError(f"ALIAS={alias}: a plain name such as champion")
     client = tracking.client(tracking.tracking_uri(config))
@@ -63,12 +66,13 @@ def judge(candidate, holder, alias: str, metric: str, force: bool) -> dict:
     dataset = shared[0]
     new, old = mine[dataset], theirs[dataset]
     evidence = {"dataset": dataset, "metric": metric, "new": new, "old": old}
-    if new <= old:
-        return {**evidence, "reason": f"{metric} {new:.4f} <= {old:.4f} on held-out set {dataset}"}
+    better, worse = (">=", "<") if metric in HIGHER_IS_BETTER else ("<=", ">")
+    if new >= old if metric in HIGHER_IS_BETTER else new <= old:
+        return {**evidence, "reason": f"{metric} {new:.4f} {better} {old:.4f} on held-out set {dataset}"}
     if force:
-        return {**evidence, "reason": f"forced: {metric} {new:.4f} > {old:.4f} on held-out set {dataset}"}
+        return {**evidence, "reason": f"forced: {metric} {new:.4f} {worse} {old:.4f} on held-out set {dataset}"}
     raise ConfigError(f"v{candidate.version} is worse than v{holder.version} ({alias}) on held-out set {dataset}: "
-                      f"{metric} {new:.4f} > {old:.4f}; the alias stays (FORCE=1 moves it anyway)")
+                      f"{metric} {new:.4f} {worse} {old:.4f}; the alias stays (FORCE=1 moves it anyway)")
 
 
 def _evaluations(version, metric: str) -> dict[str, float]:

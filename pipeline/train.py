@@ -102,6 +102,9 @@ def check_before_launch(launch: Launch) -> None:
         problems = [c for c in doctor.checks(launch.config) if not c.ok]
         if problems:
             raise ConfigError("; ".join(f"{c.name}: {c.text}" for c in problems) + " (make doctor)")
+    if launch.config.finetune.data and not launch.config.model.init_from:
+        raise ConfigError("finetune.data: a fine-tuning run starts from a trained model; use make finetune (MODEL=...) "
+                          "or set model.init_from")
     launch.layout.check_fits_machine()
     from training.data import check_size_early
 

@@ -218,21 +218,18 @@ def main(argv: list[str] | None = None) -> None:
     from core.tokenizer import load_tokenizer
     from training.callbacks import GracefulStop
     from training.checkpoints import STOPPED_MARKER
-    from training.data.read import corpus_blocks, train_dataset, validation_dataset
-
     # (after the paddlenlp import, which resets SIGTERM to the default action)
     graceful_stop = GracefulStop(run_dir / STOPPED_MARKER)
     train_args = training_arguments(config, layout, run_dir / "checkpoints")
     model, new_trainer = model_and_trainer_class(config, layout, train_args, load_tokenizer(run_dir / "tokenizer"))
-    train_data = train_dataset(run_dir / "data")
+    train_data, eval_data, blocks = datasets(config, run_dir / "data")
     trainer = new_trainer(
         model=model,
         args=train_args,
         train_dataset=train_data,
-        eval_dataset=validation_dataset(run_dir / "data"),
+        eval_dataset=eval_data,
         data_collator=default_data_collator,  # samples are already fixed-length: no padding
-        callbacks=callbacks(config, layout, run_dir, pending, graceful_stop, train_args.process_index == 0,
-                            corpus_blocks(run_dir / "data")),
+        callbacks=callbacks(config, layout, run_dir, pending, graceful_stop, train_args.process_index == 0, blocks),
     )
     if hasattr(trainer, "resumed_window"):
         resume_loss_window(trainer, args.resume_from)
@@ -243,6 +240,20 @@ def main(argv: list[str] | None = None) -> None:
         from core.workarounds import cpu_gloo
 
         cpu_gloo.end_process()  # (the gloo layer's point 8: never returns)
+
+
+def datasets(config: Config, run_data: Path):
+    """(training samples, validation samples, training samples per epoch): packed corpus blocks, or a fine-tuning
+    run's examples (training/data/sft.py)."""
+    if config.finetune.data:
+        from training.data import sft
+
+        train = sft.train_dataset(run_data)
+        return train, sft.validation_dataset(run_data, config.training.max_eval_batches *
+                                             config.training.global_batch_size), len(train)
+    from training.data.read import corpus_blocks, train_dataset, validation_dataset
+
+    return train_dataset(run_data), validation_dataset(run_data), corpus_blocks(run_data)
 
 
 def set_up_process(config: Config, layout: ParallelLayout) -> None:
@@ -288,6 +299,10 @@ def model_and_trainer_class(config: Config, layout: ParallelLayout, train_args, 
         model = build_model(config, tokenizer, layout.tp, train_args.tensor_parallel_rank, pipeline=layout.pp > 1)
         new_trainer = functools.partial(make_trainer, device=layout.device)
     model = prepare_model(config, model)
+    if config.finetune.data and config.finetune.method == "lora":
+        from training import lora
+
+        model = lora.wrap(config, model, layout.tp)
     if config.performance.sequence_parallel:
         # As PaddleNLP's llm/run_pretrain.py: the sequence-parallel weights (norms) get their gradients all-reduced
         # over the tensor group.

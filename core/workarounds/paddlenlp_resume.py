@@ -31,7 +31,9 @@ def load_single_card_checkpoint(args, model, resume_from_checkpoint: str):
 
     from paddlenlp.trainer.plugins import unified_checkpoint as uc
 
-    index = os.path.join(resume_from_checkpoint, uc.SAFE_WEIGHTS_INDEX_NAME)
+    # (PaddleNLP's choice, kept: a LoRA or prefix model's checkpoint holds its adapters under the PEFT index)
+    peft = isinstance(model, (uc.LoRAModel, uc.PrefixModelForCausalLM))
+    index = os.path.join(resume_from_checkpoint, uc.SAFE_PEFT_WEIGHTS_INDEX_NAME if peft else uc.SAFE_WEIGHTS_INDEX_NAME)
     files, metadata = uc.get_checkpoint_shard_files(pretrained_model_name_or_path=resume_from_checkpoint,
                                                     index_filename=index)
     expected = set(uc.get_expected_state_dict(model).keys())

@@ -190,6 +190,11 @@ def _fill(config: Config, run_dir: Path) -> None:
     t0 = time.time()
     import paddlenlp  # noqa: F401  (the sample index needs it; its import resets SIGTERM to the default action,
     stop_signal_handler()  # so re-arm: a SIGTERM during data preparation still removes the half-made run)
+    if config.finetune.data:  # (a fine-tuning run: the base's tokenizer with the chat template, its examples)
+        from training.data import sft
+
+        sft.for_run(config, run_dir, Path(config.tokenizer.path), log=lambda line: print(line, flush=True))
+        return
     from training import data
 
     stats, prepared = data.for_run(config, run_dir, log=lambda line: print(line, flush=True))

@@ -85,6 +85,9 @@ class TrackedRun:
             "paddlenlp_version": _version("paddlenlp"), "device": layout.device, "world_size": str(layout.world_size),
             **{f"layout.{k}": str(v) for k, v in layout.as_params().items()}, **alive,
             **({"pipeline.sweep": config.tracking.sweep} if config.tracking.sweep else {}),
+            # a fine-tuning run names what it starts from (lineage: runs:/<run>/..., models:/<name>/<version>)
+            **({"pipeline.base": config.finetune.base, "finetune.method": config.finetune.method}
+               if config.finetune.data else {}),
         }
         self.run_id = self.client.create_run(self.experiment_id, tags=tags, run_name=run_dir.name).info.run_id
         params = {**config.flat(), **{f"layout.{k}": v for k, v in layout.as_params().items()}}
@@ -94,7 +97,8 @@ class TrackedRun:
         items = [Param(k, str(v)[:6000]) for k, v in params.items()]
         for i in range(0, len(items), 100):
             self.client.log_batch(self.run_id, params=items[i:i + 100],
-                                  tags=[RunTag("pipeline.stage", "train")] if i == 0 else [])
+                                  tags=[RunTag("pipeline.stage", "finetune" if config.finetune.data else "train")]
+                                  if i == 0 else [])
         self._log_dataset(run_dir)
         self.client.log_artifact(self.run_id, str(run_dir / "config.yaml"))
         self.client.log_artifacts(self.run_id, str(run_dir / "tokenizer"), "tokenizer")

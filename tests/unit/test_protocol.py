@@ -7,6 +7,7 @@ import pytest
 
 from serving import protocol
 from serving.protocol import GenerationSettings, Limits, RequestError
+from core import chat as core_chat
 from serving.server.openai import api_server, protocol as openai_protocol, serving_chat, serving_completion
 
 LIMITS = Limits(max_prompt_chars=10, max_new_tokens_limit=8, default_max_new_tokens=4, max_request_bytes=300,
@@ -107,8 +108,8 @@ def test_openai_requests():
     assert request.settings.stop == ("。",)
     chat = serving_chat.parse_chat({"model": "m", "messages": [{"role": "user", "content": "你好"}], "logprobs": True,
                            "top_logprobs": 2, "temperature": 0}, Limits(max_prompt_chars=100), MODEL_IDS,
-                          serving_chat.DEFAULT_CHAT_TEMPLATE)
-    assert chat.prompt == "user: 你好\nassistant: " and chat.settings.logprobs == 2
+                          core_chat.TEMPLATE)
+    assert chat.prompt == "用户：你好\n助手：" and chat.settings.logprobs == 2
     assert chat.settings.temperature == 0.0
     streamed = serving_completion.parse_completion({"model": "m", "prompt": "a", "logprobs": 1, "stream": True}, LIMITS,
                                                    MODEL_IDS)  # (logprobs stream, as OpenAI's and vLLM's)
@@ -124,18 +125,31 @@ def test_openai_requests():
             serving_completion.parse_completion(body, LIMITS, MODEL_IDS)
         assert exc.value.status == status
     with pytest.raises(RequestError, match="`messages` must be a non-empty list"):
-        serving_chat.parse_chat({"model": "m", "messages": []}, LIMITS, MODEL_IDS, serving_chat.DEFAULT_CHAT_TEMPLATE)
+        serving_chat.parse_chat({"model": "m", "messages": []}, LIMITS, MODEL_IDS, core_chat.TEMPLATE)
     status, body = openai_protocol.error_body(RequestError("busy", "server busy"))
     assert status == 429 and body["error"]["code"] == "busy"
 
 
-def test_a_tokenizer_chat_template_is_used_when_the_export_has_one(tmp_path):
+def test_the_chat_route_uses_the_exports_template_and_refuses_without_one(tmp_path):
+    """A fine-tuned export's tokenizer/chat_template.json renders the messages; a base model (none) gets a 400 that
+    says so; a conversation that does not end with a question is a 400 too."""
     (tmp_path / "tokenizer").mkdir()
-    (tmp_path / "tokenizer" / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"}))
+    assert serving_chat.chat_template(tmp_path) is None
+    user = {"model": "m", "messages": [{"role": "user", "content": "嗨"}]}
+    with pytest.raises(RequestError, match="this model has no chat template") as exc:
+        serving_chat.parse_chat(user, LIMITS, MODEL_IDS, None)
+    assert exc.value.status == 400
+    core_chat.write(tmp_path / "tokenizer", {"system": None, "conversation": ["<u>{{ user }}", "<a>{{ bot }}"],
+                                             "query": "<u>{{ query }}<a>"})
     template = serving_chat.chat_template(tmp_path)
-    assert serving_chat.render_chat(template, [{"role": "user", "content": "嗨"}]) == "<user>嗨<assistant>"
-    assert serving_chat.chat_template(tmp_path / "missing") == serving_chat.DEFAULT_CHAT_TEMPLATE
+    messages = [{"role": "user", "content": "一"}, {"role": "assistant", "content": "二"},
+                {"role": "user", "content": "三"}]
+    assert serving_chat.parse_chat({**user, "messages": messages}, Limits(max_prompt_chars=100), MODEL_IDS,
+                                   template).prompt == \
+        "<u>一<a>二<u>三<a>"
+    with pytest.raises(RequestError, match="must end with a user message") as exc:
+        serving_chat.parse_chat({**user, "messages": messages[:2]}, LIMITS, MODEL_IDS, template)
+    assert exc.value.status == 400
 
 
 class IdleDispatcher:

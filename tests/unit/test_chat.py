@@ -1,0 +1,94 @@
+"""The chat template (core/chat.py): one rendering for the server and PaddleNLP, and the fine-tuning examples'
+loss mask (training/data/sft.py)."""
+import json
+
+import numpy as np
+import pytest
+
+from core import chat
+from core.config import ConfigError, load_config
+from core.tokenizer import SPECIAL_TOKENS, fast_tokenizer, load_tokenizer, write_tokenizer
+from training.data import sft
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "你好"}],
+    [{"role": "system", "content": "你是助手"}, {"role": "user", "content": "评论：很好"},
+     {"role": "assistant", "content": "正面"}, {"role": "user", "content": "评论：很差"}],
+    [{"role": "assistant", "content": "你好"}, {"role": "user", "content": "一"}, {"role": "user", "content": "二"}],
+    [{"role": "system", "content": "甲"}, {"role": "system", "content": "乙"}, {"role": "user", "content": "abc 你好"}],
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tokenizer")
+    chars = sorted(set("".join(m["content"] for c in CONVERSATIONS for m in c) + chat.USER + chat.ASSISTANT
+                       + "评论这条的情感是正面还是负面？好差") - {" "})
+    write_tokenizer(SPECIAL_TOKENS + chars + ["abc"], directory)
+    chat.write(directory)
+    return directory
+
+
+def test_the_server_renders_what_paddlenlp_renders(tokenizer_dir):
+    """core.chat.render (the API server, no PaddleNLP import) == the tokenizer's apply_chat_template, for a single
+    question, a system + multi-turn conversation, one that starts with the assistant and repeated roles."""
+    tokenizer = load_tokenizer(tokenizer_dir)
+    assert tokenizer.chat_template is not None  # (PaddleNLP loaded chat_template.json with the tokenizer)
+    rendered = []
+    for messages in CONVERSATIONS:
+        system, turns = chat.conversation(messages)
+        ours = chat.render(chat.read(tokenizer_dir), system, turns)
+        assert ours == tokenizer.apply_chat_template(turns, tokenize=False, context_data={"system": system})
+        rendered.append(ours)
+    assert rendered[0] == "用户：你好\n助手："
+    assert rendered[1] == "你是助手\n用户：评论：很好\n助手：正面[SEP]用户：评论：很差\n助手："
+    assert rendered[2] == "用户：\n助手：你好[SEP]用户：一\n二\n助手："
+    assert rendered[3].startswith("甲\n乙\n用户：")
+
+
+def test_conversations_that_cannot_be_answered_or_learned_are_refused():
+    with pytest.raises(ConfigError, match="end with a user message"):
+        chat.conversation([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
+    with pytest.raises(ConfigError, match="end with an assistant message"):
+        chat.conversation([{"role": "user", "content": "a"}], answered=True)
+    with pytest.raises(ConfigError, match="role 'tool'"):
+        chat.conversation([{"role": "tool", "content": "a"}])
+    assert chat.missing_characters(chat.TEMPLATE, SPECIAL_TOKENS + list("用户助")) == ["手", "："]
+
+
+def test_examples_learn_the_answers_only(tokenizer_dir):
+    """Inputs are ids[:-1], labels ids[1:] with -100 on the prompt (system, questions) and the padding; every answer
+    and its end token is learned; the fast batch path gives the rows PaddleNLP's encode_chat_inputs gives."""
+    tokenizer, fast = load_tokenizer(tokenizer_dir), fast_tokenizer(tokenizer_dir)
+    messages = CONVERSATIONS[1][:3]  # system, question, answer 正面
+    row = sft.encode(tokenizer, messages, 32)
+    ids = tokenizer.encode("你是助手\n用户：评论：很好\n助手：正面[SEP]", add_special_tokens=False)["input_ids"]
+    assert list(row[0, :len(ids) - 1]) == ids[:-1] and (row[0, len(ids) - 1:] == tokenizer.pad_token_id).all()
+    learned = [int(t) for t in row[1] if t != sft.IGNORE]
+    assert tokenizer.convert_ids_to_tokens(learned) == ["正", "面", "[SEP]"]
+    assert list(np.flatnonzero(row[1] != sft.IGNORE)) == [len(ids) - 4, len(ids) - 3, len(ids) - 2]
+    two_turns = [*CONVERSATIONS[1], {"role": "assistant", "content": "负面"}]
+    rows = sft.encode_all(tokenizer, fast, [messages, two_turns], 32)
+    assert np.array_equal(rows[0], row) and np.array_equal(rows[1], sft.encode(tokenizer, two_turns, 32))
+    assert tokenizer.convert_ids_to_tokens([int(t) for t in rows[1][1] if t != sft.IGNORE]) == \
+        ["正", "面", "[SEP]", "负", "面", "[SEP]"]
+    assert sft.encode(tokenizer, two_turns, 10) is None  # (longer than seq_length + 1: left out)
+
+
+def test_instruction_data_shapes(tmp_path):
+    """{"src", "tgt"} (strings or lists of turns) and {"messages"} lines; a bad line is named by its number; the
+    built-in task's message is exactly the one the issue defines."""
+    data = tmp_path / "data.jsonl"
+    lines = [{"src": "问一", "tgt": "答一"}, {"src": ["问", "再问"], "tgt": ["答", "再答"]},
+             {"messages": [{"role": "user", "content": "嗨"}, {"role": "assistant", "content": "你好"}]}]
+    data.write_text("\n".join(json.dumps(x, ensure_ascii=False) for x in lines) + "\n")
+    config = load_config(None, [f"finetune.data={data}", "data.validation_fraction=0.01"])
+    found = sft.records(config)
+    messages = [r["messages"] for r in found["train"] + found["validation"]]
+    assert len(messages) == 3 and lines[2]["messages"] in messages
+    assert [{"role": "user", "content": "问一"}, {"role": "assistant", "content": "答一"}] in messages
+    assert [[m["content"] for m in x] for x in messages if len(x) == 4] == [["问", "答", "再问", "再答"]]
+    data.write_text(json.dumps(lines[0]) + "\n" + json.dumps({"src": ["a"], "tgt": ["b", "c"]}) + "\n")
+    with pytest.raises(ConfigError, match=r"data.jsonl:2: src and tgt"):
+        sft.records(config)
+    assert sft.review_message("好" * 200, 96) == "评论：" + "好" * 96 + "\n这条评论的情感是正面还是负面？"

