@@ -52,18 +52,7 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument("--dry-run", action="store_true", help="print the parallel layout and exit")
     train.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. training.max_steps=40")
 
-    finetune = sub.add_parser("finetune", help="supervised fine-tuning (LoRA or full) of a trained model on "
-                                               "instruction data with the chat template")
-    finetune.add_argument("--config", default=None, help="YAML config (make finetune: configs/tiny-chat.yaml)")
-    finetune.add_argument("--model", default="", help="the base: an MLflow run id, a checkpoint directory or "
-                                                      "models:/<name>/<version|@alias> (default: the best run of "
-                                                      "finetune.base_experiment)")
-    finetune.add_argument("--data", default="", help="reviews (the built-in task) or a .jsonl of {src, tgt} or "
-                                                     "{messages}")
-    finetune.add_argument("--resume", default="", help="run directory or MLflow run id of a fine-tuning run")
-    finetune.add_argument("--dry-run", action="store_true", help="print the layout and exit")
-    finetune.add_argument("overrides", nargs="*", help="section.key=value, e.g. finetune.method=full")
-
+    add_finetune_verb(sub)
     export = sub.add_parser("export", help="best checkpoint -> static graph, parity-checked, registered in MLflow")
     export.add_argument("--config", default=None, help=config_help + "; names the experiment to pick from")
     export.add_argument("--experiment", default="", help="MLflow experiment to pick the best run from")
@@ -112,6 +101,20 @@ def parser() -> argparse.ArgumentParser:
     add_lifecycle_verbs(sub, config_help)
     add_service_verbs(sub)
     return p
+
+
+def add_finetune_verb(sub) -> None:
+    finetune = sub.add_parser("finetune", help="supervised fine-tuning (LoRA or full) of a trained model on "
+                                               "instruction data with the chat template")
+    finetune.add_argument("--config", default=None, help="YAML config (make finetune: configs/tiny-chat.yaml)")
+    finetune.add_argument("--model", default="", help="the base: an MLflow run id, a checkpoint directory or "
+                                                      "models:/<name>/<version|@alias> (default: the best run of "
+                                                      "finetune.base_experiment)")
+    finetune.add_argument("--data", default="", help="reviews (the built-in task) or a .jsonl of {src, tgt} or "
+                                                     "{messages}")
+    finetune.add_argument("--resume", default="", help="run directory or MLflow run id of a fine-tuning run")
+    finetune.add_argument("--dry-run", action="store_true", help="print the layout and exit")
+    finetune.add_argument("overrides", nargs="*", help="section.key=value, e.g. finetune.method=full")
 
 
 def add_service_verbs(sub) -> None:

@@ -1,6 +1,5 @@
 """The one request protocol (serving/protocol.py) and its entry points: every route turns its wire format into the
 same fields and refuses a bad value with the same message."""
-import json
 
 import pandas as pd
 import pytest
