@@ -327,7 +327,8 @@ class MlflowLogger(TrainerCallback):
 class PeakMemory(TrainerCallback):
     """Each rank's peak tensor memory over its first training step (parameters, gradients, optimizer states,
     activations; before any evaluation), from Paddle's allocator statistics -- the figure `make plan`'s memory
-    model estimates. Written to <run>/memory/rank<r>.json and printed ("peak memory: ...")."""
+    model estimates -- and its trainable / total parameters. Written to <run>/memory/rank<r>.json and printed
+    ("peak memory: ...")."""
 
     def __init__(self, run_dir: Path, device: str):
         self.out = Path(run_dir) / "memory"
@@ -349,6 +350,12 @@ class PeakMemory(TrainerCallback):
         rank = paddle.distributed.get_rank()
         record = {"rank": rank, "step": state.global_step, "peak_allocated_bytes": int(peak),
                   "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        model = kwargs.get("model")
+        if model is not None:  # (this rank's part: LoRA trains its adapters alone, training/lora.py)
+            record["trainable_parameters"] = sum(int(p.numel()) for p in model.parameters() if not p.stop_gradient)
+            record["parameters"] = sum(int(p.numel()) for p in model.parameters())
+            print(f"trainable parameters: {record['trainable_parameters']:,} of {record['parameters']:,} "
+                  f"({record['trainable_parameters'] / max(record['parameters'], 1):.2%}) on rank {rank}", flush=True)
         self.out.mkdir(exist_ok=True)
         (self.out / f"rank{rank}.json").write_text(json.dumps(record))
         print(f"peak memory: {peak / 2**20:.1f} MiB allocated by tensors (first step), process RSS "

@@ -70,6 +70,9 @@ def test_lora_learns_the_answers_only_names_its_base_and_resumes_exactly_after_k
     base = load_file(str(next((tuned["run_dir"].parent / "base" / "checkpoints" / "checkpoint-12").glob(
         "model*.safetensors"))))
     assert sum(a.size for a in adapters.values()) < 0.01 * sum(w.size for w in base.values())
+    memory = json.loads((tuned["run_dir"] / "memory" / "rank0.json").read_text())
+    assert memory["trainable_parameters"] == sum(a.size for a in adapters.values())
+    assert memory["parameters"] == sum(w.size for w in base.values()) + memory["trainable_parameters"]
     reference = metric_history(client, tuned["run_id"], "loss")
     assert sorted(reference) == list(range(1, STEPS + 1)) and reference[STEPS] < reference[1]
 
