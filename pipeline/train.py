@@ -102,9 +102,12 @@ def check_before_launch(launch: Launch) -> None:
         problems = [c for c in doctor.checks(launch.config) if not c.ok]
         if problems:
             raise ConfigError("; ".join(f"{c.name}: {c.text}" for c in problems) + " (make doctor)")
-    if launch.config.finetune.data and not launch.config.model.init_from:
+    f = launch.config.finetune
+    if f.data and not launch.config.model.init_from:
         raise ConfigError("finetune.data: a fine-tuning run starts from a trained model; use make finetune (MODEL=...) "
                           "or set model.init_from")
+    if f.data and f.data != "reviews" and not Path(f.data).expanduser().is_file():
+        raise ConfigError(f"finetune.data={f.data}: no such file (DATA= takes reviews or a .jsonl file)")
     launch.layout.check_fits_machine()
     from training.data import check_size_early
 

@@ -92,3 +92,15 @@ def test_instruction_data_shapes(tmp_path):
     with pytest.raises(ConfigError, match=r"data.jsonl:2: src and tgt"):
         sft.records(config)
     assert sft.review_message("好" * 200, 96) == "评论：" + "好" * 96 + "\n这条评论的情感是正面还是负面？"
+
+
+def test_fine_tuning_settings_are_checked_before_anything_starts():
+    with pytest.raises(ConfigError, match="finetune.method: 'qlora' is not allowed"):
+        load_config(None, ["finetune.data=reviews", "finetune.method=qlora"])
+    with pytest.raises(ConfigError, match="finetune.data: 'reviews' .* or a .jsonl file, got 'x.txt'"):
+        load_config(None, ["finetune.data=x.txt"])
+    with pytest.raises(ConfigError, match="PaddleNLP's LoRA wraps fleet's hybrid-parallel layers"):
+        load_config(None, ["finetune.data=reviews", "parallel.mode=semi_auto", "parallel.tensor=2",
+                           "training.compile=false"])
+    assert load_config(None, ["finetune.data=reviews", "finetune.method=full", "parallel.mode=semi_auto",
+                              "parallel.tensor=2", "training.compile=false"]).finetune.method == "full"
