@@ -190,6 +190,9 @@ class ExportConfig:
     metric: str = "eval_loss"  # lower is better
     parity_tolerance: float = 1e-4
     exports_dir: str = "exports"
+    # Also write the model in Hugging Face Llama format (hf/: config.json, model.safetensors, tokenizer.json) for
+    # vLLM, TGI or llama.cpp's converters (export/hf.py)
+    hf: bool = False
 
 
 @dataclass

@@ -11,6 +11,8 @@
         export.json                      lineage and parity metadata (REQUIRED_META at least)
         reference.json                   greedy continuations of REFERENCE_PROMPTS by the dynamic model the graph
                                          was converted from, for the smoke checks of a running server
+        hf/                              with export.hf=true: the same weights in Hugging Face Llama format
+                                         (export/hf.py)
 
 plus MLflow's `python_function` metadata (MLmodel, code/, python_model.pkl, requirements: export/mlflow_model.py).
 The same files are the registered model version's artifacts.

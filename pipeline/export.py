@@ -174,6 +174,10 @@ def build(chosen: Selection, config: Config, checkpoint: Path, tokenizer_dir: Pa
     t0 = time.time()
     programs.save_full_sequence(model, staging)
     programs.save_programs(model, staging)
+    if config.export.hf:  # (the same weights for other engines: export/hf.py)
+        from export import hf
+
+        hf.write(model, tokenizer_dir, staging)
     timings["convert_s"] = time.time() - t0
     t0 = time.time()
     error = gates.logits_gate(model, staging, config)
@@ -196,6 +200,7 @@ def build(chosen: Selection, config: Config, checkpoint: Path, tokenizer_dir: Pa
         "weights_sha256": exportdir.weights_sha256(staging), "timings_s": timings,
         "trained_weight_layout": "fused" if layout_error is not None else "plain",
         "fused_vs_portable_max_abs_error": layout_error,
+        **({"hf_dir": "hf"} if config.export.hf else {}),
     }
     meta.update(fine_tuning(config, checkpoint))
     exportdir.write_meta(staging, meta)

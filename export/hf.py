@@ -1,0 +1,89 @@
+"""The exported model in Hugging Face Llama format (export.hf=true): `hf/` beside the Paddle graph, with
+`config.json`, `model.safetensors`, `tokenizer.json` and `tokenizer_config.json`, so the weights can go to vLLM, TGI
+or llama.cpp's converters.
+
+The mapping (checked against transformers' LlamaForCausalLM: logits within 6.2e-6 and 64 identical greedy tokens,
+docs/platform-notes.md "vLLM on CPU"): PaddleNLP's `llama.*` names are HF's `model.*`; every Linear weight is
+transposed (Paddle stores [in, out], torch [out, in]), the LM head too ([hidden, vocab] -> [vocab, hidden]; it is not
+tied to the embedding); PaddleNLP's rotary embedding is HF's rotate-half form, so q/k need no permutation. The
+tokenizer is core/tokenizer.py's fast tokenizer (the same ids as ErnieTokenizer) with a decoder that joins tokens
+without spaces, as this project decodes; a chat template, when the model has one, goes into tokenizer_config.json as
+the jinja over `messages` that renders core/chat.py's template.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+HF_DIR = "hf"
+
+
+def hf_state(state: dict) -> dict[str, np.ndarray]:
+    """PaddleNLP LlamaForCausalLM state (name -> numpy) -> HF LlamaForCausalLM state."""
+    out = {}
+    for name, value in state.items():
+        value = np.asarray(value, dtype=np.float32)
+        if name == "lm_head.weight" or (name.endswith(".weight") and value.ndim == 2 and "embed_tokens" not in name):
+            value = np.ascontiguousarray(value.T)
+        out["model." + name[len("llama."):] if name.startswith("llama.") else name] = value
+    return out
+
+
+def hf_config(model_config) -> dict:
+    c = model_config
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+            "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+            "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
+            "num_key_value_heads": c.num_key_value_heads or c.num_attention_heads,
+            "max_position_embeddings": c.max_position_embeddings, "rms_norm_eps": c.rms_norm_eps,
+            "rope_theta": float(getattr(c, "rope_theta", 10000.0)), "vocab_size": c.vocab_size,
+            "bos_token_id": c.bos_token_id, "eos_token_id": c.eos_token_id, "pad_token_id": c.pad_token_id,
+            "tie_word_embeddings": False, "attention_bias": False, "torch_dtype": "float32"}
+
+
+def hf_tokenizer(tokenizer_dir: Path):
+    """The fast tokenizer as HF saves it: the same ids, decoded by joining tokens ('##' pieces glued on)."""
+    from tokenizers import decoders
+
+    from core.tokenizer import fast_tokenizer
+
+    tok = fast_tokenizer(tokenizer_dir)
+    tok.decoder = decoders.Sequence([decoders.Replace("##", ""), decoders.Fuse()])
+    return tok
+
+
+def hf_chat_template(template: dict) -> str:
+    """core/chat.py's template as the jinja over `messages` that HF's apply_chat_template runs."""
+    user, answer = template["conversation"]
+    system = (template.get("system") or "").replace("system", "system_text")
+    return ("{% set system_text = messages | selectattr('role', 'equalto', 'system') | map(attribute='content') "
+            "| join('\\n') %}" + system +
+            "{% for m in messages if m['role'] != 'system' %}{% if m['role'] == 'user' %}"
+            + user.replace("{{ user }}", "{{ m['content'] }}") + "{% else %}"
+            + answer.replace("{{ bot }}", "{{ m['content'] }}") + "{% endif %}{% endfor %}")
+
+
+def write(model, tokenizer_dir: Path, target: Path) -> Path:
+    """`target`/hf/ for the dynamic model `model` (the one the graph was converted from)."""
+    from safetensors.numpy import save_file
+
+    from core import chat
+    from core.tokenizer import SPECIAL_TOKENS
+
+    out = Path(target) / HF_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(hf_state({k: v.numpy() for k, v in model.state_dict().items()}), str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_config(model.config), indent=1))
+    hf_tokenizer(tokenizer_dir).save(str(out / "tokenizer.json"))
+    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.config.max_position_embeddings,
+                "bos_token": "[CLS]", "eos_token": "[SEP]", "pad_token": "[PAD]", "unk_token": "[UNK]",
+                "additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in ("[CLS]", "[SEP]", "[PAD]",
+                                                                                      "[UNK]")]}
+    template = chat.read(tokenizer_dir)
+    if template is not None:
+        settings["chat_template"] = hf_chat_template(template)
+    (out / "tokenizer_config.json").write_text(json.dumps(settings, ensure_ascii=False, indent=1))
+    return out
