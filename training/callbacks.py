@@ -352,8 +352,9 @@ class PeakMemory(TrainerCallback):
                   "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
         model = kwargs.get("model")
         if model is not None:  # (this rank's part: LoRA trains its adapters alone, training/lora.py)
-            record["trainable_parameters"] = sum(int(p.numel()) for p in model.parameters() if not p.stop_gradient)
-            record["parameters"] = sum(int(p.numel()) for p in model.parameters())
+            from training.lora import parameter_counts
+
+            record["trainable_parameters"], record["parameters"] = parameter_counts(model)
             print(f"trainable parameters: {record['trainable_parameters']:,} of {record['parameters']:,} "
                   f"({record['trainable_parameters'] / max(record['parameters'], 1):.2%}) on rank {rank}", flush=True)
         self.out.mkdir(exist_ok=True)

@@ -22,10 +22,15 @@ def wrap(config, model, tensor_parallel_degree: int):
 
     wrapped = LoRAModel(model, lora_config(config, tensor_parallel_degree))
     wrapped.mark_only_lora_as_trainable()
-    if not trainable_parameters(wrapped):
+    if not parameter_counts(wrapped)[0]:
         raise ConfigError(f"finetune.lora_targets={config.finetune.lora_targets}: no layer of the model matches")
     return wrapped
 
 
-def trainable_parameters(model) -> int:
-    return sum(int(p.numel()) for p in model.parameters() if not p.stop_gradient)
+def parameter_counts(model) -> tuple[int, int]:
+    """(trainable, all) parameters of this rank's model. From shapes: numel() of the semi-automatic API's
+    distributed tensors crashes the process (Paddle 2.6.2)."""
+    import math
+
+    sizes = [(math.prod(p.shape), not p.stop_gradient) for p in model.parameters()]
+    return sum(n for n, trainable in sizes if trainable), sum(n for n, _ in sizes)
