@@ -85,8 +85,8 @@ def held_out_set(config: Config, client, export_dir: Path, meta: dict, data: str
         blocks = np.concatenate([read.split_blocks(prepared.path, prepared.manifest, split, seq)
                                  for split in ("validation", "train")])
         key, name = prepared.manifest["key"], f"corpus {data}"
-    elif _fine_tuned(_source_run_dir(client, meta)):
-        return fine_tuning_held_out(_source_run_dir(client, meta), export_dir)
+    elif _fine_tuned(run_dir := _source_run_dir(client, meta)):
+        return fine_tuning_held_out(run_dir, export_dir)
     else:
         spec = _source_data(client, meta)
         from core import dataset
@@ -141,12 +141,8 @@ def token_loss(export_dir: Path, blocks: np.ndarray) -> tuple[float, int]:
     total, count = 0.0, 0
     for start in range(0, len(blocks), BATCH):
         batch = blocks[start:start + BATCH]
-        logits = runtime.predict(predictor, batch[:, :-1]).astype(np.float64)
-        top = logits.max(axis=-1, keepdims=True)
-        logz = np.log(np.exp(logits - top).sum(axis=-1)) + top[..., 0]
-        picked = np.take_along_axis(logits, batch[:, 1:, None], axis=-1)[..., 0]
-        total += float((logz - picked).sum())
-        count += picked.size
+        summed, n = _loss_sum(predictor, batch[:, :-1], batch[:, 1:], np.ones(batch[:, 1:].shape, dtype=bool))
+        total, count = total + summed, count + n
     return total / count, count
 
 
@@ -159,14 +155,18 @@ def answer_loss(export_dir: Path, rows: np.ndarray) -> tuple[float, int]:
     total, count = 0.0, 0
     for start in range(0, len(rows), BATCH):
         ids, labels = rows[start:start + BATCH, 0].astype(np.int64), rows[start:start + BATCH, 1]
-        logits = runtime.predict(predictor, ids).astype(np.float64)
-        top = logits.max(axis=-1, keepdims=True)
-        logz = np.log(np.exp(logits - top).sum(axis=-1)) + top[..., 0]
-        learned = labels != IGNORE
-        picked = np.take_along_axis(logits, np.where(learned, labels, 0)[..., None], axis=-1)[..., 0]
-        total += float((logz - picked)[learned].sum())
-        count += int(learned.sum())
+        summed, n = _loss_sum(predictor, ids, labels, labels != IGNORE)
+        total, count = total + summed, count + n
     return total / max(count, 1), count
+
+
+def _loss_sum(predictor, ids: np.ndarray, labels: np.ndarray, learned: np.ndarray) -> tuple[float, int]:
+    """Summed cross-entropy of the exported graph's logits for `ids` at the `learned` positions of `labels`."""
+    logits = runtime.predict(predictor, ids).astype(np.float64)
+    top = logits.max(axis=-1, keepdims=True)
+    logz = np.log(np.exp(logits - top).sum(axis=-1)) + top[..., 0]
+    picked = np.take_along_axis(logits, np.where(learned, labels, 0)[..., None], axis=-1)[..., 0]
+    return float((logz - picked)[learned].sum()), int(learned.sum())
 
 
 def task_accuracy(export_dir: Path, task: list[dict], new_tokens: int = 8) -> tuple[float, list[dict]]:

@@ -2,7 +2,6 @@
 then what the served model is and writes."""
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -24,9 +23,11 @@ def smoke(config: Config) -> int:
     print("SMOKE", "PASS" if not failures else f"FAIL ({len(failures)} checks)")
     if not failures:
         print(samples(state, config.serving.default_max_new_tokens))
-        meta_file = Path(state["model_dir"]) / "export.json"
-        if '"finetune_data"' in meta_file.read_text():  # (a fine-tuned model: its task through the chat route)
-            print(chat_task(state, json.loads(meta_file.read_text())))
+        from core import exportdir
+
+        meta = exportdir.read_meta(Path(state["model_dir"]))
+        if meta.get("finetune_data"):  # (a fine-tuned model: its task through the chat route)
+            print(chat_task(state, meta))
     return 1 if failures else 0
 
 
