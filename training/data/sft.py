@@ -216,10 +216,6 @@ class Examples:
         return {"input_ids": row[0], "labels": row[1]}
 
 
-def is_sft(run_data: Path) -> bool:
-    return (Path(run_data) / FILE.format(split="train")).is_file()
-
-
 def train_dataset(run_data: Path) -> Examples:
     return Examples(Path(run_data) / FILE.format(split="train"))
 
