@@ -119,7 +119,8 @@ def prepare(config, run_dir: Path | None = None, log=print) -> Prepared:
                 log(f"data: continuing the interrupted preparation in {staging}")
             manifest = _build(config, corpora, staging, key, log)
             dataset.publish(staging, final)
-    os.unlink(root / f".staging-{key}.lock")
+    # (missing_ok: runs preparing the same key at once each unlink it after their turn; a later one finds it gone)
+    (root / f".staging-{key}.lock").unlink(missing_ok=True)
     if reused:
         return Prepared(final, dataset.check(final), True, time.time() - t0)
     if remote is not None:
