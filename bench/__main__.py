@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sections", default="", help="comma-separated subset of: runtime, scaling, serving, generate, data")
     p.add_argument("--export", default="", help="serve and generate with this export directory instead of training "
                                                 "and exporting one (the serving and generate sections)")
+    p.add_argument("--peers", default="", help="comma-separated peers measured side by side on the same weights "
+                                               "(opt-in, each in its own environment): vllm")
     args = p.parse_args(argv)
     from core.processes import die_with_parent
     from bench import suite
@@ -63,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(sections) - set(suite.SECTIONS)
     if unknown:
         p.error(f"unknown section(s) {', '.join(sorted(unknown))}; choose from {', '.join(suite.SECTIONS)}")
+    peers = tuple(s for s in args.peers.split(",") if s)
+    if set(peers) - {"vllm"}:
+        p.error(f"unknown peer(s) {', '.join(sorted(set(peers) - {'vllm'}))}; choose from vllm")
     import paddlenlp  # noqa: F401  (its import resets SIGTERM to the default action: the handlers go after it)
 
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -71,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     out = suite.out_dir(args.out)
     try:
         stop_leftovers(out)
-        suite.run(quick=args.quick, out=out, sections=sections, export=args.export)
+        suite.run(quick=args.quick, out=out, sections=sections, export=args.export, peers=peers)
     except Stopped as stopped:
         stop_leftovers(out)  # (a server whose start was interrupted, before the suite's own clean-up knew of it)
         print(f"[bench] stopped by {signal.Signals(stopped.signum).name}: its servers and processes are stopped",

