@@ -58,7 +58,7 @@ def make_generate_trial(export_dir: Path, table: Path, out: Path, batch_size: in
     target = out / f"generated-{time.time_ns()}.jsonl"
     proc = subprocess.run([sys.executable, "-m", "pipeline", "generate", "--model", str(export_dir), "--input",
                            str(table), "--output", str(target), "--workers", str(workers),
-                           f"serving.max_batch_size={batch_size}"],
+                           f"serving.generate_batch_size={batch_size}"],
                           capture_output=True, text=True, cwd=REPO_ROOT)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-2000:])
@@ -72,7 +72,7 @@ def run(export_dir: Path, out: Path, quick: bool) -> dict:
 
     out.mkdir(parents=True, exist_ok=True)
     count, new_tokens, rounds = (100, 8, 1) if quick else (2000, 16, 3)
-    batch_size = load_config(DEFAULT_CONFIG).serving.max_batch_size
+    batch_size = load_config(DEFAULT_CONFIG).serving.generate_batch_size
     table = prompts(out / "generate-prompts.jsonl", count, new_tokens)
     trials: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     for _ in range(rounds):

@@ -46,7 +46,8 @@ def run(config: Config, model: str, data: str = "") -> dict:
     t0 = time.time()
     if "task" in held_out:  # (a fine-tuned model: the loss on the answers, and the task's accuracy)
         loss, tokens = answer_loss(export_dir, held_out["rows"])
-        accuracy, graded = task_accuracy(export_dir, held_out["task"])
+        accuracy, graded = task_accuracy(export_dir, held_out["task"],
+                                         batch_size=config.serving.generate_batch_size)
         print(f"task accuracy {accuracy:.4f} ({sum(g['correct'] for g in graded)} of {len(graded)} held-out "
               f"examples answered exactly, greedy, through the exported graph)", flush=True)
     else:
@@ -169,7 +170,8 @@ def _loss_sum(predictor, ids: np.ndarray, labels: np.ndarray, learned: np.ndarra
     return float((logz - picked)[learned].sum()), int(learned.sum())
 
 
-def task_accuracy(export_dir: Path, task: list[dict], new_tokens: int = 8) -> tuple[float, list[dict]]:
+def task_accuracy(export_dir: Path, task: list[dict], new_tokens: int = 8,
+                  batch_size: int = BATCH) -> tuple[float, list[dict]]:
     """Greedy answers of the exported model to the held-out prompts (as the chat route renders them), exact match
     with the expected answer."""
     from serving.engine.exported import ExportedModel
@@ -179,8 +181,8 @@ def task_accuracy(export_dir: Path, task: list[dict], new_tokens: int = 8) -> tu
     session = model.cached_session()
     settings = GenerationSettings(max_new_tokens=new_tokens)
     graded = []
-    for start in range(0, len(task), BATCH):
-        batch = task[start:start + BATCH]
+    for start in range(0, len(task), batch_size):
+        batch = task[start:start + batch_size]
         new = model.generate_batch(session, [model.encode(t["prompt"]) for t in batch], [settings] * len(batch))
         for item, ids in zip(batch, new):
             answer = model.decode(ids).strip()

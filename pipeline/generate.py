@@ -5,7 +5,7 @@ MODEL is what `make serve` takes (an export directory, models:/<name>/<version>,
 settings and limits are the serving protocol's, with `serving.max_new_tokens_limit` and
 `serving.default_max_new_tokens` from the config; prompts are limited only by the model's context. Workers: as many
 as the server's (`serving.workers`: 0 = one per core; `--workers` overrides), each batching up to
-`serving.max_batch_size` rows. On Spark, the same model is `mlflow.pyfunc.spark_udf(spark,
+`serving.generate_batch_size` rows (256: offline batches are sized for throughput, not the server's latency). On Spark, the same model is `mlflow.pyfunc.spark_udf(spark,
 "models:/<name>/<version>")` over the registered version (docs/serving.md).
 """
 from __future__ import annotations

@@ -156,7 +156,10 @@ def run_local(model_dir: Path, rows: list[dict], serving_config, limits: Limits,
     again (up to `attempts` times)."""
     from serving.engine.dispatch import Dispatcher, per_worker_capacity
 
-    s = replace(serving_config, request_timeout_s=24 * 3600.0, max_queue=serving_config.max_batch_size)
+    # (offline: batches of serving.generate_batch_size, sized for throughput; the server's max_batch_size is a latency
+    # setting; max_batch_tokens 0 = that many sequences at the model's full length)
+    s = replace(serving_config, request_timeout_s=24 * 3600.0, max_batch_size=serving_config.generate_batch_size,
+                max_batch_tokens=0, max_queue=serving_config.generate_batch_size)
     dispatcher = Dispatcher(s, model_dir, threads, workers, log=lambda text: print(text, file=sys.stderr, flush=True))
     dispatcher.start()
     try:
@@ -230,7 +233,7 @@ class RayGenerator:
 
 def run_ray(model_dir: Path, rows: list[dict], serving_config, limits: Limits, workers: int, address: str,
             write) -> None:
-    """Rows over Ray Data: `workers` actors of one CPU each, batches of serving.max_batch_size rows."""
+    """Rows over Ray Data: `workers` actors of one CPU each, batches of serving.generate_batch_size rows."""
     from core.cluster import init_ray
 
     if not rows:
@@ -238,9 +241,9 @@ def run_ray(model_dir: Path, rows: list[dict], serving_config, limits: Limits, w
     ray = init_ray(address, workers)
     dataset = ray.data.from_items([{"row": json.dumps(r, ensure_ascii=False)} for r in rows])
     generated = dataset.map_batches(
-        RayGenerator, fn_constructor_args=(str(model_dir), serving_config.generation, serving_config.max_batch_size,
-                                           limits),
-        batch_size=serving_config.max_batch_size, concurrency=workers, num_cpus=1)
+        RayGenerator, fn_constructor_args=(str(model_dir), serving_config.generation,
+                                           serving_config.generate_batch_size, limits),
+        batch_size=serving_config.generate_batch_size, concurrency=workers, num_cpus=1)
     for batch in generated.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=workers):
         for line in batch["row"]:
             write(json.loads(line))
