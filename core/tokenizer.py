@@ -34,6 +34,12 @@ def decode(tokenizer, ids: list[int]) -> str:
     return "".join(t[2:] if t.startswith("##") else t for t in tokens if t not in SPECIAL_TOKENS)
 
 
+def pieces(tokenizer) -> list[str]:
+    """Each id's text as `decode` writes it ("" for special tokens), so that decoding is a join over a table: decode
+    is token by token, so decode(ids) == "".join(pieces[i] for i in ids) for every id below len(tokenizer)."""
+    return [decode(tokenizer, [i]) for i in range(len(tokenizer))]
+
+
 # What ErnieTokenizer.save_pretrained writes beside vocab.txt (PaddleNLP 2.8.1), written here without importing it.
 _SPECIAL_MAP = {"unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
                 "mask_token": "[MASK]"}

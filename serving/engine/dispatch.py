@@ -130,10 +130,11 @@ class WorkerHandle:
             elif message[0] == "state":
                 self.queue_state = message[1:]
                 d.update_gauges()
-            elif message[0] == "delta":
-                pending = self.pending.get(message[1])
-                if pending is not None and pending.on_event:
-                    pending.on_event(("delta", message[2]))
+            elif message[0] == "deltas":  # (one step's new text of every streaming job)
+                for job_id, delta in message[1]:
+                    pending = self.pending.get(job_id)
+                    if pending is not None and pending.on_event:
+                        pending.on_event(("delta", delta))
             else:
                 self.resolve(message)
 

@@ -125,6 +125,13 @@ def test_written_tokenizer_is_what_ernie_loads_and_the_fast_one_agrees(tmp_path)
         assert fast.encode(text, add_special_tokens=False).ids == ids, text
     ids = ernie(texts[0], add_special_tokens=False)["input_ids"]
     assert tokenizer_format.decode(ernie, ids) == texts[0] and ernie.unk_token_id not in ids
+    # serving decodes through a table of each id's text (serving/engine/exported.py): the same text for any ids,
+    # special tokens and ids past the vocabulary (the embedding's padding rows) included
+    table = tokenizer_format.pieces(ernie)
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        ids = [int(i) for i in rng.integers(0, len(ernie) + 5, size=int(rng.integers(0, 30)))]
+        assert "".join(table[i] for i in ids if i < len(table)) == tokenizer_format.decode(ernie, ids)
 
 
 def test_prepared_shards_are_paddlenlp_mmap_files_with_ernie_ids(tmp_path):
