@@ -215,8 +215,10 @@ class ServingConfig:
     workers: int = 0
     # sequences decoded together by one worker, and requests waiting beyond its running batch (one more is refused
     # at once: busy, err_no 8003); max_queue -1 = enough for the server to admit 128 requests in flight (each waits
-    # at most its deadline), 0 = no queue. Paddle Serving runs one Op thread per request in flight.
-    max_batch_size: int = 8
+    # at most its deadline), 0 = no queue. Paddle Serving runs one Op thread per request in flight. 32: at 32 streaming
+    # clients on 2 workers, 8 left half the requests waiting for a slot (TTFT p50 501 ms, 1,911 tokens/s); 32 admits
+    # them all (52 ms, 2,292 tokens/s; docs/benchmarks.md); a request alone decodes at batch 1 either way
+    max_batch_size: int = 32
     max_batch_tokens: int = 0  # cache positions of the running batch (sequences x width); 0 = max_batch_size x model length
     max_queue: int = -1
     # sequences one worker decodes together in offline generation (`make generate`, evaluate's answers): sized by

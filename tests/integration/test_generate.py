@@ -88,7 +88,7 @@ def test_every_row_once_with_its_settings_and_lineage(table):
 def test_a_killed_run_resumes_without_duplicates_and_equals_an_uninterrupted_run(table):
     target = table["root"] / "resumed.jsonl"
     cmd = [sys.executable, "-m", "pipeline", "generate", *table["base"], "--output", str(target),
-           "--workers", "1", "serving.max_batch_size=2"]  # (slow enough to be killed halfway)
+           "--workers", "1", "serving.generate_batch_size=2"]  # (slow enough to be killed halfway)
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env_for(table["uri"]), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     wait_until(lambda: proc.poll() is not None or (target.exists() and target.read_bytes().count(b"\n") >= ROWS // 3),
