@@ -53,15 +53,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny settings: checks the harness, not the machine")
     p.add_argument("--out", default="", help="output directory (default reports/bench)")
     p.add_argument("--sections", default="", help="comma-separated subset of: runtime, scaling, serving, generate, data")
-    p.add_argument("--export", default="", help="serve and generate with this export directory instead of training "
-                                                "and exporting one (the serving and generate sections)")
+    p.add_argument("--export", default="", help="serve and generate with this export directory (or models:/<name>/"
+                                                "<version|@alias>) instead of training and exporting one (the serving "
+                                                "and generate sections, and the peers)")
     p.add_argument("--peers", default="", help="comma-separated peers measured side by side on the same weights "
                                                "(opt-in, each in its own environment): vllm")
     args = p.parse_args(argv)
     from core.processes import die_with_parent
     from bench import suite
 
-    sections = tuple(s for s in args.sections.split(",") if s) or suite.SECTIONS
+    # (peers alone, unless sections are named: `make bench PEERS=vllm` is the comparison, not the whole suite)
+    sections = tuple(s for s in args.sections.split(",") if s) or (() if args.peers else suite.SECTIONS)
     unknown = set(sections) - set(suite.SECTIONS)
     if unknown:
         p.error(f"unknown section(s) {', '.join(sorted(unknown))}; choose from {', '.join(suite.SECTIONS)}")

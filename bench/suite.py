@@ -166,7 +166,14 @@ def run(quick: bool = False, out: Path | None = None, sections: tuple[str, ...] 
         for name, v in results["runtime"]["settings"].items():
             print(f"[bench] {name}: {v['tokens_per_s']['median']:.0f} tok/s ({v['speedup_vs_before']:.2f}x before), "
                   f"MFU {v['mfu']['median']:.1%}, peak {v['matmul_peak_gflops']['median']:.0f} GFLOP/s", flush=True)
+    if peers and not export and not {"scaling", "serving", "generate"} & set(sections):
+        export = "models:/"  # (only the peers: against the default model's latest registered version)
     if export:  # (an export given: serve and generate with it, nothing trained)
+        if not Path(export).is_dir():  # (models:/<name>/<version> or @<alias>, as make serve takes)
+            from core import registry
+            from core.config import load_config
+
+            export = str(registry.resolve(load_config(DEFAULT_CONFIG), "" if export == "models:/" else export))
         _serve_and_generate(results, Path(export), out, quick, sections, peers)
     elif {"scaling", "serving", "generate"} & set(sections) or peers:
         _scaling_and_export(results, out, uri, quick, sections, peers)
