@@ -10,7 +10,9 @@ ratios count).
    vLLM's greedy answers against the project's on the same rows (how many are identical is reported).
 3. Batch generation: `make generate` (a subprocess, tokens/s after the model has loaded) against `LLM.generate`
    (after its engine has loaded and warmed up) on the same 256 rows of 64 greedy tokens; trials alternate.
-4. Serving: this project's server, then `vllm serve` (its OpenAI server), each started in turn on the same cores,
+4. Training: the project's step (bench/training_speed.py, the default runtime settings) against PyTorch eager on the
+   same architecture and batch (LlamaForCausalLM from the HF config.json, AdamW), each in a fresh process.
+5. Serving: this project's server, then `vllm serve` (its OpenAI server), each started in turn on the same cores,
    under 1, 8 and 32 closed-loop streaming clients on `/v1/completions` (bench/serving_load.py stream_ttft: 64 greedy
    tokens, time to first token as the client sees it); rounds alternate.
 vLLM's settings: float32, `--max-model-len 256`, `VLLM_CPU_KVCACHE_SPACE=1` (GiB), `VLLM_CPU_OMP_THREADS_BIND=auto`
@@ -133,6 +135,19 @@ def theirs_generate(python: Path, hf_dir: Path, table: Path, out: Path) -> dict:
     return json.loads((out / "peer-generated.json").read_text(encoding="utf-8"))
 
 
+# -- training -------------------------------------------------------------------------------------------------------
+def ours_train(run_dir: Path, steps: int, out: Path) -> dict:
+    from bench.training_speed import SETTINGS, trial
+
+    return trial(run_dir, list(SETTINGS)[-1], steps, out / "scratch")  # (the last setting: the project's default)
+
+
+def theirs_train(python: Path, hf_dir: Path, steps: int, batch: int, seq: int, out: Path) -> dict:
+    side(python, "train", "--hf", str(hf_dir), "--steps", str(steps), "--batch", str(batch), "--seq", str(seq),
+         "--out", str(out / "peer-train.json"), log_path=out / "peer.log")
+    return json.loads((out / "peer-train.json").read_text())
+
+
 # -- serving --------------------------------------------------------------------------------------------------------
 def ours_server(export_dir: Path, out: Path):
     from core.config import DEFAULT_CONFIG, load_config
@@ -207,16 +222,23 @@ def run(export_dir: Path, out: Path, quick: bool, log=print) -> dict:
     if error > LOGITS_TOLERANCE:
         raise RuntimeError(f"the HF conversion's logits differ from the export's by {error:.2e} "
                            f"(> {LOGITS_TOLERANCE}): not timing a different model")
-    rounds, duration = (1, 3.0) if quick else (3, 20.0)
+    rounds, duration, steps = (1, 3.0, 4) if quick else (3, 20.0, 16)
     table = rows_table(out, 32 if quick else ROWS, 8 if quick else NEW_TOKENS)
-    gen = {"ours": [], "vllm": []}
-    serve = {"ours": [], "vllm": []}
+    from bench.training_speed import prepared_run
+
+    config, run_dir = prepared_run(out, [])
+    batch, seq = config.parallel.micro_batch_size, config.training.seq_length
+    gen, serve, train = {"ours": [], "vllm": []}, {"ours": [], "vllm": []}, {"ours": [], "torch": []}
     for round_ in range(rounds):
         order = ("ours", "vllm") if round_ % 2 == 0 else ("vllm", "ours")
         for who in order:
             gen[who].append(ours_generate(export_dir, table, out) if who == "ours"
                             else theirs_generate(python, hf_dir, table, out))
             log(f"[bench] peer round {round_ + 1} generate {who}: {gen[who][-1]['tokens_per_s']:.0f} tokens/s")
+        for who in ("ours", "torch") if round_ % 2 == 0 else ("torch", "ours"):
+            train[who].append(ours_train(run_dir, steps, out) if who == "ours"
+                              else theirs_train(python, hf_dir, steps, batch, seq, out))
+            log(f"[bench] peer round {round_ + 1} train {who}: {train[who][-1]['tokens_per_s']:.0f} tokens/s")
         for who in order:
             state, stop = ours_server(export_dir, out) if who == "ours" else theirs_server(python, hf_dir, name, out)
             try:
@@ -226,10 +248,11 @@ def run(export_dir: Path, out: Path, quick: bool, log=print) -> dict:
             log(f"[bench] peer round {round_ + 1} serve {who}: " + ", ".join(
                 f"{p['clients']}c {p['tokens_per_s']:.0f} tok/s ttft {p['ttft_p50_ms']:.0f} ms" for p in serve[who][-1]))
     return summarise(gen, serve, error, rounds, len(table.read_text(encoding="utf-8").splitlines()),
-                     8 if quick else NEW_TOKENS)
+                     8 if quick else NEW_TOKENS, train)
 
 
-def summarise(gen: dict, serve: dict, logits_error: float, rounds: int, rows: int, new_tokens: int) -> dict:
+def summarise(gen: dict, serve: dict, logits_error: float, rounds: int, rows: int, new_tokens: int,
+              train: dict | None = None) -> dict:
     """Medians and ranges over rounds, and the same-run ratios (ours / vLLM's)."""
     spread = lambda v: {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)}  # noqa: E731
     ours_ids, theirs_ids = gen["ours"][0]["token_ids"], gen["vllm"][0]["token_ids"]
@@ -246,7 +269,18 @@ def summarise(gen: dict, serve: dict, logits_error: float, rounds: int, rows: in
                         "errors": sum(t["errors"] for t in trials), "requests": sum(t["requests"] for t in trials)}
         row["ratio"] = row["ours"]["tokens_per_s"]["median"] / max(row["vllm"]["tokens_per_s"]["median"], 1e-9)
         points.append(row)
+    training = {}
+    if train:
+        training = {who: spread([t["tokens_per_s"] for t in trials]) for who, trials in train.items()}
+        training["ratio"] = training["ours"]["median"] / training["torch"]["median"]
+        ours = train["ours"]
+        # the ceiling: every core at the fp32 matmul peak measured in the trials, at the model's FLOPs per token
+        training["flops_per_token"] = ours[0]["flops_per_token"]
+        training["matmul_peak_gflops"] = statistics.median(t["matmul_peak_gflops"] for t in ours)
+        training["mfu"] = statistics.median(t["mfu"] for t in ours)
+        training["ceiling_tokens_per_s"] = training["matmul_peak_gflops"] * 1e9 / training["flops_per_token"]
     return {"rows": rows, "new_tokens": new_tokens, "rounds": rounds, "logits_max_abs_diff": logits_error,
+            **({"training": training} if training else {}),
             "greedy_identical": sum(a == b for a, b in zip(ours_ids, theirs_ids)), "greedy_compared": len(ours_ids),
             "greedy_identical_first_20": sum(a == b for a, b in zip(ours_ids[:20], theirs_ids[:20])),
             "vllm_load_s": statistics.median(t["load_s"] for t in gen["vllm"]), "generate": generate,
@@ -263,6 +297,7 @@ def markdown(r: dict) -> list[str]:
              f"| batch generation, {r['rows']} rows x {r['new_tokens']} greedy tokens | tokens/s |", "|---|---|",
              f"| `make generate` | {fmt(g['ours'])} |", f"| vLLM `LLM.generate` | {fmt(g['vllm'])} |",
              f"| ratio | **{g['ratio']:.2f}x** |", "",
+             *_training_lines(r.get("training")),
              "| clients | ours tokens/s | vLLM tokens/s | ratio | TTFT p50 ms ours / vLLM | TTFT p99 ms ours / vLLM | "
              "errors ours / vLLM |", "|---|---|---|---|---|---|---|"]
     for p in r["serving"]:
@@ -271,3 +306,15 @@ def markdown(r: dict) -> list[str]:
                      f"{o['ttft_p50_ms']:.0f} / {v['ttft_p50_ms']:.0f} | {o['ttft_p99_ms']:.0f} / "
                      f"{v['ttft_p99_ms']:.0f} | {o['errors']} / {v['errors']} |")
     return lines
+
+
+def _training_lines(t: dict | None) -> list[str]:
+    if not t:
+        return []
+    fmt = lambda s: f"{s['median']:.0f} [{s['min']:.0f}-{s['max']:.0f}]"  # noqa: E731
+    return ["| training, the default model and batch | tokens/s |", "|---|---|",
+            f"| this project's step | {fmt(t['ours'])} |", f"| PyTorch eager (same architecture, AdamW) | "
+            f"{fmt(t['torch'])} |", f"| ratio | **{t['ratio']:.2f}x** |", "",
+            f"Ceiling: {t['flops_per_token'] / 1e6:.1f} MFLOP a trained token (6N + 12Lhs) against the fp32 matmul "
+            f"peak measured in the trials ({t['matmul_peak_gflops']:.0f} GFLOP/s with the trial's threads) = "
+            f"{t['ceiling_tokens_per_s']:.0f} tokens/s; this project's step is at {t['mfu']:.0%} of it.", ""]

@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -68,31 +67,15 @@ QUICK = ["training.seq_length=32", "data.max_documents=2000"]
 def runtime_trials(out: Path, repeats: int, steps: int, quick: bool) -> dict:
     """CPU runtime settings on the default config: each setting of bench/training_speed.py SETTINGS in a fresh process,
     the settings interleaved (rotated each round) `repeats` times; median and min-max of every figure."""
-    from bench.training_speed import SETTINGS
-    from core.config import load_config
-    from training.data import for_run
+    from bench.training_speed import SETTINGS, prepared_run, trial
 
-    run_dir = out / "runtime-run"
-    shutil.rmtree(run_dir, ignore_errors=True)
-    config = load_config(DEFAULT_CONFIG, QUICK if quick else [])
-    run_dir.mkdir(parents=True)
-    (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
-    for_run(config, run_dir, log=lambda line: None)
+    config, run_dir = prepared_run(out, QUICK if quick else [])
     # (quick: the two ends only -- the harness check, not the measurement)
     names = [list(SETTINGS)[0], list(SETTINGS)[-1]] if quick else list(SETTINGS)
     trials: dict[str, list[dict]] = {name: [] for name in names}
     for round_ in range(repeats):
         for name in names[round_ % len(names):] + names[:round_ % len(names)]:
-            env = {k: v for k, v in os.environ.items()
-                   if k not in ("MKL_DEBUG_CPU_TYPE", "PIPELINE_MKL_VERSION", "KMP_BLOCKTIME")}
-            env.update(SETTINGS[name][0], PYTHONPATH=str(REPO_ROOT))
-            proc = subprocess.run([sys.executable, "-m", "bench.training_speed", "--run-dir", str(run_dir),
-                                   "--setting", name, "--steps", str(steps), "--scratch", str(out / "scratch")],
-                                  cwd=REPO_ROOT, env=env, capture_output=True, text=True)
-            line = next((l for l in proc.stdout.splitlines() if l.startswith("TRIAL ")), None)
-            if line is None:
-                raise RuntimeError(f"bench trial {name} failed:\n{proc.stderr[-3000:]}")
-            trials[name].append(json.loads(line[6:]))
+            trials[name].append(trial(run_dir, name, steps, out / "scratch"))
             print(f"[bench] round {round_ + 1} {name}: {trials[name][-1]['tokens_per_s']:.0f} tok/s", flush=True)
     figures = ("tokens_per_s", "bare_tokens_per_s", "matmul_peak_gflops", "mfu", "step_s", "bare_step_s")
     summary = {name: {"runtime": t[-1]["runtime"], **{f: spread([x[f] for x in t]) for f in figures},

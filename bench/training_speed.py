@@ -35,6 +35,40 @@ SETTINGS = {
 }
 
 
+def prepared_run(out: Path, overrides: list[str]):
+    """(config, run directory) of the default config with `overrides`, its data prepared, for trials to read."""
+    import shutil
+
+    from core.config import DEFAULT_CONFIG, load_config
+    from training.data import for_run
+
+    run_dir = out / "runtime-run"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    config = load_config(DEFAULT_CONFIG, overrides)
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
+    for_run(config, run_dir, log=lambda line: None)
+    return config, run_dir
+
+
+def trial(run_dir: Path, setting: str, steps: int, scratch: Path) -> dict:
+    """One trial of `setting` in a fresh process (its environment set before paddle loads)."""
+    import subprocess
+
+    from core import REPO_ROOT
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MKL_DEBUG_CPU_TYPE", "PIPELINE_MKL_VERSION",
+                                                            "KMP_BLOCKTIME")}
+    env.update(SETTINGS[setting][0], PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.run([sys.executable, "-m", "bench.training_speed", "--run-dir", str(run_dir), "--setting",
+                           setting, "--steps", str(steps), "--scratch", str(scratch)],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("TRIAL ")), None)
+    if line is None:
+        raise RuntimeError(f"bench trial {setting} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(line[6:])
+
+
 def matmul_peak(sizes=(512, 1024, 2048), repeats: int = 5) -> float:
     """Best fp32 matmul FLOP/s over a few square sizes (the machine is shared: the best run is the ceiling)."""
     import paddle

@@ -90,18 +90,26 @@ def write(model, tokenizer_dir: Path, target: Path) -> Path:
 
 
 def of_export(export_dir: Path, target: Path) -> Path:
-    """The HF directory of an export: its own `hf/` (export.hf=true), else converted from the checkpoint it was
-    exported from into `target`/hf/ (when that checkpoint is on this disk)."""
-    from core import exportdir
+    """The HF directory of an export: its own `hf/` (export.hf=true), else converted into `target`/hf/ from the
+    checkpoint it was exported from: on this disk, or downloaded from its run (export.json's checkpoint_uri)."""
+    from core import exportdir, tracking
+    from core.errors import ConfigError
     from export.convert import load_checkpoint
 
     export_dir = Path(export_dir)
     if (export_dir / HF_DIR / "model.safetensors").is_file():
         return export_dir / HF_DIR
-    checkpoint = Path(exportdir.read_meta(export_dir)["checkpoint"])
+    meta = exportdir.read_meta(export_dir)
+    checkpoint = Path(meta["checkpoint"])
     if not checkpoint.is_dir():
-        from core.errors import ConfigError
+        import mlflow
 
-        raise ConfigError(f"{export_dir} has no {HF_DIR}/ and its checkpoint {checkpoint} is not on this disk: "
-                          "export it again with export.hf=true")
+        try:
+            checkpoint = Path(mlflow.artifacts.download_artifacts(
+                artifact_uri=meta["checkpoint_uri"], dst_path=str(Path(target) / "checkpoint"),
+                tracking_uri=tracking.tracking_uri()))
+        except Exception as exc:  # noqa: BLE001  (no such run / artifact, store errors)
+            raise ConfigError(f"{export_dir} has no {HF_DIR}/, and its checkpoint is neither on this disk ("
+                              f"{checkpoint}) nor downloadable ({meta.get('checkpoint_uri')}: "
+                              f"{exc.__class__.__name__}): export it again with export.hf=true") from None
     return write(load_checkpoint(checkpoint), exportdir.tokenizer_dir(export_dir), target)
