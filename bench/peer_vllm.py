@@ -258,6 +258,8 @@ def summarise(gen: dict, serve: dict, logits_error: float, rounds: int, rows: in
     ours_ids, theirs_ids = gen["ours"][0]["token_ids"], gen["vllm"][0]["token_ids"]
     generate = {who: spread([t["tokens_per_s"] for t in trials]) for who, trials in gen.items()}
     generate["ratio"] = generate["ours"]["median"] / generate["vllm"]["median"]
+    # (paired: each round's two trials ran back to back, so their ratio is the least touched by the machine's drift)
+    generate["ratio_by_round"] = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(gen["ours"], gen["vllm"])]
     points = []
     for i, first in enumerate(serve["ours"][0]):
         row = {"clients": first["clients"]}
@@ -268,11 +270,15 @@ def summarise(gen: dict, serve: dict, logits_error: float, rounds: int, rows: in
                         "ttft_p99_ms": statistics.median(t["ttft_p99_ms"] for t in trials),
                         "errors": sum(t["errors"] for t in trials), "requests": sum(t["requests"] for t in trials)}
         row["ratio"] = row["ours"]["tokens_per_s"]["median"] / max(row["vllm"]["tokens_per_s"]["median"], 1e-9)
+        row["ratio_by_round"] = [a[i]["tokens_per_s"] / max(b[i]["tokens_per_s"], 1e-9)
+                                 for a, b in zip(serve["ours"], serve["vllm"])]
         points.append(row)
     training = {}
     if train:
         training = {who: spread([t["tokens_per_s"] for t in trials]) for who, trials in train.items()}
         training["ratio"] = training["ours"]["median"] / training["torch"]["median"]
+        training["ratio_by_round"] = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(train["ours"],
+                                                                                             train["torch"])]
         ours = train["ours"]
         # the ceiling: every core at the fp32 matmul peak measured in the trials, at the model's FLOPs per token
         training["flops_per_token"] = ours[0]["flops_per_token"]
@@ -296,13 +302,14 @@ def markdown(r: dict) -> list[str]:
              f"{r['greedy_identical']}/{r['greedy_compared']} in all.", "",
              f"| batch generation, {r['rows']} rows x {r['new_tokens']} greedy tokens | tokens/s |", "|---|---|",
              f"| `make generate` | {fmt(g['ours'])} |", f"| vLLM `LLM.generate` | {fmt(g['vllm'])} |",
-             f"| ratio | **{g['ratio']:.2f}x** |", "",
+             f"| ratio | **{g['ratio']:.2f}x** (rounds: {_ratios(g)}) |", "",
              *_training_lines(r.get("training")),
-             "| clients | ours tokens/s | vLLM tokens/s | ratio | TTFT p50 ms ours / vLLM | TTFT p99 ms ours / vLLM | "
-             "errors ours / vLLM |", "|---|---|---|---|---|---|---|"]
+             "| clients | ours tokens/s | vLLM tokens/s | ratio (rounds) | TTFT p50 ms ours / vLLM | TTFT p99 ms ours / "
+             "vLLM | errors ours / vLLM |", "|---|---|---|---|---|---|---|"]
     for p in r["serving"]:
         o, v = p["ours"], p["vllm"]
-        lines.append(f"| {p['clients']} | {fmt(o['tokens_per_s'])} | {fmt(v['tokens_per_s'])} | **{p['ratio']:.2f}x** | "
+        lines.append(f"| {p['clients']} | {fmt(o['tokens_per_s'])} | {fmt(v['tokens_per_s'])} | **{p['ratio']:.2f}x** "
+                     f"({_ratios(p)}) | "
                      f"{o['ttft_p50_ms']:.0f} / {v['ttft_p50_ms']:.0f} | {o['ttft_p99_ms']:.0f} / "
                      f"{v['ttft_p99_ms']:.0f} | {o['errors']} / {v['errors']} |")
     return lines
@@ -314,7 +321,11 @@ def _training_lines(t: dict | None) -> list[str]:
     fmt = lambda s: f"{s['median']:.0f} [{s['min']:.0f}-{s['max']:.0f}]"  # noqa: E731
     return ["| training, the default model and batch | tokens/s |", "|---|---|",
             f"| this project's step | {fmt(t['ours'])} |", f"| PyTorch eager (same architecture, AdamW) | "
-            f"{fmt(t['torch'])} |", f"| ratio | **{t['ratio']:.2f}x** |", "",
+            f"{fmt(t['torch'])} |", f"| ratio | **{t['ratio']:.2f}x** (rounds: {_ratios(t)}) |", "",
             f"Ceiling: {t['flops_per_token'] / 1e6:.1f} MFLOP a trained token (6N + 12Lhs) against the fp32 matmul "
             f"peak measured in the trials ({t['matmul_peak_gflops']:.0f} GFLOP/s with the trial's threads) = "
             f"{t['ceiling_tokens_per_s']:.0f} tokens/s; this project's step is at {t['mfu']:.0%} of it.", ""]
+
+
+def _ratios(figure: dict) -> str:
+    return " / ".join(f"{x:.2f}" for x in figure.get("ratio_by_round", []))

@@ -74,4 +74,7 @@ def test_the_summary_takes_medians_over_rounds_and_same_run_ratios():
     assert one["ours"]["tokens_per_s"]["median"] == 400 and one["ratio"] == 2.0 and one["vllm"]["ttft_p50_ms"] == 110
     assert eight["ratio"] == 1.1 and eight["ours"]["ttft_p50_ms"] == 25 and eight["ours"]["requests"] == 20
     text = "\n".join(peer_vllm.markdown(r))
-    assert "**2.00x**" in text and "| 8 | 1100 [1000-1200] | 1000 [1000-1000] | **1.10x** |" in text
+    assert r["generate"]["ratio_by_round"] == [900 / 500, 1100 / 400, 1000 / 600]
+    assert eight["ratio_by_round"] == [1.2, 1.0]
+    assert "**2.00x** (rounds: 1.80 / 2.75 / 1.67)" in text
+    assert "| 8 | 1100 [1000-1200] | 1000 [1000-1000] | **1.10x** (1.20 / 1.00) |" in text
