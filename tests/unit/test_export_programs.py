@@ -12,13 +12,19 @@ from export import gates, programs  # noqa: E402
 from serving.engine import runtime  # noqa: E402
 
 
-def test_cache_programs_with_grouped_query_attention_match_the_dynamic_model(tmp_path):
-    paddle.seed(3)
+def exported_gqa_model(export_dir, seed: int):
+    """A small random Llama with grouped-query attention, its cache programs saved in `export_dir`."""
+    paddle.seed(seed)
     config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     model = LlamaForCausalLM(config)
     model.eval()
-    programs.save_programs(model, tmp_path)
+    programs.save_programs(model, export_dir)
+    return model, config
+
+
+def test_cache_programs_with_grouped_query_attention_match_the_dynamic_model(tmp_path):
+    model, config = exported_gqa_model(tmp_path, 3)
 
     decode = runtime.create_predictor(tmp_path, prefix=exportdir.DECODE_PREFIX)
     assert decode.get_input_names() == ["input_ids", "position_ids", "key_mask", "past_keys_0", "past_keys_1",
@@ -39,12 +45,7 @@ def test_decode_steps_across_cache_growth_equal_the_dynamic_model(tmp_path, monk
     """The decode session's caches grow in buffers (runtime._GrowingCache); with room for 3 columns at a time, 12
     steps cross four growths and still equal the dynamic model."""
     monkeypatch.setattr(runtime._GrowingCache, "GROW", 3)
-    paddle.seed(4)
-    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    model = LlamaForCausalLM(config)
-    model.eval()
-    programs.save_programs(model, tmp_path)
+    model, config = exported_gqa_model(tmp_path, 4)
     prefill, step = runtime.cache_session(tmp_path)
     assert gates.cache_parity_error(model, prefill, step, config.vocab_size, seq_length=24) < 1e-4
 
