@@ -187,7 +187,8 @@ def test_serving_workers_threads_and_paddle_serving_threads(monkeypatch):
                                           "serving.max_batch_size=8"])
     assert (workers(config.serving), predictor_threads(config.serving), capacity(config.serving)) == (2, 4, 24)
     default = load_config(DEFAULT_CONFIG, ["serving.workers=3"])  # (max_queue -1: at least 128 in flight)
-    assert capacity(default.serving) == 3 * 43 and capacity(load_config(DEFAULT_CONFIG).serving) == 8 * 16
+    # (8 workers: the batch of 32 alone passes 128, no queue)
+    assert capacity(default.serving) == 3 * 43 and capacity(load_config(DEFAULT_CONFIG).serving) == 8 * 32
     rendered = render_config(config)
     op = rendered["op"]["generate"]
     assert rendered["dag"]["is_thread_op"] is True and op["concurrency"] == rendered["worker_num"] == 28
