@@ -3,6 +3,7 @@ pair): routing, capacity, deadlines, a dead worker's requests and restart window
 import os
 import socket
 import threading
+import time
 from multiprocessing.connection import Connection
 from types import SimpleNamespace
 
@@ -201,5 +202,10 @@ def test_a_model_that_cannot_load_leaves_the_current_one_serving(monkeypatch, tm
     assert d.switch(tmp_path / "broken", load_timeout_s=10) is False
     assert d.meta["version"] == 1 and str(d.model_dir) == "/models/v1"
     assert d.generate_choices(Request("still", GenerationSettings()))[0]["text"] == "STILL"
-    assert len(fakes.spawned) == 4  # (the broken model's workers were not restarted)
+    # the broken model's workers are not restarted (the second may not have spawned at all: the switch is abandoned
+    # as soon as the first fails to load, and a retired worker does not start)
+    spawned = len(fakes.spawned)
+    assert spawned in (3, 4)
+    time.sleep(0.3)
+    assert len(fakes.spawned) == spawned
     d.stop()
