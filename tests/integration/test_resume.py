@@ -18,6 +18,7 @@ from helpers import (LAYOUTS, env_for, make_command, metric_history, processes_m
                      wait_until)
 from core import REPO_ROOT, tracking
 from core.processes import descendants, signal_pids
+from training import checkpoints
 
 pytestmark = pytest.mark.slow
 RTOL = 1e-4
@@ -367,8 +368,11 @@ def test_a_kill_during_an_async_save_resumes_from_the_last_complete_checkpoint(w
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-    assert (run_dir / "checkpoints" / latest / COMPLETE_MARKER).is_file()
+    # (the newest complete checkpoint is what a resume takes; `latest` is renamed into place just after its marker, so
+    # a kill between the two leaves it one checkpoint behind or absent, never pointing at an incomplete one)
+    latest = checkpoints.latest_complete(run_dir).name
+    pointer = run_dir / "checkpoints" / checkpoints.LATEST_FILE
+    assert not pointer.exists() or (run_dir / "checkpoints" / pointer.read_text().strip() / COMPLETE_MARKER).is_file()
     stop_step = int(latest.split("-")[1])
     partial = [p for p in (run_dir / "checkpoints").glob("checkpoint-*") if not (p / COMPLETE_MARKER).exists()]
     assert partial and all(int(p.name.split("-")[1]) > stop_step for p in partial), output[-2000:]
@@ -401,7 +405,7 @@ def test_the_first_loss_logged_after_a_resume_averages_the_same_steps(world):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    latest = int((world["runs"] / "window-cut" / "checkpoints" / "latest").read_text().strip().split("-")[1])
+    latest = checkpoints.step_of(checkpoints.latest_complete(world["runs"] / "window-cut"))  # (see async-kill)
     assert latest % 5 != 0  # (6, 12 or 18: inside a window)
     resumed = _resume(world, "window-cut")
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
