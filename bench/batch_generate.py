@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import subprocess
 import sys
 import time
@@ -23,13 +22,16 @@ VARIANTS = ("in_process", "make_generate_1_worker", "make_generate")
 WORDS = ("人工智能", "这本书", "快递很快，", "今天天气", "我们的", "中国", "学习", "电影很好看", "服务员", "价格")
 
 
-def prompts(path: Path, count: int, new_tokens: int) -> Path:
+def prompts(path: Path, count: int, new_tokens: int, sampled: bool = True) -> Path:
+    """`count` rows of WORDS; every other one sampled (seeded), or all greedy."""
     rng = random.Random(0)
     with open(path, "w", encoding="utf-8") as f:
         for i in range(count):
             row = {"id": i, "prompt": "".join(rng.choice(WORDS) for _ in range(rng.randint(1, 4))),
                    "max_new_tokens": new_tokens}
-            if i % 2:
+            if not sampled:
+                row.update(temperature=0)
+            elif i % 2:
                 row.update(temperature=0.9, top_k=40, seed=i)
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     return path
@@ -68,6 +70,7 @@ def make_generate_trial(export_dir: Path, table: Path, out: Path, batch_size: in
 
 
 def run(export_dir: Path, out: Path, quick: bool) -> dict:
+    from bench import spread
     from core.config import DEFAULT_CONFIG, load_config
 
     out.mkdir(parents=True, exist_ok=True)
@@ -85,14 +88,10 @@ def run(export_dir: Path, out: Path, quick: bool) -> dict:
             trials[variant].append(json.loads(proc.stdout.strip().splitlines()[-1]))
             print(f"[bench] generate {variant}: {trials[variant][-1]['tokens_per_s']:.0f} tokens/s", flush=True)
     result = {"prompts": count, "new_tokens": new_tokens, "batch_size": batch_size, "rounds": rounds,
-              **{v: _spread([t["tokens_per_s"] for t in trials[v]]) for v in VARIANTS}}
+              **{v: spread([t["tokens_per_s"] for t in trials[v]]) for v in VARIANTS}}
     result["ratio"] = result["make_generate"]["median"] / result["in_process"]["median"]
     result["ratio_1_worker"] = result["make_generate_1_worker"]["median"] / result["in_process"]["median"]
     return result
-
-
-def _spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
 def markdown(r: dict) -> list[str]:

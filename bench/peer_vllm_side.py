@@ -2,7 +2,7 @@
 vLLM, torch and transformers, and nothing of this project (no Paddle there).
 
     logits   --hf DIR --ids IDS.json --out OUT.npz      transformers' LlamaForCausalLM logits of each id sequence
-    generate --hf DIR --prompts P.json --out OUT.json    vLLM's `LLM.generate` over the prompts (greedy, ignoring
+    generate --hf DIR --prompts P.jsonl --out OUT.json   vLLM's `LLM.generate` over the prompts (greedy, ignoring
                                                          nothing: it stops at the end token as the project does),
                                                          timed after the engine has loaded and warmed up
     train    --hf DIR --steps N --batch B --seq T         PyTorch eager training of the same architecture
@@ -32,7 +32,7 @@ def logits(hf_dir: str, ids_path: str, out: str) -> None:
 def generate(hf_dir: str, prompts_path: str, out: str, max_model_len: int) -> None:
     from vllm import LLM, SamplingParams
 
-    rows = json.loads(open(prompts_path, encoding="utf-8").read())
+    rows = [json.loads(line) for line in open(prompts_path, encoding="utf-8") if line.strip()]
     t0 = time.perf_counter()
     llm = LLM(model=hf_dir, dtype="float32", max_model_len=max_model_len, seed=0)
     load_s = time.perf_counter() - t0

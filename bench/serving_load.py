@@ -85,15 +85,21 @@ def in_process(export_dir: Path, quick: bool):
             "batch8_tokens_per_s": ceiling}, alone
 
 
+def server_config(*overrides: str):
+    """The default config with the server on four free ports (distinct: the OS may repeat one) and `overrides`."""
+    from core.processes import free_ports
+
+    ports = [f"serving.{key}={port}" for key, port in zip(("http_port", "rpc_port", "api_port", "metrics_port"),
+                                                          free_ports(4))]
+    return load_config(DEFAULT_CONFIG, [*ports, *overrides])
+
+
 def served(export_dir: Path, out: Path, scheduler: str, clients: tuple, duration: float, quick: bool,
            alone) -> dict:
-    from core.processes import free_ports
     from serving import controller
     from serving.client.client import GenerationClient
 
-    ports = [f"serving.{key}={port}" for key, port in zip(("http_port", "rpc_port", "api_port", "metrics_port"),
-                                                          free_ports(4))]  # (distinct: the OS may repeat one)
-    config = load_config(DEFAULT_CONFIG, [*ports, f"serving.scheduler={scheduler}"])
+    config = server_config(f"serving.scheduler={scheduler}")
     state_dir = out / f"serving-{scheduler}"
     try:  # (the start too: a signal while it waits for readiness still stops the server)
         state = controller.start(config, export_dir, state_dir, owner="bench")

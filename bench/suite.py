@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import spread
 from core import REPO_ROOT, exportdir, tracking
 from core.config import DEFAULT_CONFIG
 
@@ -88,11 +89,6 @@ def runtime_trials(out: Path, repeats: int, steps: int, quick: bool) -> dict:
             "repeats": repeats, "steps": steps, "settings": summary}
 
 
-def spread(values: list[float]) -> dict:
-    return {"median": float(np.median(values)), "min": float(min(values)), "max": float(max(values)),
-            "n": len(values)}
-
-
 def bare_trainer_step_time(run_dir: Path, steps: int) -> float:
     """The same model, data and batch with a plain PaddleNLP Trainer: no eval, no checkpoints, no tracking."""
     code = f"""
@@ -149,14 +145,13 @@ def run(quick: bool = False, out: Path | None = None, sections: tuple[str, ...] 
         for name, v in results["runtime"]["settings"].items():
             print(f"[bench] {name}: {v['tokens_per_s']['median']:.0f} tok/s ({v['speedup_vs_before']:.2f}x before), "
                   f"MFU {v['mfu']['median']:.1%}, peak {v['matmul_peak_gflops']['median']:.0f} GFLOP/s", flush=True)
-    if peers and not export and not {"scaling", "serving", "generate"} & set(sections):
-        export = "models:/"  # (only the peers: against the default model's latest registered version)
-    if export:  # (an export given: serve and generate with it, nothing trained)
-        if not Path(export).is_dir():  # (models:/<name>/<version> or @<alias>, as make serve takes)
-            from core import registry
-            from core.config import load_config
+    if export or (peers and not {"scaling", "serving", "generate"} & set(sections)):
+        # (an export given -- a directory or models:/..., as make serve takes -- or only the peers, against the
+        # default model's latest registered version: serve and generate with it, nothing trained)
+        from core import registry
+        from core.config import load_config
 
-            export = str(registry.resolve(load_config(DEFAULT_CONFIG), "" if export == "models:/" else export))
+        export = str(registry.resolve(load_config(DEFAULT_CONFIG), export))
         _serve_and_generate(results, Path(export), out, quick, sections, peers)
     elif {"scaling", "serving", "generate"} & set(sections) or peers:
         _scaling_and_export(results, out, uri, quick, sections, peers)
