@@ -90,6 +90,28 @@ def conversation(messages: list[dict], answered: bool = False) -> tuple[str, lis
     return system, turns
 
 
+def check_request(messages: list[dict]) -> None:
+    """A chat request as a chat UI sends it, or ConfigError naming the first fault: system messages (if any) first,
+    then user and assistant turns alternating from a user turn to a final user turn, every content non-empty.
+    (Training data may repeat roles or start with the assistant: `conversation` joins those; a request that does
+    is more likely a client's bug than a conversation, so the server refuses it.)"""
+    previous = "system"
+    for index, m in enumerate(messages):
+        role, content = m["role"], m["content"]
+        where = f"messages[{index}]"
+        if role not in ("system", "user", "assistant"):
+            raise ConfigError(f"{where}: unknown role {role!r}; one of system, user, assistant")
+        if not content.strip():
+            raise ConfigError(f"{where}: empty {role} content")
+        expected = {"system": ("system", "user"), "user": ("assistant",), "assistant": ("user",)}[previous]
+        if role not in expected:
+            raise ConfigError(f"{where}: role {role!r} after {previous!r}; a conversation is system "
+                              f"messages first, then user and assistant turns alternating, from a user turn")
+        previous = role
+    if previous != "user":
+        raise ConfigError("the conversation must end with a user message (the question to answer)")
+
+
 def render(template: dict, system: str, turns: list[list[str]]) -> str:
     """PaddleNLP's ChatTemplate.__call__ (2.8.1), same jinja settings: the prompt for the last turn's answer."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment

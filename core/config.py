@@ -188,6 +188,7 @@ class TrackingConfig:
 class ExportConfig:
     registered_model_name: str = "tiny-zh-llama"
     metric: str = "eval_loss"  # lower is better
+    # The parity gates' bound on the worst logit difference, relative to the logits' scale (max |logit|, at least 1)
     parity_tolerance: float = 1e-4
     exports_dir: str = "exports"
     # Also write the model in Hugging Face Llama format (hf/: config.json, model.safetensors, tokenizer.json) for
@@ -296,6 +297,10 @@ class FinetuneConfig:
     lora_alpha: int = 16
     # Linear layers that get adapters (PaddleNLP LoRAConfig.target_modules, regular expressions over weight names)
     lora_targets: list = field(default_factory=lambda: [".*q_proj.*", ".*v_proj.*"])
+    # Weights that train whole beside the adapters (PaddleNLP LoRAConfig.trainable_modules, full matches of weight
+    # names; HF PEFT's modules_to_save). The LM head by default: with it frozen the answer tokens' logits cannot
+    # separate (LoRA collapsed onto one answer, docs/finetune.md "Why LoRA trains the head")
+    lora_trainable: list = field(default_factory=lambda: ["lm_head.weight"])
     review_chars: int = 96  # the built-in task: a review longer than this is cut to its first review_chars characters
     base_experiment: str = "tiny-zh-llama"  # where `make finetune` with no MODEL takes the best run
 
@@ -514,6 +519,8 @@ def _validate_finetune(config: Config) -> None:
     _require(f.lora_rank >= 1 and f.lora_alpha >= 1, "finetune.lora_rank and finetune.lora_alpha: must be >= 1")
     _require(isinstance(f.lora_targets, list) and len(f.lora_targets) > 0 and all(
         isinstance(t, str) and t for t in f.lora_targets), "finetune.lora_targets: a non-empty list of patterns")
+    _require(isinstance(f.lora_trainable, list) and all(isinstance(t, str) and t for t in f.lora_trainable),
+             "finetune.lora_trainable: a list of weight-name patterns (may be empty)")
     _require(f.review_chars >= 8, f"finetune.review_chars: must be >= 8, got {f.review_chars}")
     _require(config.parallel.mode == "manual" or f.method == "full",
              "finetune.method=lora: PaddleNLP's LoRA wraps fleet's hybrid-parallel layers, not the semi-automatic "

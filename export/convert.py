@@ -81,8 +81,32 @@ def lora_scaling(settings: dict) -> float:
 
 def merge_lora(model, checkpoint: Path) -> int:
     """W += A @ B * scaling for every adapter pair of the checkpoint (Paddle's Linear weight is [in, out], A [in, r],
-    B [r, out], as LoRALinear computes x @ W + x @ A @ B * scaling); returns how many weights were changed."""
+    B [r, out], as LoRALinear computes x @ W + x @ A @ B * scaling), and the weights trained whole beside them
+    (finetune.lora_trainable, e.g. the LM head) copied in; returns how many weights were changed."""
     import paddle
+
+    settings, adapters = read_lora(checkpoint)
+    weights = model.state_dict()
+    scaling = lora_scaling(settings)
+    merged = 0
+    for name, value in adapters.items():
+        if name.endswith(".lora_B"):
+            continue
+        target = name[:-len(".lora_A")] + ".weight" if name.endswith(".lora_A") else name
+        if target not in weights or (target == name and tuple(weights[target].shape) != value.shape):
+            raise ConfigError(f"{checkpoint}: adapter {name} has no weight {target} of its shape in the base model")
+        weight = weights[target]
+        if target == name:  # (a weight trained whole)
+            weight.set_value(paddle.to_tensor(value.astype(np.float32)))
+        else:
+            delta = value.astype(np.float64) @ adapters[name[:-1] + "B"].astype(np.float64) * scaling
+            weight.set_value(paddle.to_tensor((weight.numpy().astype(np.float64) + delta).astype(np.float32)))
+        merged += 1
+    return merged
+
+
+def read_lora(checkpoint: Path) -> tuple[dict, dict]:
+    """(lora_config.json, {name: array}) of a LoRA checkpoint: the adapters and the weights trained whole."""
     from safetensors.numpy import load_file
 
     settings = json.loads((Path(checkpoint) / LORA_CONFIG).read_text())
@@ -91,17 +115,15 @@ def merge_lora(model, checkpoint: Path) -> int:
         adapters.update(load_file(str(path)))
     if not adapters:
         raise ConfigError(f"{checkpoint}: a LoRA checkpoint without adapter weights (peft_model*.safetensors)")
-    weights = model.state_dict()
-    scaling = lora_scaling(settings)
-    merged = 0
-    for name, a in adapters.items():
-        if not name.endswith(".lora_A"):
-            continue
-        target = name[:-len(".lora_A")] + ".weight"
-        if target not in weights:
-            raise ConfigError(f"{checkpoint}: adapter {name} has no weight {target} in the base model")
-        weight = weights[target]
-        delta = a.astype(np.float64) @ adapters[name[:-1] + "B"].astype(np.float64) * scaling
-        weight.set_value(paddle.to_tensor((weight.numpy().astype(np.float64) + delta).astype(np.float32)))
-        merged += 1
-    return merged
+    return settings, adapters
+
+
+def as_trained(checkpoint: Path):
+    """The LoRA checkpoint as it trained: PaddleNLP's LoRAModel (adapters unmerged) over its base, in eval mode."""
+    from paddlenlp.peft import LoRAModel
+
+    from model.llama import load_merged
+
+    model = LoRAModel.from_pretrained(load_merged(lora_base(checkpoint)), str(checkpoint))
+    model.eval()
+    return model

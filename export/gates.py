@@ -2,6 +2,8 @@
 
     logits_gate        the full-sequence graph (predictor plain and IR-optimised) and the prefill/decode programs
                        step by step (a left-padded batch): the worst logit difference <= export.parity_tolerance
+                       times the logits' scale (max |logit|, at least 1): float32's error grows with the logits
+    lora_merge_gate    a LoRA checkpoint merged into its base == PaddleNLP's LoRAModel over the base, as it trained
     tokens_gate        greedy tokens of the graph and the cache programs (alone and batched) == the dynamic model's
     fused_weights_gate a checkpoint trained with fused q/k/v or gate/up weights == its unfused form
     mlflow_model_gate  the MLflow model, loaded as MLflow loads it, generates the same tokens
@@ -43,6 +45,28 @@ def fused_weights_gate(model, checkpoint: Path, config: Config) -> float | None:
     return error
 
 
+def lora_merge_gate(model, checkpoint: Path, config: Config) -> float | None:
+    """A LoRA checkpoint is exported merged (export/convert.py merge_lora); the merged model must compute what
+    PaddleNLP's LoRAModel computes over the base with the adapters unmerged, as it trained. A wrong merge (a
+    transposed adapter, a wrong alpha / r scale, a weight trained whole left out) moves the logits by far more than
+    float32's rounding. None when the checkpoint is not LoRA."""
+    from export.convert import LORA_CONFIG, as_trained
+
+    if not (Path(checkpoint) / LORA_CONFIG).is_file():
+        return None
+    trained = as_trained(checkpoint)
+    error, scale = _max_logit_error(dynamic_forward(model), dynamic_forward(trained), model.config.vocab_size,
+                                    config.training.seq_length, seed=3)
+    relative, tolerance = error / max(1.0, scale), config.export.parity_tolerance
+    if not relative <= tolerance:
+        raise ExportError(f"the merged LoRA model differs from the adapters over the base as trained by {error:.2e} "
+                          f"({relative:.2e} of the logits' scale {scale:.1f} > export.parity_tolerance {tolerance:.0e})"
+                          f": a wrong merge; nothing was published")
+    print(f"LoRA merge: max |merged - adapters over the base| = {error:.2e} ({relative:.2e} of the logits' scale "
+          f"{scale:.1f}; tolerance {tolerance:.0e})", flush=True)
+    return relative
+
+
 def mlflow_model_gate(staging: Path, references: dict[str, list[int]]) -> None:
     """The export directory is also an MLflow `python_function` model (serving/offline/pyfunc.py); loaded as MLflow loads
     it, it must generate the references token for token."""
@@ -55,21 +79,34 @@ def mlflow_model_gate(staging: Path, references: dict[str, list[int]]) -> None:
           f"{len(references)} prompts", flush=True)
 
 
-def logits_gate(model, staging: Path, config: Config) -> float:
+def logits_gate(model, staging: Path, config: Config) -> dict:
     """Every exported program against the dynamic model: the full-sequence graph under both predictor
     configurations users run (plain, as served: bit-identical kernels; IR-optimised: fused passes change the
-    arithmetic slightly) and the prefill/decode cache programs step by step. The gate takes the worst."""
+    arithmetic slightly) and the prefill/decode cache programs step by step. The gate takes the worst difference,
+    relative to the logits' scale (max |logit| of the dynamic model on the parity batches, at least 1): float32's
+    rounding grows with the logits (a fine-tuned model's confident logits put a correct export at 2e-4 absolute,
+    docs/finetune.md), a wrong program is off by the logits' own size. Returns the figures for export.json."""
     vocab, seq = model.config.vocab_size, config.training.seq_length
     full = max(parity_error(model, runtime.create_predictor(staging, ir_optim), vocab, seq)
                for ir_optim in (False, True))
     cached = cache_parity_error(model, *runtime.cache_session(staging), vocab, seq)
+    scale = logit_scale(model, vocab, seq)
     error, tolerance = max(full, cached), config.export.parity_tolerance
+    relative = error / max(1.0, scale)
     print(f"parity: max |dynamic - paddle.inference| = {full:.3e} (full graph, shapes {PARITY_SHAPES}, "
-          f"ir_optim off/on), {cached:.3e} (prefill + decode, padded batch) (tolerance {tolerance:.0e})", flush=True)
-    if not error <= tolerance:
-        raise ExportError(f"parity check failed: max logit difference {error:.3e} > export.parity_tolerance "
-                          f"{tolerance:.0e}; nothing was published")
-    return error
+          f"ir_optim off/on), {cached:.3e} (prefill + decode, padded batch); logits' scale {scale:.1f}: "
+          f"{relative:.2e} relative (tolerance {tolerance:.0e})", flush=True)
+    if not relative <= tolerance:
+        raise ExportError(f"parity check failed: max logit difference {error:.3e} = {relative:.2e} of the logits' "
+                          f"scale {scale:.1f} > export.parity_tolerance {tolerance:.0e}; nothing was published")
+    return {"parity_max_abs_error": error, "parity_logit_scale": scale, "parity_relative_error": relative}
+
+
+def logit_scale(model, vocab: int, seq_length: int, seed: int = 0) -> float:
+    """max |logit| of the dynamic model over the parity batches (parity_error's)."""
+    rng, forward = np.random.RandomState(seed), dynamic_forward(model)
+    return max(float(np.abs(forward(rng.randint(5, vocab, size=(batch, length or seq_length)).astype("int64"))).max())
+               for batch, length in PARITY_SHAPES)
 
 
 def tokens_gate(dynamic_forward, predictor, staging: Path, config: Config, extra: tuple[str, ...] = ()) \
@@ -107,23 +144,24 @@ def tokens_gate(dynamic_forward, predictor, staging: Path, config: Config, extra
 def parity_error(model, predictor, vocab: int, seq_length: int, seed: int = 0) -> float:
     """Max |dynamic - paddle.inference| logit difference over batches of different shapes."""
     return _max_logit_error(dynamic_forward(model), lambda ids: runtime.predict(predictor, ids), vocab, seq_length,
-                            seed)
+                            seed)[0]
 
 
 def weight_layout_error(portable, trained, vocab: int, seq_length: int, seed: int = 2) -> float:
     """Max |portable - as trained| logit difference: a checkpoint trained with fused q/k/v or gate/up weights is
     exported as the unfused model (PaddleNLP splits the weights on load); both must compute the same function."""
-    return _max_logit_error(dynamic_forward(portable), dynamic_forward(trained), vocab, seq_length, seed)
+    return _max_logit_error(dynamic_forward(portable), dynamic_forward(trained), vocab, seq_length, seed)[0]
 
 
-def _max_logit_error(a, b, vocab: int, seq_length: int, seed: int) -> float:
-    """Max |a(ids) - b(ids)| over seeded random batches of PARITY_SHAPES."""
+def _max_logit_error(a, b, vocab: int, seq_length: int, seed: int) -> tuple[float, float]:
+    """(max |a(ids) - b(ids)|, max |b(ids)|) over seeded random batches of PARITY_SHAPES."""
     rng = np.random.RandomState(seed)
-    worst = 0.0
+    worst, scale = 0.0, 0.0
     for batch, length in PARITY_SHAPES:
         ids = rng.randint(5, vocab, size=(batch, length or seq_length)).astype("int64")
-        worst = max(worst, float(np.abs(a(ids) - b(ids)).max()))
-    return worst
+        reference = b(ids)
+        worst, scale = max(worst, float(np.abs(a(ids) - reference).max())), max(scale, float(np.abs(reference).max()))
+    return worst, scale
 
 
 def cache_parity_error(model, prefill, decode, vocab: int, seq_length: int, seed: int = 1) -> float:

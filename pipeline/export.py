@@ -170,6 +170,7 @@ def build(chosen: Selection, config: Config, checkpoint: Path, tokenizer_dir: Pa
     t0 = time.time()
     model = convert.load_checkpoint(checkpoint)
     layout_error = gates.fused_weights_gate(model, checkpoint, config)
+    merge_error = gates.lora_merge_gate(model, checkpoint, config)
     timings["load_s"] = time.time() - t0
     t0 = time.time()
     programs.save_full_sequence(model, staging)
@@ -180,7 +181,7 @@ def build(chosen: Selection, config: Config, checkpoint: Path, tokenizer_dir: Pa
         hf.write(model, tokenizer_dir, staging)
     timings["convert_s"] = time.time() - t0
     t0 = time.time()
-    error = gates.logits_gate(model, staging, config)
+    parity = gates.logits_gate(model, staging, config)
     shutil.copytree(tokenizer_dir, exportdir.tokenizer_dir(staging))
     predictor = runtime.create_predictor(staging)
     exportdir.write_serving_conf(staging, predictor.get_input_names()[0], predictor.get_output_names()[0],
@@ -192,7 +193,7 @@ def build(chosen: Selection, config: Config, checkpoint: Path, tokenizer_dir: Pa
         "checkpoint_step": chosen.step,
         "checkpoint_uri": f"runs:/{chosen.run_id}/{chosen.info['artifact']}" if chosen.info.get("artifact") else "",
         "metric": chosen.metric, "metric_value": chosen.metric_value, "config_hash": config.digest(),
-        "paddle_version": paddle.__version__, "parity_max_abs_error": error,
+        "paddle_version": paddle.__version__, **parity,
         "parity_tolerance": config.export.parity_tolerance, "parity_shapes": [list(s) for s in gates.PARITY_SHAPES],
         "vocab_size": model.config.vocab_size, "seq_length": config.training.seq_length,
         "max_position_embeddings": config.model.max_position_embeddings, "eos_token_id": model.config.eos_token_id,
@@ -200,6 +201,7 @@ def build(chosen: Selection, config: Config, checkpoint: Path, tokenizer_dir: Pa
         "weights_sha256": exportdir.weights_sha256(staging), "timings_s": timings,
         "trained_weight_layout": "fused" if layout_error is not None else "plain",
         "fused_vs_portable_max_abs_error": layout_error,
+        **({"lora_merge_relative_error": merge_error} if merge_error is not None else {}),
         **({"hf_dir": "hf"} if config.export.hf else {}),
     }
     meta.update(fine_tuning(config, checkpoint))

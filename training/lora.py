@@ -10,12 +10,14 @@ def lora_config(config, tensor_parallel_degree: int):
 
     f = config.finetune
     return LoRAConfig(target_modules=list(f.lora_targets), r=f.lora_rank, lora_alpha=f.lora_alpha,
+                      trainable_modules=list(f.lora_trainable) or None,
                       merge_weights=False, tensor_parallel_degree=tensor_parallel_degree, dtype="float32",
                       base_model_name_or_path=config.model.init_from)
 
 
 def wrap(config, model, tensor_parallel_degree: int):
-    """`model` with adapters on finetune.lora_targets and every other weight frozen."""
+    """`model` with adapters on finetune.lora_targets, finetune.lora_trainable trained whole, every other weight
+    frozen."""
     from paddlenlp.peft import LoRAModel
 
     from core.errors import ConfigError

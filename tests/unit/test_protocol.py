@@ -151,6 +151,37 @@ def test_the_chat_route_uses_the_exports_template_and_refuses_without_one(tmp_pa
     assert exc.value.status == 400
 
 
+def test_chat_requests_out_of_shape_get_a_400_naming_the_message():
+    """A conversation as a chat UI sends it passes; an unknown role, empty content, roles out of order or a
+    conversation longer than serving.max_prompt_chars each get a 400 that names the fault (nothing is cut)."""
+    def ask(*messages, limit=200):
+        return serving_chat.parse_chat({"model": "m", "messages": [{"role": r, "content": c} for r, c in messages]},
+                                       Limits(max_prompt_chars=limit), MODEL_IDS, core_chat.TEMPLATE)
+
+    good = [("system", "你是助手"), ("user", "你好"), ("assistant", "你好！"), ("user", "评论：很好")]
+    assert ask(*good).prompt == "你是助手\n用户：你好\n助手：你好！[SEP]用户：评论：很好\n助手："
+    for messages, message in [
+        ([("user", "一"), ("critic", "二")], r"messages\[1\]: unknown role 'critic'"),
+        ([("user", " ")], r"messages\[0\]: empty user content"),
+        ([("system", "s"), ("user", "一"), ("assistant", "")], r"messages\[2\]: empty assistant content"),
+        ([("user", "一"), ("user", "二")], r"messages\[1\]: role 'user' after 'user'"),
+        ([("assistant", "一"), ("user", "二")], r"messages\[0\]: role 'assistant' after 'system'"),
+        ([("user", "一"), ("assistant", "二"), ("assistant", "三"), ("user", "四")],
+         r"messages\[2\]: role 'assistant' after 'assistant'"),
+        ([("user", "一"), ("system", "二"), ("user", "三")], r"messages\[1\]: role 'system' after 'user'"),
+        ([("user", "一"), ("assistant", "二")], "must end with a user message"),
+    ]:
+        with pytest.raises(RequestError, match=message) as exc:
+            ask(*messages)
+        assert exc.value.status == 400 and exc.value.param == "messages"
+    length = len(ask(*good).prompt)
+    assert ask(*good, limit=length).prompt
+    with pytest.raises(RequestError, match=f"the conversation is {length} characters with the chat template; the "
+                                           f"limit is serving.max_prompt_chars={length - 1}") as exc:
+        ask(*good, limit=length - 1)
+    assert exc.value.status == 400
+
+
 class IdleDispatcher:
     fatal, draining, ready, in_flight = "", False, True, 0
     meta = {"registered_model_name": "m", "version": 1, "source_run_id": "r"}

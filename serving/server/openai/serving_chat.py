@@ -27,9 +27,14 @@ def parse_chat(body, limits: Limits, model_ids: set[str], template: dict | None)
     if template is None:
         raise bad(NO_TEMPLATE, "messages")
     try:
+        chat.check_request(messages)
         prompt = chat.render_messages(template, messages)
     except ConfigError as exc:
         raise bad(str(exc), "messages") from None
+    if len(prompt) > limits.max_prompt_chars:  # (refused, not cut: docs/serving.md "Chat")
+        raise bad(f"the conversation is {len(prompt)} characters with the chat template; the limit is "
+                  f"serving.max_prompt_chars={limits.max_prompt_chars}: drop the oldest turns or start a new "
+                  f"conversation", "messages")
     return with_stream(parse_openai({**openai_values(body, chat=True), "prompt": prompt}, limits), body)
 
 
