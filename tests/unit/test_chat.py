@@ -104,3 +104,36 @@ def test_fine_tuning_settings_are_checked_before_anything_starts():
                            "training.compile=false"])
     assert load_config(None, ["finetune.data=reviews", "finetune.method=full", "parallel.mode=semi_auto",
                               "parallel.tensor=2", "training.compile=false"]).finetune.method == "full"
+
+
+def test_examples_are_encoded_once_by_content_and_reused(tokenizer_dir, tmp_path, monkeypatch):
+    """The fine-tuning set is encoded once per content key (source bytes, tokenizer and template, settings) in
+    chunks whose rows equal the one-shot encoding; a second run links the same files; a changed source is a new
+    set; the run sees whole batches only."""
+    data = tmp_path / "data.jsonl"
+    lines = [{"src": f"评论：{'好' * (i % 7 + 1)}", "tgt": "正面" if i % 2 else "负面"} for i in range(50)]
+    data.write_text("\n".join(json.dumps(x, ensure_ascii=False) for x in lines) + "\n")
+    monkeypatch.setattr(sft, "CHUNK", 7)  # (several chunks, the last one partial)
+    config = load_config(None, [f"finetune.data={data}", "data.validation_fraction=0.2", "training.seq_length=24",
+                                f"data.cache_dir={tmp_path / 'cache'}", "training.global_batch_size=4",
+                                "parallel.micro_batch_size=4"])
+    runs = []
+    for name in ("one", "two"):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        runs.append(sft.for_run(config, run_dir, tokenizer_dir, log=lambda line: None))
+    assert (runs[0]["reused"], runs[1]["reused"]) == (False, True) and runs[0]["encoded"] == runs[1]["encoded"]
+    tokenizer, fast = load_tokenizer(tokenizer_dir), fast_tokenizer(tokenizer_dir)
+    for split in sft.SPLITS:
+        expected = np.stack(sft.encode_all(tokenizer, fast, [r["messages"] for r in sft.records(config)[split]], 24))
+        for name in ("one", "two"):
+            assert np.array_equal(np.load(tmp_path / name / "data" / f"sft-{split}.npy"), expected)
+    train = runs[0]["train_examples"]
+    assert train % 4 == 0 and train + runs[0]["validation_examples"] > 44
+    assert len(sft.train_dataset(tmp_path / "one" / "data")) == train
+    data.write_text(data.read_text() + json.dumps({"src": "再问", "tgt": "答"}, ensure_ascii=False) + "\n")
+    run_dir = tmp_path / "three"
+    run_dir.mkdir()
+    assert sft.for_run(config, run_dir, tokenizer_dir, log=lambda line: None)["encoded"] != runs[0]["encoded"]
+    assert not list((tmp_path / "cache" / "sft").glob(".*.raw")) and \
+        len([p for p in (tmp_path / "cache" / "sft").iterdir() if not p.name.startswith(".")]) == 2

