@@ -31,9 +31,19 @@ def smoke(config: Config) -> int:
     return 1 if failures else 0
 
 
+# Two earlier turns unrelated to the question, after a system prompt, as a chat UI sends a conversation: the answer to
+# a held-out question must not change behind them (issue: >= 95% of 100 the same).
+EARLIER_TURNS = [{"role": "system", "content": "你是一个有用的助手。"},
+                 {"role": "user", "content": "你好"}, {"role": "assistant", "content": "你好！请问有什么可以帮你？"},
+                 {"role": "user", "content": "我想看看几条评论。"}, {"role": "assistant", "content": "好的，请发给我。"}]
+MULTI_TURN = 100  # held-out questions asked again after EARLIER_TURNS
+
+
 def chat_task(state: dict, meta: dict, shown: int = 3) -> str:
     """A fine-tuned model's held-out task through the served /v1/chat/completions (the real `openai` client, 8 at a
-    time, greedy): `shown` examples and the accuracy over all of them."""
+    time, greedy): `shown` examples, the accuracy over all of them and per expected answer (their mean: the
+    balanced accuracy), and how often the first MULTI_TURN answers stay the same behind EARLIER_TURNS."""
+    from collections import Counter
     from concurrent.futures import ThreadPoolExecutor
 
     import openai
@@ -47,13 +57,14 @@ def chat_task(state: dict, meta: dict, shown: int = 3) -> str:
     client = openai.OpenAI(base_url=state["openai_base_url"], api_key=os.environ.get("PIPELINE_API_KEY", "unused"),
                            max_retries=2)
 
-    def ask(example: dict) -> str:
-        answer = client.chat.completions.create(model=meta["registered_model_name"], messages=example["messages"],
+    def ask(messages: list[dict]) -> str:
+        answer = client.chat.completions.create(model=meta["registered_model_name"], messages=messages,
                                                 max_tokens=8, temperature=0)
         return (answer.choices[0].message.content or "").strip()
 
     with ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(ask, task))
+        answers = list(pool.map(ask, [t["messages"] for t in task]))
+        later = list(pool.map(ask, [EARLIER_TURNS + t["messages"] for t in task[:MULTI_TURN]]))
     right = sum(a == t["answer"] for a, t in zip(answers, task))
     lines = [f"chat (/v1/chat/completions, {run_config.finetune.data}, held out):"]
     for example, answer in list(zip(task, answers))[:shown]:
@@ -62,6 +73,16 @@ def chat_task(state: dict, meta: dict, shown: int = 3) -> str:
                      f"{example['answer']})")
     lines.append(f"  task accuracy {right / max(len(task), 1):.4f}: {right} of {len(task)} held-out examples "
                  "answered exactly")
+    expected = Counter(t["answer"] for t in task)
+    if 1 < len(expected) <= 10:  # (a classification task: each answer's share, and the balanced accuracy)
+        recall = {e: sum(a == e for a, t in zip(answers, task) if t["answer"] == e) / n for e, n in expected.items()}
+        lines.append(f"  per expected answer: " + ", ".join(f"{e} {recall[e]:.4f} of {n}" for e, n in
+                                                             sorted(expected.items())) +
+                     f"; balanced accuracy {sum(recall.values()) / len(recall):.4f}; answers given: " +
+                     ", ".join(f"{a!r} {n}" for a, n in Counter(answers).most_common(4)))
+    same = sum(a == b for a, b in zip(answers, later))
+    lines.append(f"  multi-turn: {same} of {len(later)} answers unchanged after a system prompt and two unrelated "
+                 f"turns")
     return "\n".join(lines)
 
 
