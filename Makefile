@@ -28,7 +28,7 @@ FORCE ?=
 # `make test` runs this many pytest-xdist workers: most tests wait on processes, servers and I/O part of the time
 TEST_WORKERS ?= 2
 
-.PHONY: setup doctor data train finetune evaluate promote export serve stop smoke reload generate all all-chat compare sweep bench plan test test-fast test-gpu-setup runs mlflow-ui mlflow-server mlflow-stop object-store object-store-stop clean
+.PHONY: setup doctor data train finetune evaluate promote export serve stop smoke reload generate all all-chat compare sweep bench plan test test-fast test-gpu-setup runs mlflow-ui mlflow-server mlflow-stop object-store object-store-stop gateway gateway-stop gateway-key gateway-usage clean
 setup: $(STAMP)
 
 # One environment from exact pins (requirements/lock.txt, verified to install and import together) plus the Paddle
@@ -134,6 +134,23 @@ object-store: $(STAMP)
 
 object-store-stop: $(STAMP)
 	$(PY) -m pipeline object-store-stop
+
+# The API gateway (docs/gateway.md): nginx in front of the replicas (gateway.backends), keys, limits, usage, split.
+NAME ?=
+RPM ?=
+TPM ?=
+REVOKE ?=
+gateway: $(STAMP)
+	$(PY) -m pipeline gateway --config $(CONFIG) $(ARGS)
+
+gateway-stop: $(STAMP)
+	$(PY) -m pipeline gateway-stop --config $(CONFIG) $(ARGS)
+
+gateway-key: $(STAMP)
+	$(PY) -m pipeline gateway-key --config $(CONFIG) $(if $(NAME),--name $(NAME)) $(if $(RPM),--rpm $(RPM)) $(if $(TPM),--tpm $(TPM)) $(if $(REVOKE),--revoke $(REVOKE)) $(ARGS)
+
+gateway-usage: $(STAMP)
+	$(PY) -m pipeline gateway-usage --config $(CONFIG) $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) tests/unit tests/integration

@@ -306,6 +306,25 @@ class FinetuneConfig:
 
 
 @dataclass
+class GatewayConfig:
+    """`make gateway` (docs/gateway.md): nginx in front of the serving replicas, the one listener meant for clients:
+    keys per consumer, requests per minute per key, token use per consumer (counted by the replicas from the
+    consumer header nginx sets), a weighted split between pools of replicas, retries on another replica."""
+
+    port: int = 18190
+    host: str = "0.0.0.0"  # the gateway is what clients reach; the replicas listen on serving.host (loopback)
+    # Replicas' base URLs (http://host:serving.api_port): a list (one pool), or {pool: [urls]} with `split`;
+    # [] = this config's own `make serve` (http://127.0.0.1:<serving.api_port>)
+    backends: Any = field(default_factory=list)
+    split: dict = field(default_factory=dict)  # {pool: percent, ...} summing to 100 (e.g. champion 90, challenger 10)
+    # A replica that fails (refused connection, 502/503, timeout) is skipped for fail_timeout_s, then tried again
+    fail_timeout_s: int = 5
+    state_dir: str = ""  # pid, rendered nginx.conf, logs; "" = <training.runs_dir>/gateway
+    # consumers' keys (0600, never in the repo, never logged); "" = $XDG_CONFIG_HOME/paddle-train-to-serve/gateway
+    keys_dir: str = ""
+
+
+@dataclass
 class Config:
     name: str = "tiny"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -318,6 +337,7 @@ class Config:
     export: ExportConfig = field(default_factory=ExportConfig)
     serving: ServingConfig = field(default_factory=ServingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
@@ -487,6 +507,7 @@ def validate(config: Config) -> None:
     _validate_training(config.training, config.model)
     _validate_tracking_and_export(config.tracking, config.export)
     _validate_serving(config.serving)
+    _validate_gateway(config.gateway, config.serving)
     _validate_cluster(config.cluster)
     _validate_storage(config.storage)
     _validate_finetune(config)
@@ -672,6 +693,33 @@ def _validate_serving(s: ServingConfig) -> None:
     _positive("serving.gpu_memory_mb", s.gpu_memory_mb)
     _require(1 <= s.default_max_new_tokens <= s.max_new_tokens_limit,
              "serving.default_max_new_tokens: must be in 1..serving.max_new_tokens_limit")
+
+
+def _validate_gateway(g: GatewayConfig, s: ServingConfig) -> None:
+    import re
+
+    _require(1024 <= g.port <= 65535, f"gateway.port: must be a port in 1024..65535, got {g.port}")
+    _require(g.port not in (s.http_port, s.rpc_port, s.api_port, s.metrics_port),
+             f"gateway.port: {g.port} is one of the server's own ports")
+    _positive("gateway.fail_timeout_s", g.fail_timeout_s)
+    pools = g.backends if isinstance(g.backends, dict) else {"default": g.backends}
+    url = re.compile(r"https?://[^\s/]+(:\d+)?/?")
+    for pool, urls in pools.items():
+        _require(isinstance(pool, str) and re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]*", pool) is not None,
+                 f"gateway.backends: pool names are words (letters, digits, _ and -), got {pool!r}")
+        _require(isinstance(urls, list) and all(isinstance(u, str) and url.fullmatch(u) for u in urls)
+                 and (urls or pool == "default"),
+                 f"gateway.backends{'' if pool == 'default' else '.' + pool}: a list of base URLs "
+                 f"(http://host:port), got {urls!r}")
+    if g.split:
+        _require(isinstance(g.backends, dict) and set(g.split) == set(g.backends),
+                 f"gateway.split: one weight for each pool of gateway.backends ({{pool: [urls]}}), got "
+                 f"{sorted(g.split)} for pools {sorted(g.backends) if isinstance(g.backends, dict) else ['default']}")
+        _require(all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in g.split.values())
+                 and sum(g.split.values()) == 100, f"gateway.split: whole percents summing to 100, got {g.split}")
+    else:
+        _require(not isinstance(g.backends, dict) or len(g.backends) == 1,
+                 "gateway.backends: several pools need gateway.split (their shares of the requests)")
 
 
 def _validate_cluster(c: ClusterConfig) -> None:

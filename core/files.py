@@ -17,12 +17,14 @@ def fsync_path(path: str | Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str | Path, data: str | bytes) -> None:
-    """`path` holds either its old contents or all of `data`, never part of it, whatever stops the writer."""
+def atomic_write(path: str | Path, data: str | bytes, mode: int | None = None) -> None:
+    """`path` holds either its old contents or all of `data`, never part of it, whatever stops the writer; `mode`:
+    the file's permissions from its first byte (e.g. 0o600 for a secret)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        with open(tmp, "wb") as fh:
+        with open(tmp, "wb") if mode is None else os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                                                                    mode), "wb") as fh:
             fh.write(data.encode("utf-8") if isinstance(data, str) else data)
             fh.flush()
             os.fsync(fh.fileno())

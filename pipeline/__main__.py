@@ -124,6 +124,24 @@ def add_service_verbs(sub) -> None:
                        ("object-store", "a local S3 endpoint (SeaweedFS) for storage.uri, on 127.0.0.1:8333"),
                        ("object-store-stop", "stop the local S3 endpoint (its data is kept)")):
         sub.add_parser(verb, help=text)
+    add_gateway_verbs(sub)
+
+
+def add_gateway_verbs(sub) -> None:
+    """The gateway's verbs (docs/gateway.md): each takes the config and overrides `make gateway` takes."""
+    verbs = {"gateway": "nginx in front of the serving replicas: keys, limits, usage, split, failover",
+             "gateway-stop": "stop the gateway (keys and logs are kept)",
+             "gateway-key": "a consumer's key (printed once) with its limits, or REVOKE one",
+             "gateway-usage": "requests, tokens and 429s per consumer through the gateway"}
+    for verb, text in verbs.items():
+        p = sub.add_parser(verb, help=text)
+        p.add_argument("--config", default=None)
+        if verb == "gateway-key":
+            p.add_argument("--name", default="")
+            p.add_argument("--rpm", type=int, default=None, help="requests per minute")
+            p.add_argument("--tpm", type=int, default=0, help="tokens per minute (0 = no budget)")
+            p.add_argument("--revoke", default="", help="a consumer whose key is refused from now on")
+        p.add_argument("overrides", nargs="*", help="section.key=value, e.g. gateway.port=18190")
 
 
 def add_lifecycle_verbs(sub, config_help: str) -> None:
@@ -166,7 +184,8 @@ def add_generate_verb(sub, config_help: str) -> None:
 # pipeline/runner/, never a verb
 VERBS = {verb: verb.replace("-", "_") for verb in (
     "data", "train", "finetune", "export", "serve", "stop", "smoke", "reload", "compare", "sweep", "runs", "plan", "doctor",
-    "evaluate", "promote", "generate", "mlflow-server", "mlflow-stop", "object-store", "object-store-stop")}
+    "evaluate", "promote", "generate", "mlflow-server", "mlflow-stop", "object-store", "object-store-stop", "gateway",
+    "gateway-stop", "gateway-key", "gateway-usage")}
 
 
 def run_verb(verb: str, config: Config, args) -> int:

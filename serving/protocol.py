@@ -28,7 +28,12 @@ DEFAULTS = ServingConfig()  # (each default is written once, in core/config.py)
 # kind: (err_no of Paddle Serving's answers, HTTP status of the OpenAI routes)
 KINDS = {"bad_request": (8001, 400), "internal": (8002, 500), "busy": (8003, 429), "deadline": (8004, 504),
          "worker_died": (8005, 503), "unavailable": (8006, 503), "not_found": (8007, 404),
-         "unauthorized": (8008, 401)}
+         "unauthorized": (8008, 401), "rate_limited": (8009, 429)}
+# The gateway (serving/gateway/) names each request's consumer and its tokens-per-minute budget in these headers;
+# nginx sets them, overwriting whatever a client sent, and the replicas listen where only the gateway reaches them
+CONSUMER_HEADER, TPM_HEADER = "X-Pipeline-Consumer", "X-Pipeline-Consumer-Tpm"
+# Each answer says which model version produced it (a canary split sends requests to replicas of two versions)
+VERSION_HEADERS = ("X-Model-Name", "X-Model-Version", "X-Source-Run")
 FIELDS = ("prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "n", "logprobs", "echo",
           "timeout_s")
 MAX_STOP, MAX_STOP_CHARS, MAX_N, MAX_LOGPROBS = 4, 32, 8, 5
@@ -49,9 +54,9 @@ class GenerationSettings:
 class RequestError(ValueError):
     """A request that cannot be answered, with a message for the client; `kind` is one of KINDS."""
 
-    def __init__(self, kind: str, message: str, param: str | None = None):
+    def __init__(self, kind: str, message: str, param: str | None = None, retry_after: int | None = None):
         super().__init__(message)
-        self.kind, self.message, self.param = kind, message, param
+        self.kind, self.message, self.param, self.retry_after = kind, message, param, retry_after
         self.code, self.status = KINDS[kind]
 
 

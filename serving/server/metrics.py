@@ -32,6 +32,11 @@ class ServingMetrics:
                                              registry=r)
         self.time_per_output_token = Histogram("serving_time_per_output_token_seconds", "Decode time per generated "
                                                "token after the first", buckets=TOKEN_BUCKETS, registry=r)
+        self.consumer_tokens = Counter("serving_consumer_tokens", "Tokens of answered requests by consumer (the "
+                                       "gateway's consumer header; direct = none), model and kind (prompt, "
+                                       "completion): the answers' `usage`", ["consumer", "model", "kind"], registry=r)
+        self.consumer_requests = Counter("serving_consumer_requests", "Requests by consumer, model and outcome",
+                                         ["consumer", "model", "outcome"], registry=r)
         self.request_duration = Histogram("serving_request_duration_seconds", "From arrival to answer, answered "
                                           "requests", buckets=LATENCY_BUCKETS, registry=r)
 
@@ -49,6 +54,12 @@ class ServingMetrics:
             if tokens > 1:
                 self.time_per_output_token.observe((result["finished_at"] - result["first_token_at"]) / (tokens - 1))
         self.request_duration.observe(max(0.0, result["finished_at"] - arrived))
+
+    def consumed(self, consumer: str, model: str, usage: dict) -> None:
+        """One answered request's `usage` (what its answer reported) for its consumer."""
+        self.consumer_requests.labels(consumer, model, "ok").inc()
+        self.consumer_tokens.labels(consumer, model, "prompt").inc(usage["prompt_tokens"])
+        self.consumer_tokens.labels(consumer, model, "completion").inc(usage["completion_tokens"])
 
     def refused(self, route: str, outcome: str) -> None:
         self.requests.labels(route, outcome).inc()

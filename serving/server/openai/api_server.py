@@ -25,16 +25,18 @@ import time
 
 from fastapi import Request as HttpRequest  # (module level: FastAPI resolves the routes' annotations here)
 
-from serving.protocol import Limits, RequestError, bad
-from serving.server.openai.protocol import completion_body, error_body
+from serving.protocol import VERSION_HEADERS, Limits, RequestError, bad
+from serving.server.consumers import TokenBudgets, consumer_of
+from serving.server.openai.protocol import completion_body, error_body, usage_of
 from serving.server.openai.serving_chat import chat_template, parse_chat
 from serving.server.openai.serving_completion import parse_completion
 from serving.server.openai.streaming import Generation, sse_events
 
 LIVE, READY, MODELS, COMPLETIONS, CHAT = ("/health/live", "/health/ready", "/v1/models", "/v1/completions",
                                           "/v1/chat/completions")
+METRICS = "/metrics"  # the metrics port's page here too: the gateway's usage table reads it through the replica's URL
 RELOAD = "/admin/reload"  # follow the registry now (serving/server/follow.py)
-ROUTES = {"GET": (LIVE, READY, MODELS), "POST": (COMPLETIONS, CHAT, RELOAD)}
+ROUTES = {"GET": (LIVE, READY, MODELS, METRICS), "POST": (COMPLETIONS, CHAT, RELOAD)}
 
 class ApiServer:
     def __init__(self, dispatcher, limits: Limits, metrics=None, model_dir=None, api_key: str = "", follower=None):
@@ -42,6 +44,7 @@ class ApiServer:
         self.model_dir = model_dir
         self._templates: dict = {}  # export directory -> its chat template (the served one changes when following)
         self.api_key = api_key or os.environ.get("PIPELINE_API_KEY", "")
+        self.budgets = TokenBudgets()  # tokens per consumer in the last minute (serving/server/consumers.py)
         self.server = None
 
     @property
@@ -58,6 +61,16 @@ class ApiServer:
         if str(model_dir) not in self._templates:
             self._templates[str(model_dir)] = chat_template(model_dir)
         return self._templates[str(model_dir)]
+
+    @property
+    def version_headers(self) -> dict[str, str]:
+        """Which model version answers (X-Model-Name, X-Model-Version, X-Source-Run)."""
+        m = self.meta
+        return dict(zip(VERSION_HEADERS, (m["registered_model_name"], str(m["version"]), m["source_run_id"])))
+
+    @property
+    def model_label(self) -> str:
+        return f"{self.meta['registered_model_name']}/{self.meta['version']}"
 
     @property
     def model_ids(self) -> set[str]:
@@ -93,6 +106,15 @@ class ApiServer:
                  "created": int(self.meta.get("created_at", 0) or 0), "owned_by": "paddle-train-to-serve",
                  "version": str(self.meta["version"]), "source_run_id": self.meta["source_run_id"]}]}
 
+        @app.get(METRICS)
+        def metrics_page():
+            from fastapi.responses import Response
+            from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+            if self.metrics is None:
+                return Response("", media_type=CONTENT_TYPE_LATEST)
+            return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
         @app.post(RELOAD)
         async def reload(request: HttpRequest):
             return JSONResponse(await self._reload(request))
@@ -109,7 +131,11 @@ class ApiServer:
         async def refused(request, exc: RequestError):
             if self.metrics:
                 self.metrics.refused("openai", exc.kind)
-            return JSONResponse(*reversed(error_body(exc)))
+                if request.url.path in (COMPLETIONS, CHAT):
+                    self.metrics.consumer_requests.labels(consumer_of(request.headers)[0], self.model_label,
+                                                          exc.kind).inc()
+            headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else None
+            return JSONResponse(*reversed(error_body(exc)), headers=headers)
 
         @app.exception_handler(404)
         async def no_route(request, exc):
@@ -155,18 +181,28 @@ class ApiServer:
 
         arrived = time.monotonic()
         self._authorize(http_request)
+        consumer, budget = consumer_of(http_request.headers)
+        self.budgets.check(consumer, budget)
         body = await _read_json(http_request, self.limits.max_request_bytes)
         request = (parse_chat(body, self.limits, self.model_ids, self.template) if chat
                    else parse_completion(body, self.limits, self.model_ids))
         run = Generation(self.dispatcher, request)
+        headers, model = self.version_headers, self.model_label
+
+        def spend(usage: dict) -> None:  # (every answer's `usage`, for its consumer)
+            self.budgets.spend(consumer, usage["total_tokens"])
+            if self.metrics:
+                self.metrics.consumed(consumer, model, usage)
+
         if request.stream:
-            return StreamingResponse(sse_events(run, chat, arrived, self.metrics), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(sse_events(run, chat, arrived, self.metrics, spend),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
         results = await run.all()
         for result in results:
             if self.metrics:
                 self.metrics.answered("openai", arrived, result)
-        return JSONResponse(completion_body(request, results, chat))
+        spend(usage_of(request, results))
+        return JSONResponse(completion_body(request, results, chat), headers=headers)
 
 
 async def _read_json(request, limit: int):

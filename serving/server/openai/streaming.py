@@ -76,8 +76,9 @@ def _rest(result: dict) -> dict | None:
     return {key: values[start:] for key, values in result["logprobs"].items()}
 
 
-async def sse_events(run: "Generation", chat: bool, arrived: float, metrics=None):
-    """OpenAI's chunks as the worker's text arrives; cancels the sequences if the client goes away."""
+async def sse_events(run: "Generation", chat: bool, arrived: float, metrics=None, spend=None):
+    """OpenAI's chunks as the worker's text arrives; cancels the sequences if the client goes away. `spend` gets the
+    finished stream's `usage` (whether or not the client asked to be sent it)."""
     request = run.request
     ident, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
@@ -120,7 +121,9 @@ async def sse_events(run: "Generation", chat: bool, arrived: float, metrics=None
     for result in results.values():
         if metrics:
             metrics.answered("openai", arrived, result)
+    usage = usage_of(request, list(results.values()))
+    if spend:
+        spend(usage)
     if request.extra["include_usage"]:
-        usage = usage_of(request, list(results.values()))
         yield f"data: {json.dumps({'id': ident, 'object': kind, 'created': created, 'model': request.extra['model'], 'choices': [], 'usage': usage})}\n\n"  # noqa: E501
     yield "data: [DONE]\n\n"

@@ -1,0 +1,285 @@
+"""nginx as the gateway: its configuration rendered from the settings (`render`, pure: tested against the
+settings), and the process (`start`, `reload`, `stop`), like `make object-store`: state (pid, nginx.conf, logs) in
+gateway.state_dir, found again by `make gateway-stop`.
+
+What the rendered configuration does, for every /v1/ request:
+    key        `Authorization: Bearer <key>` -> the consumer (a map from keys.map); none or unknown: 401, OpenAI's
+               error shape
+    limits     one limit_req zone per consumer at its requests per minute (burst RPM - 1, nodelay: RPM requests in a
+               minute pass, the next is 429 with Retry-After); the request body at most serving.max_request_bytes (413)
+    consumer   X-Pipeline-Consumer and X-Pipeline-Consumer-Tpm set for the replica (a client's own copies are
+               replaced); the client's key is not passed on
+    pools      gateway.backends: one pool, or {pool: [urls]} split by gateway.split (split_clients on the request id)
+    failover   a replica that refuses, times out or answers 502/503 is skipped for gateway.fail_timeout_s and the
+               request is sent to the next one (POSTs too: `non_idempotent`: a generation has no side effect);
+               streams are passed through unbuffered, and one cut short by a dying replica ends (never hangs)
+    log        one JSON line per request (consumer, status, pool, replica) in access.log: the usage table's requests
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+from core.errors import ConfigError
+from core.files import atomic_write
+from core.processes import group_alive, log_tail, port_in_use, start_group, stop_recorded, wait_ready
+from serving.protocol import CONSUMER_HEADER, TPM_HEADER
+
+STATE_FILE, CONF_FILE, LIMITS_FILE = "gateway.json", "nginx.conf", "limits.conf"
+INSTALL = "nginx is not installed: `apt-get install nginx-light` (Debian/Ubuntu; root), or nginx from your package manager"
+
+
+def binary() -> str:
+    found = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)),
+                                          None)
+    if not found:
+        raise ConfigError(INSTALL)
+    return found
+
+
+def state_dir(config) -> Path:
+    from core import REPO_ROOT
+
+    return Path(config.gateway.state_dir).expanduser().resolve() if config.gateway.state_dir else \
+        (REPO_ROOT / config.training.runs_dir / "gateway").resolve()
+
+
+def pools(config) -> dict[str, list[str]]:
+    """{pool: [replica base URLs]}: gateway.backends, or this config's own `make serve` when it is empty."""
+    g = config.gateway
+    if isinstance(g.backends, dict):
+        return {name: list(urls) for name, urls in g.backends.items()}
+    return {"default": list(g.backends) or [f"http://127.0.0.1:{config.serving.api_port}"]}
+
+
+def _address(url: str) -> str:
+    return url.split("://", 1)[1].rstrip("/")
+
+
+def render(config, directory: Path, keys_directory: Path, consumers: dict) -> tuple[str, str]:
+    """(nginx.conf, limits.conf): the whole configuration for `consumers` ({name: {"rpm", "tpm"}}, keys.json
+    without the keys), state in `directory`, the key map in `keys_directory`."""
+    g, s = config.gateway, config.serving
+    by_pool = pools(config)
+    names = sorted(consumers)
+    limits = ["# per-consumer limits (rendered from keys.json by make gateway-key: nginx reloads them)"]
+    limits.append("map $consumer $consumer_tpm {\n    default 0;\n" + "".join(
+        f'    "{n}" {int(consumers[n].get("tpm", 0))};\n' for n in names) + "}")
+    limits.append("map $consumer $retry_after {\n    default 60;\n" + "".join(
+        f'    "{n}" {max(1, -(-60 // int(consumers[n]["rpm"])))};\n' for n in names) + "}")
+    zone = {n: "rpm_" + n.encode().hex() for n in names}  # (a consumer's zone keeps its name across reloads)
+    for n in names:
+        limits.append(f'map $consumer ${zone[n]} {{\n    default "";\n    "{n}" $consumer;\n}}\n'
+                      f'limit_req_zone ${zone[n]} zone={zone[n]}:1m rate={int(consumers[n]["rpm"])}r/m;')
+    request_limits = "".join(f"limit_req zone={zone[n]} burst={max(0, int(consumers[n]['rpm']) - 1)} nodelay;\n"
+                             for n in names)
+    (directory / "limits.d").mkdir(parents=True, exist_ok=True)
+    atomic_write(directory / "limits.d" / "requests.conf", request_limits)
+    upstreams = "\n".join(
+        f"    upstream pool_{name} {{\n" + "".join(
+            f"        server {_address(u)} max_fails=1 fail_timeout={g.fail_timeout_s}s;\n" for u in urls) +
+        "        keepalive 32;\n    }" for name, urls in by_pool.items())
+    if g.split:
+        rest = [p for p in by_pool if g.split[p] > 0]
+        choose = ('    split_clients "${request_id}" $pool {\n' + "".join(
+            f"        {g.split[p]}% pool_{p};\n" for p in rest[:-1]) + f"        * pool_{rest[-1]};\n    }}")
+    else:
+        choose = f'    map "" $pool {{\n        default pool_{next(iter(by_pool))};\n    }}'
+    tries = max(len(urls) for urls in by_pool.values())
+    unauthorized = json.dumps({"error": {"message": "missing or unknown API key: send `Authorization: Bearer <key>` "
+                                         "(make gateway-key)", "type": "invalid_request_error", "param": None,
+                                         "code": "invalid_api_key"}})
+    limited = json.dumps({"error": {"message": "too many requests for this key (its requests per minute)",
+                                    "type": "rate_limit_error", "param": None, "code": "rate_limited"}})
+    too_large = json.dumps({"error": {"message": f"the request body is over {s.max_request_bytes} bytes",
+                                      "type": "invalid_request_error", "param": None, "code": "bad_request"}})
+    log = ("'{\"time\":\"$time_iso8601\",\"consumer\":\"$consumer\",\"method\":\"$request_method\",\"uri\":\"$uri\","
+           "\"status\":$status,\"pool\":\"$pool\",\"upstream\":\"$upstream_addr\","
+           "\"upstream_status\":\"$upstream_status\",\"request_time\":$request_time}'")
+    conf = f"""# Rendered by `make gateway` from the settings (serving/gateway/nginx.py); edits are overwritten.
+daemon off;
+worker_processes 1;
+pid {directory}/nginx.pid;
+error_log {directory}/error.log warn;
+events {{
+    worker_connections 4096;
+}}
+http {{
+    client_body_temp_path {directory}/tmp/body;
+    proxy_temp_path {directory}/tmp/proxy;
+    fastcgi_temp_path {directory}/tmp/fastcgi;
+    uwsgi_temp_path {directory}/tmp/uwsgi;
+    scgi_temp_path {directory}/tmp/scgi;
+    server_tokens off;
+    default_type application/json;
+    map_hash_bucket_size 256;  # (the key map's entries are "Bearer sk-<43 characters>")
+
+    map $http_authorization $consumer {{
+        default "";
+        include {keys_directory}/keys.map;
+    }}
+    include {directory}/{LIMITS_FILE};
+    log_format usage escape=json {log};
+    access_log {directory}/access.log usage;
+
+{upstreams}
+{choose}
+
+    server {{
+        listen {g.host}:{g.port};
+        client_max_body_size {s.max_request_bytes};
+        client_body_buffer_size {s.max_request_bytes};
+        limit_req_status 429;
+        proxy_http_version 1.1;
+        proxy_set_header Connection "";
+        proxy_set_header Host $host;
+        proxy_set_header Authorization "";
+        proxy_set_header {CONSUMER_HEADER} $consumer;
+        proxy_set_header {TPM_HEADER} $consumer_tpm;
+        proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
+        proxy_buffering off;
+        proxy_connect_timeout 2s;
+        proxy_read_timeout {int(s.request_timeout_s) + 30}s;
+        proxy_next_upstream error timeout http_502 http_503 non_idempotent;
+        proxy_next_upstream_tries {tries};
+        add_header X-Gateway-Pool $pool always;
+
+        location = /gateway/health {{
+            return 200 '{{"gateway": "ok"}}';
+        }}
+        location /v1/ {{
+            if ($consumer = "") {{
+                return 401 '{unauthorized}';
+            }}
+            error_page 429 = @limited;
+            error_page 413 = @too_large;
+            include {directory}/limits.d/requests.conf;
+            proxy_pass http://$pool;
+        }}
+        location @limited {{
+            add_header Retry-After $retry_after always;
+            return 429 '{limited}';
+        }}
+        location @too_large {{
+            return 413 '{too_large}';
+        }}
+        location / {{
+            return 404 '{{"error": {{"message": "no route $request_method $uri at the gateway", "type": "invalid_request_error", "param": null, "code": "not_found"}}}}';
+        }}
+    }}
+}}
+"""
+    return conf, "\n".join(limits) + "\n"
+
+
+def write(config, consumers: dict) -> Path:
+    """The rendered files in the state directory (and an empty key map when there are no keys yet); returns
+    nginx.conf's path, checked by `nginx -t`."""
+    import subprocess
+
+    from serving.gateway import keys
+
+    directory, key_dir = state_dir(config), keys.keys_dir(config)
+    for sub in ("tmp", "limits.d"):
+        (directory / sub).mkdir(parents=True, exist_ok=True)
+    if not (key_dir / keys.MAP_FILE).is_file():
+        key_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        atomic_write(key_dir / keys.MAP_FILE, "", mode=0o600)
+    conf, limits = render(config, directory, key_dir, consumers)
+    atomic_write(directory / LIMITS_FILE, limits)
+    atomic_write(directory / CONF_FILE, conf)
+    checked = subprocess.run([binary(), "-t", "-q", "-c", str(directory / CONF_FILE), "-p", str(directory)],
+                             capture_output=True, text=True)
+    if checked.returncode != 0:
+        lines = checked.stderr.strip().splitlines() or ["?"]
+        raise ConfigError("the rendered gateway configuration is refused by nginx: " +
+                          next((line for line in lines if "[emerg]" in line), lines[-1]))
+    return directory / CONF_FILE
+
+
+def consumers_of(config) -> dict:
+    from serving.gateway import keys
+
+    return {name: {"rpm": v["rpm"], "tpm": v.get("tpm", 0)} for name, v in keys.read(keys.keys_dir(config)).items()}
+
+
+def running(config) -> dict | None:
+    path = state_dir(config) / STATE_FILE
+    if path.is_file():
+        state = json.loads(path.read_text())
+        if group_alive(state["pid"]):
+            return state
+    return None
+
+
+def start(config, timeout_s: float = 20) -> dict:
+    """Start nginx (or find it running: its configuration is rendered again and reloaded); returns its state."""
+    import urllib.request
+
+    state = running(config)
+    if state:
+        reload(config)
+        return state
+    g = config.gateway
+    if port_in_use(g.port, "127.0.0.1" if g.host in ("0.0.0.0", "::") else g.host):
+        raise ConfigError(f"gateway.port {g.port} is in use; stop what holds it or pick another port")
+    conf = write(config, consumers_of(config))
+    directory = state_dir(config)
+    proc = start_group([binary(), "-c", str(conf), "-p", str(directory)], directory / "nginx.log", directory,
+                       dict(os.environ))
+    host = "127.0.0.1" if g.host in ("0.0.0.0", "::") else g.host
+    state = {"pid": proc.pid, "url": f"http://{host}:{g.port}", "host": g.host, "port": g.port,
+             "pools": pools(config), "split": g.split}
+    atomic_write(directory / STATE_FILE, json.dumps(state))
+
+    def answers() -> bool:
+        with urllib.request.urlopen(f"{state['url']}/gateway/health", timeout=2) as reply:
+            return reply.status == 200
+
+    if wait_ready(proc, answers, timeout_s, 0.05) != "ready":
+        stop(config)
+        raise ConfigError("the gateway did not start; last lines of its error log:\n" +
+                          log_tail(directory / "error.log", 10) + log_tail(directory / "nginx.log", 10))
+    return state
+
+
+def reload(config, timeout_s: float = 5) -> bool:
+    """Render again and have the running nginx take the new configuration (SIGHUP: new workers with it, the old
+    ones finish the requests they hold); False when no gateway runs. Returns once the new workers run."""
+    state = running(config)
+    write(config, consumers_of(config))
+    if not state:
+        return False
+    directory = state_dir(config)
+    before = _workers(int((directory / "nginx.pid").read_text()))
+    os.kill(int((directory / "nginx.pid").read_text()), signal.SIGHUP)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        # in force once a new worker runs and every old one has stopped taking connections (nginx retitles it
+        # "worker process is shutting down" and lets it finish the requests it holds)
+        now = _workers(int((directory / "nginx.pid").read_text()))
+        if now - before and all(not _accepting(pid) for pid in before & now):
+            return True
+        time.sleep(0.01)
+    raise ConfigError("the gateway did not take the new configuration; see " + str(directory / "error.log"))
+
+
+def _accepting(pid: int) -> bool:
+    try:
+        return b"shutting down" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def _workers(master: int) -> set[int]:
+    from core.processes import children_map
+
+    return set(children_map().get(master, []))
+
+
+def stop(config) -> bool:
+    return stop_recorded(state_dir(config) / STATE_FILE, steps=((15, 10.0), (9, 5.0)))
