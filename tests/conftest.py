@@ -24,8 +24,8 @@ INTEGRATION = Path(__file__).resolve().parent / "integration"
 
 # The modules that use the session's trained model (the `trained` / `exported` fixtures below). Under pytest-xdist they
 # share one worker: the model is built once and its registry changes in one order.
-SHARED_MODEL_MODULES = {"test_evaluate", "test_export", "test_finetune", "test_generate", "test_serving",
-                        "test_serving_faults"}
+SHARED_MODEL_MODULES = {"test_evaluate", "test_export", "test_finetune", "test_gateway", "test_generate",
+                        "test_serving", "test_serving_faults"}
 
 
 def pytest_collection_modifyitems(items):

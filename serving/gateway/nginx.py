@@ -18,6 +18,7 @@ What the rendered configuration does, for every /v1/ request:
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -67,8 +68,13 @@ def render(config, directory: Path, keys_directory: Path, consumers: dict) -> tu
     by_pool = pools(config)
     names = sorted(consumers)
     limits = ["# per-consumer limits (rendered from keys.json by make gateway-key: nginx reloads them)"]
-    limits.append("map $consumer $consumer_tpm {\n    default 0;\n" + "".join(
-        f'    "{n}" {int(consumers[n].get("tpm", 0))};\n' for n in names) + "}")
+    # Each replica enforces its share of a consumer's tokens per minute: the pool's share of the requests (split)
+    # spread over its replicas (round robin), so the replicas together hold the consumer to its budget, give or
+    # take one request per replica (serving/server/consumers.py)
+    shares = {p: (g.split.get(p, 0) if g.split else 100) / 100 / len(urls) for p, urls in by_pool.items()}
+    limits.append('map "$pool $consumer" $consumer_tpm {\n    default 0;\n' + "".join(
+        f'    "pool_{p} {n}" {math.ceil(consumers[n]["tpm"] * shares[p]) if consumers[n].get("tpm") else 0};\n'
+        for p in by_pool for n in names) + "}")
     limits.append("map $consumer $retry_after {\n    default 60;\n" + "".join(
         f'    "{n}" {max(1, -(-60 // int(consumers[n]["rpm"])))};\n' for n in names) + "}")
     zone = {n: "rpm_" + n.encode().hex() for n in names}  # (a consumer's zone keeps its name across reloads)

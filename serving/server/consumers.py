@@ -41,8 +41,9 @@ class TokenBudgets:
                 if over < 0:
                     wait = at + WINDOW_S - self.clock()
                     break
-        raise RequestError("rate_limited", f"consumer {consumer!r} used {spent} tokens in the last minute; its budget "
-                           f"is {tokens_per_minute} tokens per minute", retry_after=max(1, math.ceil(wait)))
+        raise RequestError("rate_limited", f"consumer {consumer!r} is over its tokens-per-minute budget ({spent} tokens "
+                           f"in the last minute; this replica's share of the budget: {tokens_per_minute})",
+                           retry_after=max(1, math.ceil(wait)))
 
     def spend(self, consumer: str, tokens: int) -> None:
         if consumer == DIRECT or tokens <= 0:

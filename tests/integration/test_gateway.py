@@ -1,0 +1,234 @@
+"""The API gateway (make gateway: real nginx) in front of two real replicas of the session's export: keys, per-key
+requests per minute, token budgets, revocation without restart, usage per consumer equal to the answers' `usage`,
+a consumer header clients cannot forge, failover when a replica is killed, a weighted split."""
+import json
+import re
+import signal
+import threading
+import time
+from collections import Counter
+
+import pytest
+import requests
+
+from helpers import cli, serving_ports
+from core.processes import descendants, free_port, group_alive, signal_pids
+
+pytestmark = pytest.mark.slow
+MODEL = "test-model"
+
+
+def start_replica(exported, root, name):
+    overrides = [*exported["overrides"], *serving_ports(), "serving.workers=1", f"training.runs_dir={root / name}"]
+    proc = cli(["serve", "--config", str(exported["config"]), "--model", str(exported["export_dir"]), *overrides],
+               exported["uri"])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    state = json.loads((root / name / "serving" / "server.json").read_text())
+    return {"name": name, "overrides": overrides, "state": state, "url": state["api_url"]}
+
+
+def stop_replica(exported, replica):
+    cli(["stop", "--config", str(exported["config"]), *replica["overrides"]], exported["uri"])
+
+
+@pytest.fixture(scope="module")
+def gateway(exported, tmp_path_factory):
+    root = tmp_path_factory.mktemp("gateway")
+    replicas = [start_replica(exported, root, name) for name in ("a", "b")]
+    settings = [f"gateway.port={free_port()}", f"gateway.state_dir={root / 'gw'}", f"gateway.keys_dir={root / 'keys'}",
+                f"gateway.backends=[{replicas[0]['url']}, {replicas[1]['url']}]", "gateway.fail_timeout_s=2"]
+    proc = cli(["gateway", "--config", str(exported["config"]), *settings], exported["uri"])
+    try:
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        url = re.search(r"^url: (\S+)$", proc.stdout, re.M).group(1)
+        yield {**exported, "root": root, "replicas": replicas, "settings": settings, "url": url}
+    finally:
+        stopped = cli(["gateway-stop", "--config", str(exported["config"]), *settings], exported["uri"])
+        for replica in replicas:
+            stop_replica(exported, replica)
+    assert "gateway stopped" in stopped.stdout
+
+
+def new_key(gw, name, rpm, tpm=0) -> str:
+    proc = cli(["gateway-key", "--config", str(gw["config"]), "--name", name, "--rpm", str(rpm), "--tpm", str(tpm),
+                *gw["settings"]], gw["uri"])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    key = proc.stdout.strip().splitlines()[-1].removeprefix("key: ")
+    assert key.startswith("sk-") and proc.stdout.count(key) == 1  # (printed once, as the last line)
+    return key
+
+
+def ask(gw, key, headers=None, **body):
+    return requests.post(f"{gw['url']}/v1/completions", timeout=60, headers={
+        "Authorization": f"Bearer {key}", **(headers or {})}, json={"model": MODEL, "prompt": "快递", "max_tokens": 4,
+                                                                   "temperature": 0, **body})
+
+
+def test_the_openai_client_works_through_the_gateway_with_a_key(gateway):
+    import openai
+
+    key = new_key(gateway, "app", 1000)
+    client = openai.OpenAI(base_url=f"{gateway['url']}/v1", api_key=key, max_retries=0)
+    direct = openai.OpenAI(base_url=f"{gateway['replicas'][0]['url']}/v1", api_key="unused", max_retries=0)
+    asked = dict(model=MODEL, prompt="这本书", max_tokens=6, temperature=0)
+    answer = client.completions.create(**asked)
+    assert answer.choices[0].text == direct.completions.create(**asked).choices[0].text and answer.usage.total_tokens
+    streamed = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **asked))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == answer.choices[0].text
+    assert streamed[-1].usage.completion_tokens == answer.usage.completion_tokens
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    with pytest.raises(openai.AuthenticationError) as refused:
+        openai.OpenAI(base_url=f"{gateway['url']}/v1", api_key="sk-unknown", max_retries=0).completions.create(**asked)
+    assert refused.value.status_code == 401 and refused.value.body["code"] == "invalid_api_key"
+    reply = requests.post(f"{gateway['url']}/v1/completions", json=asked, timeout=10)  # (no key at all)
+    assert reply.status_code == 401 and reply.json()["error"]["code"] == "invalid_api_key"
+    too_big = ask(gateway, key, prompt="长" * 20000)
+    assert too_big.status_code == 413 and "request body" in too_big.json()["error"]["message"]
+    # the key is nowhere in the gateway's state (configuration, logs): only in the keys directory, owner-only
+    for path in (gateway["root"] / "gw").rglob("*"):
+        assert not path.is_file() or key not in path.read_text(errors="replace"), path
+    assert oct((gateway["root"] / "keys" / "keys.json").stat().st_mode & 0o777) == "0o600"
+
+
+def test_per_key_requests_and_tokens_per_minute_and_revocation(gateway):
+    key = new_key(gateway, "rpm5", 5)
+    assert [ask(gateway, key).status_code for _ in range(5)] == [200] * 5
+    limited = ask(gateway, key)
+    assert limited.status_code == 429 and limited.headers["Retry-After"] == "12"  # (60 s / 5 requests)
+    assert limited.json()["error"]["code"] == "rate_limited"
+
+    # refused once the last minute's answers reach 10 tokens: each of the 2 replicas holds half the budget, so give
+    # or take one request per replica
+    budget = new_key(gateway, "tpm", 1000, tpm=10)
+    spent = []
+    for _ in range(10):
+        reply = ask(gateway, budget)
+        if reply.status_code != 200:
+            break
+        spent.append(reply.json()["usage"]["total_tokens"])
+    assert reply.status_code == 429 and int(reply.headers["Retry-After"]) >= 1 and "over its tokens-per-minute budget" in \
+        reply.json()["error"]["message"]
+    assert sum(spent) >= 10 and sum(spent[:-2]) < 10, spent
+
+    revoked = new_key(gateway, "leaving", 10000)
+    codes, stop = [], threading.Event()
+
+    def traffic():
+        while not stop.is_set():
+            codes.append((time.monotonic(), ask(gateway, revoked).status_code))
+
+    thread = threading.Thread(target=traffic)
+    thread.start()
+    time.sleep(1.0)
+    proc = cli(["gateway-key", "--config", str(gateway["config"]), "--revoke", "leaving", *gateway["settings"]],
+               gateway["uri"])
+    revoked_at = time.monotonic()
+    time.sleep(1.5)
+    stop.set()
+    thread.join(30)
+    assert proc.returncode == 0 and "revoked leaving" in proc.stdout
+    assert {c for _, c in codes} == {200, 401}  # (no request failed otherwise while nginx reloaded)
+    assert all(c == 401 for t, c in codes if t > revoked_at + 1.0) and any(t > revoked_at + 1.0 for t, _ in codes)
+
+
+def test_usage_per_consumer_equals_the_answers_usage_and_the_header_cannot_be_forged(gateway):
+    keys = {name: new_key(gateway, name, 1000) for name in ("team-a", "team-b")}
+    sums = {name: Counter() for name in keys}
+    for i in range(6):
+        for name, key in keys.items():
+            # team-a claims to be team-b: nginx replaces the header, the tokens are team-a's
+            reply = ask(gateway, key, headers={"X-Pipeline-Consumer": "team-b"} if name == "team-a" else None,
+                        max_tokens=3 + i, prompt="人工智能"[:1 + i % 4])
+            assert reply.status_code == 200
+            sums[name].update(reply.json()["usage"])
+            assert reply.headers["X-Model-Version"] == "1" and reply.headers["X-Model-Name"] == MODEL
+        events = requests.post(f"{gateway['url']}/v1/completions", stream=True, timeout=60, headers={
+            "Authorization": f"Bearer {keys['team-b']}"}, json={"model": MODEL, "prompt": "好", "max_tokens": 5,
+                                                                 "stream": True, "stream_options": {"include_usage": True}})
+        last = [json.loads(line[6:]) for line in events.iter_lines(decode_unicode=True)
+                if line.startswith("data: {")][-1]
+        sums["team-b"].update(last["usage"])
+    proc = cli(["gateway-usage", "--config", str(gateway["config"]), *gateway["settings"]], gateway["uri"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {line.split()[0]: [int(x) for x in line.split()[1:]] for line in proc.stdout.splitlines()[1:]
+            if line.split() and line.split()[0] in keys}
+    assert rows["team-a"] == [6, sums["team-a"]["prompt_tokens"], sums["team-a"]["completion_tokens"], 0]
+    assert rows["team-b"] == [12, sums["team-b"]["prompt_tokens"], sums["team-b"]["completion_tokens"], 0]
+
+
+def test_a_replica_killed_under_load_loses_no_request_and_comes_back(gateway):
+    key = new_key(gateway, "load", 100000)
+    victim = gateway["replicas"][0]
+    failures, answered, stop = [], Counter(), threading.Event()
+
+    def client():
+        while not stop.is_set():
+            try:
+                reply = ask(gateway, key, max_tokens=8)
+                if reply.status_code == 200:
+                    answered["ok"] += 1
+                else:
+                    failures.append(reply.status_code)
+            except requests.RequestException as exc:
+                failures.append(repr(exc))
+
+    threads = [threading.Thread(target=client) for _ in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(2)
+    stream = requests.post(f"{gateway['url']}/v1/completions", stream=True, timeout=30, headers={
+        "Authorization": f"Bearer {key}"}, json={"model": MODEL, "prompt": "好", "max_tokens": 64, "stream": True})
+    pid = victim["state"]["pid"]
+    signal_pids([*reversed(descendants(pid)), pid], signal.SIGKILL)
+    started = time.monotonic()
+    try:  # a stream under way ends (completed, or cut with an error), never hangs
+        list(stream.iter_lines())
+    except requests.RequestException:
+        pass
+    assert time.monotonic() - started < 30
+    time.sleep(3)
+    stop.set()
+    for t in threads:
+        t.join(60)
+    assert not group_alive(pid) and failures == [] and answered["ok"] > 20, (failures, answered)
+    # back: make serve again on the same ports; the gateway sends it requests again without a restart
+    back = start_replica_again(gateway, victim)
+    time.sleep(2.5)  # (gateway.fail_timeout_s)
+    port = victim["url"].rsplit(":", 1)[1]
+    log = gateway["root"] / "gw" / "access.log"
+    before = len(log.read_text().splitlines())
+    assert all(ask(gateway, key).status_code == 200 for _ in range(10))
+    served = [json.loads(line)["upstream"] for line in log.read_text().splitlines()[before:]]
+    assert any(u.endswith(f":{port}") for u in served), served
+    gateway["replicas"][0] = back
+
+
+def start_replica_again(gw, replica):
+    proc = cli(["serve", "--config", str(gw["config"]), "--model", str(gw["export_dir"]), *replica["overrides"]],
+               gw["uri"])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    state = json.loads((gw["root"] / replica["name"] / "serving" / "server.json").read_text())
+    return {**replica, "state": state}
+
+
+def test_a_weighted_split_between_pools(gateway):
+    """gateway.split 90/10 between two pools (one replica each) over 1,000 requests: within 3 points."""
+    a, b = (r["url"] for r in gateway["replicas"])
+    settings = [f"gateway.port={free_port()}", f"gateway.state_dir={gateway['root'] / 'split'}",
+                f"gateway.keys_dir={gateway['root'] / 'keys'}", f"gateway.backends={{champion: [{a}], challenger: [{b}]}}",
+                "gateway.split={champion: 90, challenger: 10}"]
+    key = new_key(gateway, "split", 100000)  # (in the shared keys directory, before this gateway starts)
+    proc = cli(["gateway", "--config", str(gateway["config"]), *settings], gateway["uri"])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    try:
+        url = re.search(r"^url: (\S+)$", proc.stdout, re.M).group(1)
+        session = requests.Session()
+        pools = Counter()
+        for _ in range(1000):
+            reply = session.post(f"{url}/v1/completions", timeout=30, headers={"Authorization": f"Bearer {key}"},
+                                 json={"model": MODEL, "prompt": "好", "max_tokens": 1})
+            assert reply.status_code == 200
+            pools[reply.headers["X-Gateway-Pool"]] += 1
+        assert abs(pools["pool_champion"] / 1000 - 0.9) <= 0.03, pools
+    finally:
+        cli(["gateway-stop", "--config", str(gateway["config"]), *settings], gateway["uri"])
