@@ -206,7 +206,9 @@ class ServingConfig:
     rpc_port: int = 18181
     api_port: int = 18182  # /v1/completions, /v1/chat/completions, /v1/models, /health/live, /health/ready
     metrics_port: int = 18183  # Prometheus /metrics
-    host: str = "127.0.0.1"  # where the api and metrics ports listen (Paddle Serving's own ports: every interface)
+    # where the api, metrics and Paddle Serving's gRPC ports listen (Paddle Serving's HTTP port: every interface, fixed
+    # inside its compiled gateway); behind `make gateway`, loopback
+    host: str = "127.0.0.1"
     # kv_cache: prefill + decode programs, continuous batching; full: re-run the full-sequence graph for every token
     generation: str = "kv_cache"
     # continuous: requests join the running batch between decode steps; static: a batch is formed only when nothing

@@ -18,6 +18,9 @@
     rotated files on a busy server). `quiet_pipeline_log()` sets Paddle Serving's own loggers to WARNING: its
     warnings and errors still reach pipeline.log and pipeline.log.wf; requests are counted by serving/server/metrics.py.
   `PIPELINE_SERVING_FIXES=off` leaves both as shipped (benchmarks: before/after in one run).
+- its gRPC server binds `[::]:<rpc_port>`, every interface, hard-coded (pipeline_server.py): `grpc_bind(host)` makes
+  that `<serving.host>:<rpc_port>` (loopback by default, behind the gateway). Its Go HTTP gateway
+  (libproxy_server.so) binds `:<http_port>` inside the compiled library, out of reach: docs/gateway.md says so.
 """
 import importlib.util
 import os
@@ -42,6 +45,23 @@ def server_fixes() -> bool:
     quiet_channel_wakeups()
     quiet_pipeline_log()
     return True
+
+
+def grpc_bind(host: str) -> None:
+    """Paddle Serving's gRPC port on `host` instead of every interface (see the module's docstring)."""
+    from grpc import _server
+
+    shipped = _server._Server.add_insecure_port
+    if getattr(shipped, "bound_to", None) == host:
+        return
+
+    def add_insecure_port(self, address):
+        if address.startswith("[::]:"):
+            address = f"{'[' + host + ']' if ':' in host else host}:{address.rsplit(':', 1)[1]}"
+        return shipped(self, address)
+
+    add_insecure_port.bound_to = host
+    _server._Server.add_insecure_port = add_insecure_port
 
 
 def quiet_pipeline_log() -> None:

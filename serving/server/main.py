@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--follow", default="", help="a models:/ reference to follow (serving/server/follow.py)")
     args = parser.parse_args()
     from core.config import load_config
-    from core.workarounds.paddle_serving import server_fixes
+    from core.workarounds.paddle_serving import grpc_bind, server_fixes
     from serving.server.openai.api_server import ApiServer
     from serving.server.metrics import ServingMetrics
 
@@ -53,6 +53,7 @@ def main() -> None:
     if follower:
         signal.signal(signal.SIGHUP, lambda *_: follower.trigger())
     server_fixes()  # (Paddle Serving: one Op thread woken per request, not all of them; no per-request log records)
+    grpc_bind(s.host)  # (its gRPC port on serving.host, not every interface)
     service = make_service(dispatcher, limits, metrics)(name=s.service_name)
     service.prepare_pipeline_config(args.config)
     service.run_service()
