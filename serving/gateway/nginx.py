@@ -61,52 +61,7 @@ def _address(url: str) -> str:
     return url.split("://", 1)[1].rstrip("/")
 
 
-def render(config, directory: Path, keys_directory: Path, consumers: dict) -> tuple[str, str]:
-    """(nginx.conf, limits.conf): the whole configuration for `consumers` ({name: {"rpm", "tpm"}}, keys.json
-    without the keys), state in `directory`, the key map in `keys_directory`."""
-    g, s = config.gateway, config.serving
-    by_pool = pools(config)
-    names = sorted(consumers)
-    limits = ["# per-consumer limits (rendered from keys.json by make gateway-key: nginx reloads them)"]
-    # Each replica enforces its share of a consumer's tokens per minute: the pool's share of the requests (split)
-    # spread over its replicas (round robin), so the replicas together hold the consumer to its budget, give or
-    # take one request per replica (serving/server/consumers.py)
-    shares = {p: (g.split.get(p, 0) if g.split else 100) / 100 / len(urls) for p, urls in by_pool.items()}
-    limits.append('map "$pool $consumer" $consumer_tpm {\n    default 0;\n' + "".join(
-        f'    "pool_{p} {n}" {math.ceil(consumers[n]["tpm"] * shares[p]) if consumers[n].get("tpm") else 0};\n'
-        for p in by_pool for n in names) + "}")
-    limits.append("map $consumer $retry_after {\n    default 60;\n" + "".join(
-        f'    "{n}" {max(1, -(-60 // int(consumers[n]["rpm"])))};\n' for n in names) + "}")
-    zone = {n: "rpm_" + n.encode().hex() for n in names}  # (a consumer's zone keeps its name across reloads)
-    for n in names:
-        limits.append(f'map $consumer ${zone[n]} {{\n    default "";\n    "{n}" $consumer;\n}}\n'
-                      f'limit_req_zone ${zone[n]} zone={zone[n]}:1m rate={int(consumers[n]["rpm"])}r/m;')
-    request_limits = "".join(f"limit_req zone={zone[n]} burst={max(0, int(consumers[n]['rpm']) - 1)} nodelay;\n"
-                             for n in names)
-    (directory / "limits.d").mkdir(parents=True, exist_ok=True)
-    atomic_write(directory / "limits.d" / "requests.conf", request_limits)
-    upstreams = "\n".join(
-        f"    upstream pool_{name} {{\n" + "".join(
-            f"        server {_address(u)} max_fails=1 fail_timeout={g.fail_timeout_s}s;\n" for u in urls) +
-        "        keepalive 32;\n    }" for name, urls in by_pool.items())
-    if g.split:
-        rest = [p for p in by_pool if g.split[p] > 0]
-        choose = ('    split_clients "${request_id}" $pool {\n' + "".join(
-            f"        {g.split[p]}% pool_{p};\n" for p in rest[:-1]) + f"        * pool_{rest[-1]};\n    }}")
-    else:
-        choose = f'    map "" $pool {{\n        default pool_{next(iter(by_pool))};\n    }}'
-    tries = max(len(urls) for urls in by_pool.values())
-    unauthorized = json.dumps({"error": {"message": "missing or unknown API key: send `Authorization: Bearer <key>` "
-                                         "(make gateway-key)", "type": "invalid_request_error", "param": None,
-                                         "code": "invalid_api_key"}})
-    limited = json.dumps({"error": {"message": "too many requests for this key (its requests per minute)",
-                                    "type": "rate_limit_error", "param": None, "code": "rate_limited"}})
-    too_large = json.dumps({"error": {"message": f"the request body is over {s.max_request_bytes} bytes",
-                                      "type": "invalid_request_error", "param": None, "code": "bad_request"}})
-    log = ("'{\"time\":\"$time_iso8601\",\"consumer\":\"$consumer\",\"method\":\"$request_method\",\"uri\":\"$uri\","
-           "\"status\":$status,\"pool\":\"$pool\",\"upstream\":\"$upstream_addr\","
-           "\"upstream_status\":\"$upstream_status\",\"request_time\":$request_time}'")
-    conf = f"""# Rendered by `make gateway` from the settings (serving/gateway/nginx.py); edits are overwritten.
+CONF = """# Rendered by `make gateway` from the settings (serving/gateway/nginx.py); edits are overwritten.
 daemon off;
 worker_processes 1;
 pid {directory}/nginx.pid;
@@ -128,7 +83,7 @@ http {{
         default "";
         include {keys_directory}/keys.map;
     }}
-    include {directory}/{LIMITS_FILE};
+    include {directory}/{limits_file};
     log_format usage escape=json {log};
     access_log {directory}/access.log usage;
 
@@ -136,20 +91,20 @@ http {{
 {choose}
 
     server {{
-        listen {g.host}:{g.port};
-        client_max_body_size {s.max_request_bytes};
-        client_body_buffer_size {s.max_request_bytes};
+        listen {host}:{port};
+        client_max_body_size {max_bytes};
+        client_body_buffer_size {max_bytes};
         limit_req_status 429;
         proxy_http_version 1.1;
         proxy_set_header Connection "";
         proxy_set_header Host $host;
         proxy_set_header Authorization "";
-        proxy_set_header {CONSUMER_HEADER} $consumer;
-        proxy_set_header {TPM_HEADER} $consumer_tpm;
+        proxy_set_header {consumer_header} $consumer;
+        proxy_set_header {tpm_header} $consumer_tpm;
         proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
         proxy_buffering off;
         proxy_connect_timeout 2s;
-        proxy_read_timeout {int(s.request_timeout_s) + 30}s;
+        proxy_read_timeout {read_timeout}s;
         proxy_next_upstream error timeout http_502 http_503 non_idempotent;
         proxy_next_upstream_tries {tries};
         add_header X-Gateway-Pool $pool always;
@@ -179,7 +134,74 @@ http {{
     }}
 }}
 """
-    return conf, "\n".join(limits) + "\n"
+
+
+def render(config, directory: Path, keys_directory: Path, consumers: dict) -> tuple[str, str]:
+    """(nginx.conf, limits.conf): the whole configuration for `consumers` ({name: {"rpm", "tpm"}}, keys.json
+    without the keys), state in `directory`, the key map in `keys_directory`."""
+    g, s = config.gateway, config.serving
+    by_pool = pools(config)
+    limits, request_limits = _limits(config, consumers)
+    (directory / "limits.d").mkdir(parents=True, exist_ok=True)
+    atomic_write(directory / "limits.d" / "requests.conf", request_limits)
+    upstreams, choose = _pools(config)
+    tries = max(len(urls) for urls in by_pool.values())
+    unauthorized = json.dumps({"error": {"message": "missing or unknown API key: send `Authorization: Bearer <key>` "
+                                         "(make gateway-key)", "type": "invalid_request_error", "param": None,
+                                         "code": "invalid_api_key"}})
+    limited = json.dumps({"error": {"message": "too many requests for this key (its requests per minute)",
+                                    "type": "rate_limit_error", "param": None, "code": "rate_limited"}})
+    too_large = json.dumps({"error": {"message": f"the request body is over {s.max_request_bytes} bytes",
+                                      "type": "invalid_request_error", "param": None, "code": "bad_request"}})
+    log = ("'{\"time\":\"$time_iso8601\",\"consumer\":\"$consumer\",\"method\":\"$request_method\",\"uri\":\"$uri\","
+           "\"status\":$status,\"pool\":\"$pool\",\"upstream\":\"$upstream_addr\","
+           "\"upstream_status\":\"$upstream_status\",\"request_time\":$request_time}'")
+    conf = CONF.format(directory=directory, keys_directory=keys_directory, limits_file=LIMITS_FILE, log=log,
+                       upstreams=upstreams, choose=choose, host=g.host, port=g.port, max_bytes=s.max_request_bytes,
+                       consumer_header=CONSUMER_HEADER, tpm_header=TPM_HEADER,
+                       read_timeout=int(s.request_timeout_s) + 30, tries=tries, unauthorized=unauthorized,
+                       limited=limited, too_large=too_large)
+    return conf, limits
+
+
+def _limits(config, consumers: dict) -> tuple[str, str]:
+    """(limits.conf: per-consumer maps and limit_req zones, requests.conf: the location's limit_req lines)."""
+    g = config.gateway
+    by_pool, names = pools(config), sorted(consumers)
+    limits = ["# per-consumer limits (rendered from keys.json by make gateway-key: nginx reloads them)"]
+    # Each replica enforces its share of a consumer's tokens per minute: the pool's share of the requests (split)
+    # spread over its replicas (round robin), so the replicas together hold the consumer to its budget, give or
+    # take one request per replica (serving/server/consumers.py)
+    shares = {p: (g.split.get(p, 0) if g.split else 100) / 100 / len(urls) for p, urls in by_pool.items()}
+    limits.append('map "$pool $consumer" $consumer_tpm {\n    default 0;\n' + "".join(
+        f'    "pool_{p} {n}" {math.ceil(consumers[n]["tpm"] * shares[p]) if consumers[n].get("tpm") else 0};\n'
+        for p in by_pool for n in names) + "}")
+    limits.append("map $consumer $retry_after {\n    default 60;\n" + "".join(
+        f'    "{n}" {max(1, -(-60 // int(consumers[n]["rpm"])))};\n' for n in names) + "}")
+    zone = {n: "rpm_" + n.encode().hex() for n in names}  # (a consumer's zone keeps its name across reloads)
+    for n in names:
+        limits.append(f'map $consumer ${zone[n]} {{\n    default "";\n    "{n}" $consumer;\n}}\n'
+                      f'limit_req_zone ${zone[n]} zone={zone[n]}:1m rate={int(consumers[n]["rpm"])}r/m;')
+    request_limits = "".join(f"limit_req zone={zone[n]}" + (f" burst={int(consumers[n]['rpm']) - 1} nodelay"
+                                                            if int(consumers[n]["rpm"]) > 1 else "") + ";\n"
+                             for n in names)
+    return "\n".join(limits) + "\n", request_limits
+
+
+def _pools(config) -> tuple[str, str]:
+    """(the upstream blocks, one per pool; how $pool is chosen: split_clients by weight, or the one pool)."""
+    g, by_pool = config.gateway, pools(config)
+    upstreams = "\n".join(
+        f"    upstream pool_{name} {{\n" + "".join(
+            f"        server {_address(u)} max_fails=1 fail_timeout={g.fail_timeout_s}s;\n" for u in urls) +
+        "        keepalive 32;\n    }" for name, urls in by_pool.items())
+    if g.split:
+        rest = [p for p in by_pool if g.split[p] > 0]
+        choose = ('    split_clients "${request_id}" $pool {\n' + "".join(
+            f"        {g.split[p]}% pool_{p};\n" for p in rest[:-1]) + f"        * pool_{rest[-1]};\n    }}")
+    else:
+        choose = f'    map "" $pool {{\n        default pool_{next(iter(by_pool))};\n    }}'
+    return upstreams, choose
 
 
 def write(config, consumers: dict) -> Path:

@@ -127,6 +127,13 @@ class ApiServer:
         async def chat(request: HttpRequest):
             return await self._serve(request, chat=True)
 
+        self._error_handlers(app)
+        return app
+
+    def _error_handlers(self, app) -> None:
+        """RequestError in OpenAI's error shape (429s with Retry-After when known); unknown routes 404."""
+        from fastapi.responses import JSONResponse
+
         @app.exception_handler(RequestError)
         async def refused(request, exc: RequestError):
             if self.metrics:
@@ -146,8 +153,6 @@ class ApiServer:
         async def wrong_method(request, exc):
             return JSONResponse({"error": {"message": f"no route {request.method} {request.url.path}",
                                            "type": "invalid_request_error", "param": None, "code": "not_found"}}, 404)
-
-        return app
 
     def start(self, host: str, port: int) -> None:
         import uvicorn

@@ -1,0 +1,79 @@
+"""The gateway's nginx.conf (serving/gateway/nginx.py render) follows the settings, and nginx itself accepts it."""
+import re
+import subprocess
+
+import pytest
+
+from core.config import ConfigError, load_config
+from serving.gateway import keys, nginx
+
+
+def rendered(tmp_path, *overrides, consumers=None):
+    config = load_config(None, [f"gateway.state_dir={tmp_path / 'gw'}", f"gateway.keys_dir={tmp_path / 'keys'}",
+                                *overrides])
+    path = nginx.write(config, consumers or {})
+    return config, path.read_text(), (path.parent / nginx.LIMITS_FILE).read_text(), \
+        (path.parent / "limits.d" / "requests.conf").read_text()
+
+
+def test_the_rendered_configuration_follows_the_settings(tmp_path):
+    config, conf, limits, requests = rendered(
+        tmp_path, "gateway.port=18555", "gateway.host=127.0.0.2", "gateway.fail_timeout_s=7",
+        "gateway.backends={champion: [http://127.0.0.1:1001, http://127.0.0.1:1002], challenger: [http://10.0.0.5:1003]}",
+        "gateway.split={champion: 80, challenger: 20}", "serving.max_request_bytes=5000",
+        consumers={"team-a": {"rpm": 6, "tpm": 1000}, "b.c": {"rpm": 100, "tpm": 0}})
+    assert "listen 127.0.0.2:18555;" in conf and "client_max_body_size 5000;" in conf
+    pools = dict(re.findall(r"upstream (pool_\w+) \{(.*?)\}", conf, re.S))
+    assert re.findall(r"server (\S+) max_fails=1 fail_timeout=7s;", pools["pool_champion"]) == \
+        ["127.0.0.1:1001", "127.0.0.1:1002"]
+    assert re.findall(r"server (\S+) ", pools["pool_challenger"]) == ["10.0.0.5:1003"]
+    assert re.search(r"split_clients \"\$\{request_id\}\" \$pool \{\s+80% pool_champion;\s+\* pool_challenger;", conf)
+    assert "proxy_next_upstream_tries 2;" in conf and "non_idempotent" in conf
+    # the consumer header is nginx's: set from the key map, never the client's
+    assert "proxy_set_header X-Pipeline-Consumer $consumer;" in conf and 'proxy_set_header Authorization "";' in conf
+    assert f"include {tmp_path / 'keys'}/keys.map;" in conf
+    # per consumer: RPM zone (burst RPM - 1), Retry-After 60 / RPM, TPM share = TPM x pool share / replicas
+    assert sorted(requests.splitlines()) == sorted([
+        f"limit_req zone=rpm_{'team-a'.encode().hex()} burst=5 nodelay;",
+        f"limit_req zone=rpm_{'b.c'.encode().hex()} burst=99 nodelay;"])
+    assert f"zone=rpm_{'team-a'.encode().hex()}:1m rate=6r/m;" in limits
+    assert '"team-a" 10;' in limits and '"b.c" 1;' in limits  # (Retry-After)
+    assert '"pool_champion team-a" 400;' in limits and '"pool_challenger team-a" 200;' in limits
+    assert '"pool_champion b.c" 0;' in limits
+
+
+def test_one_pool_by_default_and_bad_settings_refused(tmp_path):
+    config, conf, _, requests = rendered(tmp_path, "serving.api_port=19182")
+    assert re.search(r"upstream pool_default \{\s+server 127.0.0.1:19182 ", conf) and requests == ""
+    assert "listen 0.0.0.0:18190;" in conf
+    for overrides, message in [
+        (["gateway.split={a: 90, b: 10}"], "one weight for each pool"),
+        (["gateway.backends={a: [http://x:1], b: [http://y:2]}", "gateway.split={a: 90, b: 20}"], "summing to 100"),
+        (["gateway.backends={a: [http://x:1], b: [http://y:2]}"], "several pools need gateway.split"),
+        (["gateway.backends=[localhost:1]"], "a list of base URLs"),
+        (["gateway.port=18182"], "one of the server's own ports"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, overrides)
+
+
+def test_keys_are_kept_owner_only_and_named_safely(tmp_path):
+    key = keys.create(tmp_path, "team-a", 5, 100)
+    assert key.startswith("sk-") and len(key) > 40
+    assert oct((tmp_path / keys.KEYS_FILE).stat().st_mode & 0o777) == "0o600"
+    assert (tmp_path / keys.MAP_FILE).read_text() == f'"Bearer {key}" "team-a";\n'
+    assert keys.create(tmp_path, "team-a", 5) != key and len(keys.read(tmp_path)) == 1  # (replaced)
+    for name in ("", "a b", 'x";', "../etc"):
+        with pytest.raises(ConfigError, match="a consumer name"):
+            keys.create(tmp_path, name, 5)
+    with pytest.raises(ConfigError, match="RPM must be >= 1"):
+        keys.create(tmp_path, "c", 0)
+    assert keys.revoke(tmp_path, "team-a") and not keys.revoke(tmp_path, "team-a")
+    assert (tmp_path / keys.MAP_FILE).read_text() == ""
+
+
+def test_nginx_accepts_the_rendered_configuration(tmp_path):
+    _, _, _, _ = rendered(tmp_path, consumers={"a": {"rpm": 1, "tpm": 5}})
+    checked = subprocess.run([nginx.binary(), "-t", "-c", str(tmp_path / "gw" / nginx.CONF_FILE), "-p",
+                              str(tmp_path / "gw")], capture_output=True, text=True)
+    assert checked.returncode == 0 and "syntax is ok" in checked.stderr, checked.stderr
