@@ -304,6 +304,9 @@ class FinetuneConfig:
     # separate (LoRA collapsed onto one answer, docs/finetune.md "Why LoRA trains the head")
     lora_trainable: list = field(default_factory=lambda: ["lm_head.weight"])
     review_chars: int = 96  # the built-in task: a review longer than this is cut to its first review_chars characters
+    # the built-in task: this share of the training conversations carry what a chat UI sends before the question (a
+    # system prompt, earlier reviews with their answers, a greeting), so the answer holds in a conversation
+    context_share: float = 0.3
     base_experiment: str = "tiny-zh-llama"  # where `make finetune` with no MODEL takes the best run
 
 
@@ -545,6 +548,7 @@ def _validate_finetune(config: Config) -> None:
     _require(isinstance(f.lora_trainable, list) and all(isinstance(t, str) and t for t in f.lora_trainable),
              "finetune.lora_trainable: a list of weight-name patterns (may be empty)")
     _require(f.review_chars >= 8, f"finetune.review_chars: must be >= 8, got {f.review_chars}")
+    _require(0 <= f.context_share <= 1, f"finetune.context_share: a share in 0..1, got {f.context_share}")
     _require(config.parallel.mode == "manual" or f.method == "full",
              "finetune.method=lora: PaddleNLP's LoRA wraps fleet's hybrid-parallel layers, not the semi-automatic "
              "API's; use parallel.mode=manual")

