@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                     "MLflow experiment bench)")
     p.add_argument("--quick", action="store_true", help="tiny settings: checks the harness, not the machine")
     p.add_argument("--out", default="", help="output directory (default reports/bench)")
-    p.add_argument("--sections", default="", help="comma-separated subset of: runtime, scaling, serving, generate, data")
+    p.add_argument("--sections", default="", help="comma-separated subset of: runtime, scaling, serving, generate, data, gateway")
     p.add_argument("--export", default="", help="serve and generate with this export directory (or models:/<name>/"
                                                 "<version|@alias>) instead of training and exporting one (the serving "
                                                 "and generate sections, and the peers)")

@@ -164,7 +164,7 @@ def load_test(url: str, clients: int, duration_s: float) -> dict:
 
 
 def stream_ttft(state: dict, model: str, clients: int, duration_s: float, max_tokens: int = NEW_TOKENS,
-                greedy: bool = False) -> dict:
+                greedy: bool = False, headers: dict | None = None) -> dict:
     """`clients` closed-loop streaming clients on the OpenAI route (`/v1/completions`, any server that has it: this
     project's or a peer's): time from sending to the first chunk that carries text, as a client sees it (p50 / p99),
     and to the last; generated tokens/s from each answer's usage (`stream_options.include_usage`). Sampled with a seed
@@ -181,7 +181,7 @@ def stream_ttft(state: dict, model: str, clients: int, duration_s: float, max_to
                     **({"temperature": 0} if greedy else {"temperature": 1.0, "seed": index * 1000 + k})}
             t0, seen, used = time.perf_counter(), None, 0
             try:
-                with session.post(url, json=body, stream=True, timeout=60) as response:
+                with session.post(url, json=body, stream=True, timeout=60, headers=headers) as response:
                     response.raise_for_status()
                     for line in response.iter_lines():
                         if not line.startswith(b"data: {"):

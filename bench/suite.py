@@ -124,7 +124,7 @@ print("BARE", json.dumps(out.metrics))
     return json.loads(line[5:])["train_runtime"] / steps
 
 
-SECTIONS = ("runtime", "scaling", "serving", "generate", "data")  # (serving and generate serve the scaling run's export)
+SECTIONS = ("runtime", "scaling", "serving", "generate", "data", "gateway")  # (serving and generate serve the scaling run's export)
 
 
 def out_dir(out: str | Path | None) -> Path:
@@ -145,7 +145,7 @@ def run(quick: bool = False, out: Path | None = None, sections: tuple[str, ...] 
         for name, v in results["runtime"]["settings"].items():
             print(f"[bench] {name}: {v['tokens_per_s']['median']:.0f} tok/s ({v['speedup_vs_before']:.2f}x before), "
                   f"MFU {v['mfu']['median']:.1%}, peak {v['matmul_peak_gflops']['median']:.0f} GFLOP/s", flush=True)
-    if export or (peers and not {"scaling", "serving", "generate"} & set(sections)):
+    if export or (peers and not {"scaling", "serving", "generate", "gateway"} & set(sections)):
         # (an export given -- a directory or models:/..., as make serve takes -- or only the peers, against the
         # default model's latest registered version: serve and generate with it, nothing trained)
         from core import registry
@@ -153,7 +153,7 @@ def run(quick: bool = False, out: Path | None = None, sections: tuple[str, ...] 
 
         export = str(registry.resolve(load_config(DEFAULT_CONFIG), export))
         _serve_and_generate(results, Path(export), out, quick, sections, peers)
-    elif {"scaling", "serving", "generate"} & set(sections) or peers:
+    elif {"scaling", "serving", "generate", "gateway"} & set(sections) or peers:
         _scaling_and_export(results, out, uri, quick, sections, peers)
     if "data" in sections:
         from bench import data_prep
@@ -201,6 +201,10 @@ def _serve_and_generate(results: dict, export_dir: Path, out: Path, quick: bool,
         results["serving"] = serving_load.run(export_dir, out, quick)
     if "generate" in sections:
         results["generate"] = batch_generate.run(export_dir, out, quick)
+    if "gateway" in sections:
+        from bench import gateway_load
+
+        results["gateway"] = gateway_load.run(export_dir, out, quick)
     if "vllm" in peers:  # (opt-in: its own environment, bench/peer_vllm.py)
         from bench import peer_vllm
 
@@ -463,6 +467,10 @@ def _stage_sections(r: dict) -> list[str]:
         lines += [""] + batch_generate.markdown(r["generate"])
     if "data" in r:
         lines += [""] + data_prep.markdown(r["data"])
+    if "gateway" in r:
+        from bench import gateway_load
+
+        lines += [""] + gateway_load.markdown(r["gateway"])
     if "peer_vllm" in r:
         from bench import peer_vllm
 

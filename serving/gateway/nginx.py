@@ -70,11 +70,11 @@ events {{
     worker_connections 4096;
 }}
 http {{
-    client_body_temp_path {directory}/tmp/body;
-    proxy_temp_path {directory}/tmp/proxy;
-    fastcgi_temp_path {directory}/tmp/fastcgi;
-    uwsgi_temp_path {directory}/tmp/uwsgi;
-    scgi_temp_path {directory}/tmp/scgi;
+    client_body_temp_path {directory}/body_temp;
+    proxy_temp_path {directory}/proxy_temp;
+    fastcgi_temp_path {directory}/fastcgi_temp;
+    uwsgi_temp_path {directory}/uwsgi_temp;
+    scgi_temp_path {directory}/scgi_temp;
     server_tokens off;
     default_type application/json;
     map_hash_bucket_size 256;  # (the key map's entries are "Bearer sk-<43 characters>")
@@ -212,8 +212,7 @@ def write(config, consumers: dict) -> Path:
     from serving.gateway import keys
 
     directory, key_dir = state_dir(config), keys.keys_dir(config)
-    for sub in ("tmp", "limits.d"):
-        (directory / sub).mkdir(parents=True, exist_ok=True)
+    (directory / "limits.d").mkdir(parents=True, exist_ok=True)
     if not (key_dir / keys.MAP_FILE).is_file():
         key_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         atomic_write(key_dir / keys.MAP_FILE, "", mode=0o600)

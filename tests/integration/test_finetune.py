@@ -3,6 +3,7 @@ template, resumed exactly after kill -9, exported with the adapters merged, eval
 served on the chat route with its template (the real `openai` client)."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -36,7 +37,7 @@ def tuned(trained, tmp_path_factory):
               "finetune.base_experiment=tests", f"training.max_steps={STEPS}", "training.save_interval=4",
               "training.eval_interval=4", "training.logging_interval=1", "training.seq_length=48",
               "training.global_batch_size=8", "parallel.micro_batch_size=8", "training.max_eval_batches=1",
-              "training.warmup_steps=1", "training.learning_rate=0.01", "finetune.lora_rank=4"]
+              "training.warmup_steps=1", "training.learning_rate=0.01", "finetune.method=lora", "finetune.lora_rank=4"]
     args = ["finetune", "--config", str(REPO_ROOT / "configs" / "tiny-chat.yaml"), "--data", str(data), *common]
     proc = cli([*args, "training.run_name=lora"], trained["uri"])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -65,14 +66,16 @@ def test_lora_learns_the_answers_only_names_its_base_and_resumes_exactly_after_k
     from safetensors.numpy import load_file
 
     checkpoint = tuned["run_dir"] / "checkpoints" / f"checkpoint-{STEPS}"
-    adapters = load_file(str(next(checkpoint.glob("peft_model*.safetensors"))))
-    assert adapters and all(k.endswith((".lora_A", ".lora_B")) for k in adapters)
+    # (and the weights trained whole beside them: finetune.lora_trainable, the LM head)
+    trained = load_file(str(next(checkpoint.glob("peft_model*.safetensors"))))
+    adapters = {k: v for k, v in trained.items() if k.endswith((".lora_A", ".lora_B"))}
+    assert adapters and set(trained) - set(adapters) == {"lm_head.weight"}
     base = load_file(str(next((tuned["run_dir"].parent / "base" / "checkpoints" / "checkpoint-12").glob(
         "model*.safetensors"))))
     assert sum(a.size for a in adapters.values()) < 0.01 * sum(w.size for w in base.values())
     memory = json.loads((tuned["run_dir"] / "memory" / "rank0.json").read_text())
-    assert memory["trainable_parameters"] == sum(a.size for a in adapters.values())
-    assert memory["parameters"] == sum(w.size for w in base.values()) + memory["trainable_parameters"]
+    assert memory["trainable_parameters"] == sum(a.size for a in trained.values())
+    assert memory["parameters"] == sum(w.size for w in base.values()) + sum(a.size for a in adapters.values())
     reference = metric_history(client, tuned["run_id"], "loss")
     assert sorted(reference) == list(range(1, STEPS + 1)) and reference[STEPS] < reference[1]
 
@@ -181,6 +184,14 @@ def test_the_chat_route_renders_the_fine_tuned_models_template(tuned):
             messages=messages, logprobs=True, top_logprobs=2, stream=True, **asked) if c.choices[0].logprobs]
         joined = [(t.token, len(t.top_logprobs)) for c in chunks for t in c.content]
         assert joined == [(t.token, len(t.top_logprobs)) for t in plain.choices[0].logprobs.content] and joined
+        # conversations out of shape: a 400 naming the fault, and the server answers the next one
+        for bad, fault in [(messages + [{"role": "user", "content": "再问"}], "role 'user' after 'user'"),
+                           ([{"role": "user", "content": ""}], "empty user content"),
+                           ([{"role": "robot", "content": "你好"}], "unknown role 'robot'"),
+                           ([{"role": "user", "content": "长" * 130}], "serving.max_prompt_chars=120")]:
+            with pytest.raises(openai.BadRequestError, match=re.escape(fault)):
+                client.chat.completions.create(messages=bad, **asked)
+        assert client.chat.completions.create(messages=messages, **asked).choices[0].message.content == answer
     finally:
         stopped = cli(["stop", *base, *overrides], tuned["uri"])
         assert stopped.returncode == 0, stopped.stderr[-2000:]

@@ -77,3 +77,39 @@ def test_nginx_accepts_the_rendered_configuration(tmp_path):
     checked = subprocess.run([nginx.binary(), "-t", "-c", str(tmp_path / "gw" / nginx.CONF_FILE), "-p",
                               str(tmp_path / "gw")], capture_output=True, text=True)
     assert checked.returncode == 0 and "syntax is ok" in checked.stderr, checked.stderr
+
+
+def test_the_kubernetes_gateway_is_the_rendered_configuration(tmp_path):
+    """deploy/kubernetes/gateway.yaml is what serving/gateway/kubernetes.py renders from the default settings (no
+    consumers: keys come from the operator's Secret), in front of serving.yaml's Service; its nginx.conf, laid out
+    as the pod mounts it, passes nginx -t."""
+    import yaml
+
+    from core import REPO_ROOT
+    from serving.gateway import kubernetes
+
+    text = (REPO_ROOT / "deploy" / "kubernetes" / "gateway.yaml").read_text()
+    assert text == kubernetes.manifest(load_config(None), {})
+    configmap, deployment, service = yaml.safe_load_all(text)
+    serving = list(yaml.safe_load_all((REPO_ROOT / "deploy" / "kubernetes" / "serving.yaml").read_text()))[1]
+    api = {p["name"]: p["port"] for p in serving["spec"]["ports"]}["api"]
+    conf = configmap["data"]["nginx.conf"]
+    assert f"server {serving['metadata']['name']}:{api} max_fails=1" in conf and "listen 0.0.0.0:18190;" in conf
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["keys"]["secret"]["secretName"] == "paddle-gateway-keys"
+    assert volumes["conf"]["configMap"]["name"] == configmap["metadata"]["name"]
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/gateway/health"
+    # as the pod lays it out: the ConfigMap's files, the Secret's key map, the state directory
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "keys").mkdir()
+    (tmp_path / "state").mkdir()
+    for name, body in configmap["data"].items():
+        (tmp_path / "conf" / name).write_text(body.replace("/etc/gateway/", f"{tmp_path}/")
+                                              .replace("/tmp/gateway", str(tmp_path / "state"))
+                                              .replace("paddle-serve:", "127.0.0.1:"))  # (the cluster's DNS name)
+    (tmp_path / "keys" / "keys.map").write_text('"Bearer sk-test" "someone";\n')
+    checked = subprocess.run([nginx.binary(), "-t", "-c", str(tmp_path / "conf" / "nginx.conf"), "-p",
+                              str(tmp_path / "state")], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr
