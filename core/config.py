@@ -294,7 +294,9 @@ class FinetuneConfig:
     # them); or a .jsonl file of {"src", "tgt"} (PaddleNLP's shape; lists for several turns) or {"messages": [...]}
     data: str = ""
     base: str = ""  # what the run starts from, as MODEL named it (run id, checkpoint, models:/...): lineage
-    method: str = "lora"  # lora: low-rank adapters on `lora_targets`, the base frozen | full: every weight trains
+    # full: every weight trains (the default: docs/finetune.md) | lora: low-rank adapters on `lora_targets` and
+    # `lora_trainable` trained whole, the rest of the base frozen
+    method: str = "full"
     lora_rank: int = 8
     lora_alpha: int = 16
     # Linear layers that get adapters (PaddleNLP LoRAConfig.target_modules, regular expressions over weight names)
