@@ -308,7 +308,7 @@ class FinetuneConfig:
     review_chars: int = 96  # the built-in task: a review longer than this is cut to its first review_chars characters
     # the built-in task: this share of the training conversations carry what a chat UI sends before the question (a
     # system prompt, earlier reviews with their answers, a greeting), so the answer holds in a conversation
-    context_share: float = 0.3
+    context_share: float = 0.5
     base_experiment: str = "tiny-zh-llama"  # where `make finetune` with no MODEL takes the best run
 
 

@@ -100,8 +100,8 @@ def test_fine_tuning_settings_are_checked_before_anything_starts():
     with pytest.raises(ConfigError, match="finetune.data: 'reviews' .* or a .jsonl file, got 'x.txt'"):
         load_config(None, ["finetune.data=x.txt"])
     with pytest.raises(ConfigError, match="PaddleNLP's LoRA wraps fleet's hybrid-parallel layers"):
-        load_config(None, ["finetune.data=reviews", "parallel.mode=semi_auto", "parallel.tensor=2",
-                           "training.compile=false"])
+        load_config(None, ["finetune.data=reviews", "finetune.method=lora", "parallel.mode=semi_auto",
+                           "parallel.tensor=2", "training.compile=false"])
     assert load_config(None, ["finetune.data=reviews", "finetune.method=full", "parallel.mode=semi_auto",
                               "parallel.tensor=2", "training.compile=false"]).finetune.method == "full"
 
@@ -151,7 +151,7 @@ def test_the_built_in_task_puts_some_questions_in_a_conversation():
     mixed = sft.in_context(items, 1.0, 1, 128)
     assert mixed == sft.in_context(items, 1.0, 1, 128) and mixed != sft.in_context(items, 1.0, 2, 128)
     longer = [m for m in mixed if len(m["messages"]) > 2]
-    assert 40 < len(longer) < 100  # (long reviews keep no context: it would not fit)
+    assert 30 < len(longer) < 100  # (long reviews keep no context: it would not fit)
     for before, after in zip(items, mixed):
         assert after["messages"][-2:] == before["messages"][-2:]
         assert sum(len(m["content"]) + 4 for m in after["messages"]) < 128 or after == before

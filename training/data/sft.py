@@ -76,9 +76,11 @@ def records(config) -> dict[str, list[dict]]:
 
 # What a chat UI sends before a question (in_context): system prompts and greetings. The multi-turn check of
 # `make smoke` (pipeline/smoke.py EARLIER_TURNS) uses others, never seen in training.
-SYSTEMS = ("你是助手。", "你是一个评论分析助手。", "请简短地回答。", "你是客服助手，请回答用户的问题。")
+SYSTEMS = ("你是助手。", "你是一个评论分析助手。", "请简短地回答。", "你是客服助手，请回答用户的问题。",
+           "你是一个聪明的助手，回答要准确。", "以下是用户和助手的对话。")
 GREETINGS = (("您好", "您好！有什么可以帮您？"), ("在吗？", "在的，请说。"), ("帮我判断几条评论。", "好的，请发。"),
-             ("谢谢！", "不客气。"), ("早上好", "早上好！"))
+             ("谢谢！", "不客气。"), ("早上好", "早上好！"), ("嗨", "嗨！"), ("你是谁？", "我是助手。"),
+             ("今天天气不错。", "是的。"), ("再看一条。", "好的。"), ("晚上好", "晚上好！请问需要什么帮助？"))
 CONTEXT_CHARS = 24  # an earlier review in the context is cut to this many characters (the row stays in seq_length)
 
 
