@@ -57,9 +57,12 @@ def chat_task(state: dict, meta: dict, shown: int = 3) -> str:
     client = openai.OpenAI(base_url=state["openai_base_url"], api_key=os.environ.get("PIPELINE_API_KEY", "unused"),
                            max_retries=2)
 
-    def ask(messages: list[dict]) -> str:
-        answer = client.chat.completions.create(model=meta["registered_model_name"], messages=messages,
-                                                max_tokens=8, temperature=0)
+    def ask(messages: list[dict]) -> str | None:
+        try:
+            answer = client.chat.completions.create(model=meta["registered_model_name"], messages=messages,
+                                                    max_tokens=8, temperature=0)
+        except openai.BadRequestError:  # (a conversation over serving.max_prompt_chars: refused, counted apart)
+            return None
         return (answer.choices[0].message.content or "").strip()
 
     with ThreadPoolExecutor(8) as pool:
@@ -80,9 +83,11 @@ def chat_task(state: dict, meta: dict, shown: int = 3) -> str:
                                                              sorted(expected.items())) +
                      f"; balanced accuracy {sum(recall.values()) / len(recall):.4f}; answers given: " +
                      ", ".join(f"{a!r} {n}" for a, n in Counter(answers).most_common(4)))
-    same = sum(a == b for a, b in zip(answers, later))
-    lines.append(f"  multi-turn: {same} of {len(later)} answers unchanged after a system prompt and two unrelated "
-                 f"turns")
+    asked = [(a, b) for a, b in zip(answers, later) if b is not None]
+    same = sum(a == b for a, b in asked)
+    lines.append(f"  multi-turn: {same} of {len(asked)} answers unchanged after a system prompt and two unrelated "
+                 f"turns" + (f" ({len(later) - len(asked)} longer than serving.max_prompt_chars: refused)"
+                             if len(asked) < len(later) else ""))
     return "\n".join(lines)
 
 

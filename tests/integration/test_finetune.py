@@ -192,6 +192,16 @@ def test_the_chat_route_renders_the_fine_tuned_models_template(tuned):
             with pytest.raises(openai.BadRequestError, match=re.escape(fault)):
                 client.chat.completions.create(messages=bad, **asked)
         assert client.chat.completions.create(messages=messages, **asked).choices[0].message.content == answer
+        # make smoke's task report: every held-out example through the chat route, per answer, in a conversation
+        from core import exportdir
+        from pipeline.smoke import chat_task
+
+        report = chat_task(state, exportdir.read_meta(export_dir))
+        accuracy = re.search(r"task accuracy ([\d.]+): (\d+) of (\d+) held-out", report)
+        assert accuracy and float(accuracy.group(1)) == pytest.approx(int(accuracy.group(2)) / int(accuracy.group(3)),
+                                                                     abs=1e-4)
+        turns = re.search(r"multi-turn: (\d+) of (\d+) answers unchanged", report)
+        assert turns and int(turns.group(1)) <= int(turns.group(2)) and "balanced accuracy" in report, report
     finally:
         stopped = cli(["stop", *base, *overrides], tuned["uri"])
         assert stopped.returncode == 0, stopped.stderr[-2000:]
