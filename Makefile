@@ -76,11 +76,12 @@ all: $(STAMP)
 	$(MAKE) serve
 	$(MAKE) smoke; rc=$$?; $(MAKE) stop; exit $$rc
 
-# Fine-tuning shown end to end (docs/finetune.md): LoRA on the review task from `make all`'s model -> export -> serve
-# -> smoke (with the held-out reviews through /v1/chat/completions) -> stop. Separate from `make all` (time: README).
+# Fine-tuning shown end to end (docs/finetune.md): the review task from `make all`'s model -> export of that run
+# (RUN_ID=latest: the experiment's newest finished run) -> serve -> smoke (the held-out reviews through
+# /v1/chat/completions, alone and in a conversation) -> stop. Separate from `make all` (time: README).
 all-chat: $(STAMP)
 	$(MAKE) finetune
-	$(MAKE) export CONFIG=configs/tiny-chat.yaml
+	$(MAKE) export CONFIG=configs/tiny-chat.yaml RUN_ID=latest
 	$(MAKE) serve CONFIG=configs/tiny-chat.yaml
 	$(MAKE) smoke CONFIG=configs/tiny-chat.yaml; rc=$$?; $(MAKE) stop CONFIG=configs/tiny-chat.yaml; exit $$rc
 

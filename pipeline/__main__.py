@@ -57,7 +57,8 @@ def parser() -> argparse.ArgumentParser:
     export.add_argument("--config", default=None, help=config_help + "; names the experiment to pick from")
     export.add_argument("--experiment", default="", help="MLflow experiment to pick the best run from")
     export.add_argument("--metric", default="", help="eval metric to minimise (default export.metric)")
-    export.add_argument("--run-id", default="", help="export this run instead of the best one")
+    export.add_argument("--run-id", default="", help="export this run (latest: the newest finished one) instead of "
+                                                     "the best one")
     export.add_argument("overrides", nargs="*", help="section.key=value on top of the source run's config, "
                                                      "e.g. export.exports_dir=/data/exports")
 

@@ -119,7 +119,9 @@ def select(client, experiment: str, metric: str, run_id: str = "", step: int | N
 
 
 def _source_run(client, experiment: str, metric: str, run_id: str):
-    if run_id:
+    """RUN_ID's run; RUN_ID=latest: the experiment's newest FINISHED run (`make all-chat` exports the run it just
+    trained); else the experiment's FINISHED run with the lowest `metric`."""
+    if run_id and run_id != "latest":
         try:
             return client.get_run(run_id)
         except Exception:  # noqa: BLE001  (MlflowException for unknown ids, varies by store)
@@ -127,8 +129,9 @@ def _source_run(client, experiment: str, metric: str, run_id: str):
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         raise ExportError(f"EXPERIMENT={experiment}: no such MLflow experiment")
+    order = "attributes.start_time DESC" if run_id == "latest" else f"metrics.{metric} ASC"
     runs = [r for r in client.search_runs([exp.experiment_id], "attributes.status = 'FINISHED'",
-                                          order_by=[f"metrics.{metric} ASC"], max_results=200)
+                                          order_by=[order], max_results=200)
             if metric in r.data.metrics]
     if not runs:
         raise ExportError(f"experiment {experiment!r} has no FINISHED run with metric {metric!r}; train first")
