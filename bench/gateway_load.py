@@ -1,10 +1,13 @@
 """The gateway's cost (docs/gateway.md): the same export served by two replicas behind nginx (make gateway's
-configuration, a key), against one replica reached directly, in the same run.
+configuration, a key), against one replica reached directly, in the same run. The two replicas share the machine:
+each runs half its cores' generation workers (serving.workers), as two replicas on one host should; the direct
+replica runs the default (one worker per core).
 
     overhead    1 client, one-token completions: direct to replica 1 and through the gateway, interleaved request
                 by request; p50 / p99 of each and the difference
-    throughput  32 closed-loop streaming clients (serving_load.stream_ttft): through the gateway to two replicas, and
-                direct to one replica, alternating rounds; tokens/s of each, the ratio per round and of the medians
+    throughput  32 closed-loop streaming clients (serving_load.stream_ttft): through the gateway to the two replicas,
+                and direct to the default replica, alternating rounds; tokens/s of each, the ratio per round and of
+                the medians
 """
 from __future__ import annotations
 
@@ -24,9 +27,12 @@ def run(export_dir: Path, out: Path, quick: bool) -> dict:
     from serving import controller
     from serving.gateway import keys, nginx
 
+    import os
+
     model = exportdir.read_meta(export_dir)["registered_model_name"]
-    configs = [server_config(), server_config()]
-    state_dirs = [out / f"serving-gateway-{i}" for i in (1, 2)]
+    half = f"serving.workers={max(1, (os.cpu_count() or 2) // 2)}"
+    configs = [server_config(half), server_config(half), server_config()]
+    state_dirs = [out / f"serving-gateway-{i}" for i in (1, 2)] + [out / "serving-direct"]
     gateway = None
     try:
         states = [controller.start(c, export_dir, d, owner="bench") for c, d in zip(configs, state_dirs)]
@@ -41,7 +47,7 @@ def run(export_dir: Path, out: Path, quick: bool) -> dict:
         for _ in range(1 if quick else 3):  # (alternating: both see the same machine)
             through = stream_ttft({"openai_base_url": f"{url}/v1"}, model, CLIENTS, 3 if quick else 15,
                                   headers=headers)
-            direct = stream_ttft(states[0], model, CLIENTS, 3 if quick else 15)
+            direct = stream_ttft(states[2], model, CLIENTS, 3 if quick else 15)
             rounds.append({"gateway_two_replicas": through, "direct_one_replica": direct,
                            "ratio": through["tokens_per_s"] / max(direct["tokens_per_s"], 1e-9)})
     finally:
