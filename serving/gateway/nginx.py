@@ -31,12 +31,13 @@ from core.processes import group_alive, log_tail, port_in_use, start_group, stop
 from serving.protocol import CONSUMER_HEADER, TPM_HEADER
 
 STATE_FILE, CONF_FILE, LIMITS_FILE = "gateway.json", "nginx.conf", "limits.conf"
-INSTALL = "nginx is not installed: `apt-get install nginx-light` (Debian/Ubuntu; root), or nginx from your package manager"
+INSTALL = ("nginx is not installed: `apt-get install nginx-light` (Debian/Ubuntu; root), or nginx from your package "
+           "manager")
 
 
 def binary() -> str:
-    found = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)),
-                                          None)
+    found = shutil.which("nginx") or next(
+        (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None)
     if not found:
         raise ConfigError(INSTALL)
     return found

@@ -41,8 +41,8 @@ class TokenBudgets:
                 if over < 0:
                     wait = at + WINDOW_S - self.clock()
                     break
-        raise RequestError("rate_limited", f"consumer {consumer!r} is over its tokens-per-minute budget ({spent} tokens "
-                           f"in the last minute; this replica's share of the budget: {tokens_per_minute})",
+        raise RequestError("rate_limited", f"consumer {consumer!r} is over its tokens-per-minute budget ({spent} "
+                           f"tokens in the last minute; this replica's share of the budget: {tokens_per_minute})",
                            retry_after=max(1, math.ceil(wait)))
 
     def spend(self, consumer: str, tokens: int) -> None:

@@ -19,7 +19,8 @@ def rendered(tmp_path, *overrides, consumers=None):
 def test_the_rendered_configuration_follows_the_settings(tmp_path):
     config, conf, limits, requests = rendered(
         tmp_path, "gateway.port=18555", "gateway.host=127.0.0.2", "gateway.fail_timeout_s=7",
-        "gateway.backends={champion: [http://127.0.0.1:1001, http://127.0.0.1:1002], challenger: [http://10.0.0.5:1003]}",
+        "gateway.backends={champion: [http://127.0.0.1:1001, http://127.0.0.1:1002], "
+        "challenger: [http://10.0.0.5:1003]}",
         "gateway.split={champion: 80, challenger: 20}", "serving.max_request_bytes=5000",
         consumers={"team-a": {"rpm": 6, "tpm": 1000}, "b.c": {"rpm": 100, "tpm": 0}})
     assert "listen 127.0.0.2:18555;" in conf and "client_max_body_size 5000;" in conf

@@ -229,8 +229,8 @@ def for_run(config, run_dir: Path, tokenizer_dir: Path, log=print) -> dict:
         if encoded != data_dir:
             _link(encoded / name, data_dir / name)
         if stats[f"{split}_examples"] < tr.global_batch_size:
-            raise ConfigError(f"finetune.data={config.finetune.data}: {stats[f'{split}_examples']} {split} examples fit "
-                              f"in training.seq_length={tr.seq_length} (of "
+            raise ConfigError(f"finetune.data={config.finetune.data}: {stats[f'{split}_examples']} {split} examples "
+                              f"fit in training.seq_length={tr.seq_length} (of "
                               f"{stats[f'{split}_examples'] + stats[f'{split}_too_long']}); at least "
                               f"training.global_batch_size={tr.global_batch_size} are needed")
     # (whole batches: the last partial one is left out of every epoch)
