@@ -53,29 +53,7 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. training.max_steps=40")
 
     add_finetune_verb(sub)
-    export = sub.add_parser("export", help="best checkpoint -> static graph, parity-checked, registered in MLflow")
-    export.add_argument("--config", default=None, help=config_help + "; names the experiment to pick from")
-    export.add_argument("--experiment", default="", help="MLflow experiment to pick the best run from")
-    export.add_argument("--metric", default="", help="eval metric to minimise (default export.metric)")
-    export.add_argument("--run-id", default="", help="export this run (latest: the newest finished one) instead of "
-                                                     "the best one")
-    export.add_argument("overrides", nargs="*", help="section.key=value on top of the source run's config, "
-                                                     "e.g. export.exports_dir=/data/exports")
-
-    serve = sub.add_parser("serve", help="start the Paddle Serving endpoint in the background")
-    serve.add_argument("--config", default=None, help=config_help)
-    serve.add_argument("--model", default="", help="export directory, models:/<name>/<version>, models:/<name>@<alias> "
-                                                    "or models:/<name>/latest (default: the newest registered version)")
-    serve.add_argument("--foreground", action="store_true", help="run the server as this process (containers, "
-                                                                 "supervisors): its exit code, its signals")
-    serve.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. serving.http_port=18280")
-    for verb, text in (("stop", "drain and stop the running endpoint (SIGTERM, then its whole process group)"),
-                       ("smoke", "real HTTP/gRPC calls against the running endpoint"),
-                       ("reload", "the running endpoint resolves its models:/ reference again and switches if it "
-                                  "moved")):
-        v = sub.add_parser(verb, help=text)
-        v.add_argument("--config", default=None, help=config_help)
-        v.add_argument("overrides", nargs="*")
+    add_export_and_serve_verbs(sub, config_help)
 
     compare = sub.add_parser("compare", help="compare the runs of an experiment (table, Markdown, CSV, PNG)")
     compare.add_argument("--config", default=None, help=config_help + "; names the default experiment")
@@ -102,6 +80,32 @@ def parser() -> argparse.ArgumentParser:
     add_lifecycle_verbs(sub, config_help)
     add_service_verbs(sub)
     return p
+
+
+def add_export_and_serve_verbs(sub, config_help: str) -> None:
+    export = sub.add_parser("export", help="best checkpoint -> static graph, parity-checked, registered in MLflow")
+    export.add_argument("--config", default=None, help=config_help + "; names the experiment to pick from")
+    export.add_argument("--experiment", default="", help="MLflow experiment to pick the best run from")
+    export.add_argument("--metric", default="", help="eval metric to minimise (default export.metric)")
+    export.add_argument("--run-id", default="", help="export this run (latest: the newest finished one) instead of "
+                                                     "the best one")
+    export.add_argument("overrides", nargs="*", help="section.key=value on top of the source run's config, "
+                                                     "e.g. export.exports_dir=/data/exports")
+
+    serve = sub.add_parser("serve", help="start the Paddle Serving endpoint in the background")
+    serve.add_argument("--config", default=None, help=config_help)
+    serve.add_argument("--model", default="", help="export directory, models:/<name>/<version>, models:/<name>@<alias> "
+                                                    "or models:/<name>/latest (default: the newest registered version)")
+    serve.add_argument("--foreground", action="store_true", help="run the server as this process (containers, "
+                                                                 "supervisors): its exit code, its signals")
+    serve.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. serving.http_port=18280")
+    for verb, text in (("stop", "drain and stop the running endpoint (SIGTERM, then its whole process group)"),
+                       ("smoke", "real HTTP/gRPC calls against the running endpoint"),
+                       ("reload", "the running endpoint resolves its models:/ reference again and switches if it "
+                                  "moved")):
+        v = sub.add_parser(verb, help=text)
+        v.add_argument("--config", default=None, help=config_help)
+        v.add_argument("overrides", nargs="*")
 
 
 def add_finetune_verb(sub) -> None:
