@@ -20,7 +20,13 @@
   `PIPELINE_SERVING_FIXES=off` leaves both as shipped (benchmarks: before/after in one run).
 - its gRPC server binds `[::]:<rpc_port>`, every interface, hard-coded (pipeline_server.py): `grpc_bind(host)` makes
   that `<serving.host>:<rpc_port>` (loopback by default, behind the gateway). Its Go HTTP gateway
-  (libproxy_server.so) binds `:<http_port>` inside the compiled library, out of reach: docs/gateway.md says so.
+  (libproxy_server.so, run in a child process) listens on `":" + strconv.Itoa(http_port)`, every interface, compiled
+  in: no option, no environment variable, and Go makes its own system calls (an LD_PRELOAD of bind() never sees
+  them). `http_bind(host)` loads, for a loopback `serving.host`, a copy of the library whose two operands of that
+  concatenation point at "127.0.0.1:" instead of ":" (the first 10 bytes of the library's own "127.0.0.1:53", its DNS
+  default): the copy is made only from the shipped 0.9.0 x86_64 build (sha256 and every byte replaced are checked
+  first); any other build runs as shipped, with a warning in server.log. Any other host: every interface, as
+  shipped (docs/gateway.md).
 """
 import importlib.util
 import os
@@ -62,6 +68,63 @@ def grpc_bind(host: str) -> None:
 
     add_insecure_port.bound_to = host
     _server._Server.add_insecure_port = add_insecure_port
+
+
+# libproxy_server.so of paddle-serving-server 0.9.0 (x86_64) and, in its main.run_proxy_server, the operands of
+# runtime.concatstring2(":", strconv.Itoa(http_port)): `mov $1,%ecx` (the length) at 0x6bab19 and
+# `lea 0xdfe(%rip),%rbx` (":" at 0x6bb92b) at 0x6bab26; "127.0.0.1:53" lies at 0x6c1aec (file offset = address here).
+PROXY_SHA256 = "668e36533356a521f1b106700cb204a4d52a7235dc419546183057f0789cc0bb"
+PROXY_LOOPBACK_PATCH = ((0x6bab1a, (1).to_bytes(4, "little"), (10).to_bytes(4, "little")),
+                        (0x6bab29, (0xdfe).to_bytes(4, "little"), (0x6c1aec - 0x6bab2d).to_bytes(4, "little")))
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
+
+
+def loopback_proxy_library(shipped: Path, cache_dir: Path) -> Path | None:
+    """A copy of Paddle Serving's Go HTTP gateway that listens on 127.0.0.1 (see the module's docstring), made once
+    in `cache_dir` and published by rename; None when `shipped` is not the build the patch is for."""
+    import hashlib
+
+    data = bytearray(shipped.read_bytes())
+    if hashlib.sha256(data).hexdigest() != PROXY_SHA256:
+        return None
+    target = cache_dir / f"libproxy_server-{PROXY_SHA256[:12]}-loopback.so"
+    if target.exists():
+        return target
+    for offset, old, new in PROXY_LOOPBACK_PATCH:
+        if data[offset:offset + len(old)] != old:
+            return None
+        data[offset:offset + len(new)] = new
+    if data[0x6c1aec:0x6c1aec + 10] != b"127.0.0.1:":
+        return None
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    part = target.with_name(f"{target.name}.{os.getpid()}.part")
+    part.write_bytes(bytes(data))
+    os.replace(part, target)
+    return target
+
+
+def http_bind(host: str) -> bool:
+    """Paddle Serving's Go HTTP gateway on 127.0.0.1 when `host` is a loopback address (see the module's docstring);
+    True if so. Else it listens on every interface, as shipped (warned about when `host` asked for loopback)."""
+    if host not in LOOPBACK_HOSTS:
+        return False
+    from paddle_serving_server.pipeline import gateway
+    from paddle_serving_server.pipeline.pipeline_server import PipelineServer
+
+    shipped = Path(gateway.__file__).parent / "libproxy_server.so"
+    library = loopback_proxy_library(shipped, Path(tempfile.gettempdir()) / "paddle-serving-proxy")
+    if library is None:
+        print(f"warning: {shipped} is not the build whose listen address this project can set: Paddle Serving's "
+              "HTTP port listens on every interface", file=sys.stderr, flush=True)
+        return False
+
+    def _grpc_gateway(self, grpc_port, http_port):  # (PipelineServer's own, on the copy: it runs in a child process)
+        from ctypes import cdll
+
+        cdll.LoadLibrary(str(library)).run_proxy_server(grpc_port, http_port)
+
+    PipelineServer._grpc_gateway = _grpc_gateway
+    return True
 
 
 def quiet_pipeline_log() -> None:

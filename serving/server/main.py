@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--follow", default="", help="a models:/ reference to follow (serving/server/follow.py)")
     args = parser.parse_args()
     from core.config import load_config
-    from core.workarounds.paddle_serving import grpc_bind, server_fixes
+    from core.workarounds.paddle_serving import grpc_bind, http_bind, server_fixes
     from serving.server.openai.api_server import ApiServer
     from serving.server.metrics import ServingMetrics
 
@@ -54,6 +54,7 @@ def main() -> None:
         signal.signal(signal.SIGHUP, lambda *_: follower.trigger())
     server_fixes()  # (Paddle Serving: one Op thread woken per request, not all of them; no per-request log records)
     grpc_bind(s.host)  # (its gRPC port on serving.host, not every interface)
+    http_bind(s.host)  # (its Go HTTP gateway on loopback when serving.host is)
     service = make_service(dispatcher, limits, metrics)(name=s.service_name)
     service.prepare_pipeline_config(args.config)
     service.run_service()

@@ -149,6 +149,38 @@ def test_export_merges_the_adapters_and_promotion_can_follow_task_accuracy(tuned
     assert promoted.returncode == 0 and "test-chat@champion -> v1" in promoted.stdout, promoted.stderr[-2000:]
 
 
+def _chat_through_a_gateway(tuned, base, state, question):
+    """The `openai` client's and LangChain's chat, unchanged, streamed and not, through `make gateway` with a key:
+    the answers the replica gives directly."""
+    import openai
+    from langchain_openai import ChatOpenAI
+
+    from core.processes import free_port
+
+    root = tuned["root"] / "chat-gateway"
+    settings = [f"gateway.port={free_port()}", f"gateway.state_dir={root / 'gw'}", f"gateway.keys_dir={root / 'keys'}",
+                f"gateway.backends=[{state['api_url']}]"]
+    made = cli(["gateway-key", *base, "--name", "chat-app", "--rpm", "100", *settings], tuned["uri"])
+    key = made.stdout.strip().splitlines()[-1].removeprefix("key: ")
+    started = cli(["gateway", *base, *settings], tuned["uri"])
+    assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
+    try:
+        url = re.search(r"^url: (\S+)$", started.stdout, re.M).group(1)
+        asked = dict(model="test-chat", max_tokens=6, temperature=0)
+        direct = openai.OpenAI(base_url=state["openai_base_url"], api_key="unused", max_retries=0).chat.completions\
+            .create(messages=[{"role": "user", "content": question}], **asked).choices[0].message.content
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+        one = [{"role": "user", "content": question}]
+        assert client.chat.completions.create(messages=one, **asked).choices[0].message.content == direct
+        assert "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            messages=one, stream=True, **asked)) == direct
+        chat = ChatOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, **asked)
+        assert chat.invoke(question).content == direct
+        assert "".join(chunk.content for chunk in chat.stream(question)) == direct
+    finally:
+        cli(["gateway-stop", *base, *settings], tuned["uri"])
+
+
 def test_the_chat_route_renders_the_fine_tuned_models_template(tuned):
     """The served chat route renders messages with the export's template (the text the tokenizer's
     apply_chat_template gives), and streams text and logprobs that join to the unstreamed answer."""
@@ -192,6 +224,7 @@ def test_the_chat_route_renders_the_fine_tuned_models_template(tuned):
             with pytest.raises(openai.BadRequestError, match=re.escape(fault)):
                 client.chat.completions.create(messages=bad, **asked)
         assert client.chat.completions.create(messages=messages, **asked).choices[0].message.content == answer
+        _chat_through_a_gateway(tuned, base, state, messages[-1]["content"])
         # make smoke's task report: every held-out example through the chat route, per answer, in a conversation
         from core import exportdir
         from pipeline.smoke import chat_task

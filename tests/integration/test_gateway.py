@@ -90,6 +90,42 @@ def test_the_openai_client_works_through_the_gateway_with_a_key(gateway):
     assert oct((gateway["root"] / "keys" / "keys.json").stat().st_mode & 0o777) == "0o600"
 
 
+def test_langchain_works_through_the_gateway_with_a_key(gateway):
+    """LangChain's OpenAI completion model, unchanged, streamed and not (its chat model: tests/integration/
+    test_finetune.py, where a model with a chat template is served)."""
+    from langchain_openai import OpenAI
+
+    key = new_key(gateway, "langchain", 1000)
+    direct = requests.post(f"{gateway['replicas'][0]['url']}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": "这本书", "max_tokens": 6, "temperature": 0})
+    llm = OpenAI(base_url=f"{gateway['url']}/v1", api_key=key, model=MODEL, max_tokens=6, temperature=0, max_retries=0)
+    text = llm.invoke("这本书")
+    assert text == direct.json()["choices"][0]["text"] and "".join(llm.stream("这本书")) == text
+    with pytest.raises(Exception, match="401"):
+        OpenAI(base_url=f"{gateway['url']}/v1", api_key="sk-unknown", model=MODEL, max_retries=0).invoke("这本书")
+
+
+def test_no_listener_but_the_gateway_on_a_non_loopback_address(gateway):
+    """`ss -ltnp`: every port of both replicas (Paddle Serving's HTTP and gRPC, the OpenAI routes, metrics) listens
+    on loopback; the gateway is the one listener on every interface."""
+    import subprocess
+
+    listeners = {}  # pid -> [local address]
+    for line in subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, check=True).stdout.splitlines():
+        for pid in re.findall(r"pid=(\d+)", line):
+            listeners.setdefault(int(pid), []).append(line.split()[3])
+    for replica in gateway["replicas"]:
+        state = replica["state"]
+        group = [state["pid"], *descendants(state["pid"])]
+        addresses = [a for pid in group for a in listeners.get(pid, [])]
+        assert {int(a.rsplit(":", 1)[1]) for a in addresses} >= {
+            state[k] for k in ("http_port", "rpc_port", "api_port", "metrics_port")}, (addresses, state)
+        assert all(a.rsplit(":", 1)[0] in ("127.0.0.1", "[::1]", "[::ffff:127.0.0.1]") for a in addresses), addresses
+    nginx = json.loads((gateway["root"] / "gw" / "gateway.json").read_text())["pid"]
+    port = gateway["url"].rsplit(":", 1)[1]
+    assert {a for pid in (nginx, *descendants(nginx)) for a in listeners.get(pid, [])} == {f"0.0.0.0:{port}"}
+
+
 def test_per_key_requests_and_tokens_per_minute_and_revocation(gateway):
     key = new_key(gateway, "rpm5", 5)
     assert [ask(gateway, key).status_code for _ in range(5)] == [200] * 5
