@@ -324,6 +324,13 @@ class GatewayConfig:
     # [] = this config's own `make serve` (http://127.0.0.1:<serving.api_port>)
     backends: Any = field(default_factory=list)
     split: dict = field(default_factory=dict)  # {pool: percent, ...} summing to 100 (e.g. champion 90, challenger 10)
+    # Which pools serve which model, by the name clients send in the body's "model": {name: [pools]}, each a
+    # registered name, an alias (name@alias) or name/version, to one pool or to the pools of `split`; other names are
+    # 404 at the gateway. {} = every request goes to the split (or the one pool), whatever its model
+    models: dict = field(default_factory=dict)
+    # Paddle Serving's HTTP route (POST /<service>/prediction) through the gateway: the replicas' Paddle Serving
+    # HTTP base URLs (http://host:serving.http_port); [] = this config's own `make serve` when `backends` is [] too
+    paddle_backends: list = field(default_factory=list)
     # A replica that fails (refused connection, 502/503, timeout) is skipped for fail_timeout_s, then tried again
     fail_timeout_s: int = 5
     state_dir: str = ""  # pid, rendered nginx.conf, logs; "" = <training.runs_dir>/gateway
@@ -719,15 +726,36 @@ def _validate_gateway(g: GatewayConfig, s: ServingConfig) -> None:
                  and (urls or pool == "default"),
                  f"gateway.backends{'' if pool == 'default' else '.' + pool}: a list of base URLs "
                  f"(http://host:port), got {urls!r}")
+    _require(isinstance(g.paddle_backends, list) and all(isinstance(u, str) and url.fullmatch(u)
+                                                         for u in g.paddle_backends),
+             f"gateway.paddle_backends: a list of base URLs (http://host:port), got {g.paddle_backends!r}")
     if g.split:
-        _require(isinstance(g.backends, dict) and set(g.split) == set(g.backends),
-                 f"gateway.split: one weight for each pool of gateway.backends ({{pool: [urls]}}), got "
-                 f"{sorted(g.split)} for pools {sorted(g.backends) if isinstance(g.backends, dict) else ['default']}")
+        _require(isinstance(g.backends, dict) and set(g.split) <= set(g.backends) and len(g.split) >= 2
+                 and (g.models or set(g.split) == set(g.backends)),
+                 f"gateway.split: one weight for each pool of gateway.backends ({{pool: [urls]}}; pools outside the "
+                 f"split need gateway.models), got {sorted(g.split)} for pools "
+                 f"{sorted(g.backends) if isinstance(g.backends, dict) else ['default']}")
         _require(all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in g.split.values())
                  and sum(g.split.values()) == 100, f"gateway.split: whole percents summing to 100, got {g.split}")
     else:
-        _require(not isinstance(g.backends, dict) or len(g.backends) == 1,
-                 "gateway.backends: several pools need gateway.split (their shares of the requests)")
+        _require(not isinstance(g.backends, dict) or len(g.backends) == 1 or g.models,
+                 "gateway.backends: several pools need gateway.split (their shares of the requests) or "
+                 "gateway.models (which model each serves)")
+    _validate_gateway_models(g, set(pools))
+
+
+def _validate_gateway_models(g: GatewayConfig, pools: set) -> None:
+    import re
+
+    _require(isinstance(g.models, dict), f"gateway.models: {{model name: [pools]}}, got {g.models!r}")
+    for model, chosen in g.models.items():
+        # (names go into nginx.conf's map and the gateway's JSON answers: no quotes, spaces, braces, $ or \)
+        _require(isinstance(model, str) and re.fullmatch(r"[^\s\"';{}$\\]+", model) is not None,
+                 f"gateway.models: model names are registered names, name@alias or name/version, got {model!r}")
+        _require(isinstance(chosen, list) and chosen and set(chosen) <= pools
+                 and (len(chosen) == 1 or set(chosen) == set(g.split)),
+                 f"gateway.models.{model}: one pool of gateway.backends ({', '.join(sorted(pools))}), or the pools "
+                 f"of gateway.split, got {chosen!r}")
 
 
 def _validate_cluster(c: ClusterConfig) -> None:

@@ -32,6 +32,8 @@ KINDS = {"bad_request": (8001, 400), "internal": (8002, 500), "busy": (8003, 429
 # The gateway (serving/gateway/) names each request's consumer and its tokens-per-minute budget in these headers;
 # nginx sets them, overwriting whatever a client sent, and the replicas listen where only the gateway reaches them
 CONSUMER_HEADER, TPM_HEADER = "X-Pipeline-Consumer", "X-Pipeline-Consumer-Tpm"
+# the model name the gateway routed a request by (gateway.models): an alias the replica itself cannot resolve
+ROUTED_MODEL_HEADER = "X-Pipeline-Routed-Model"
 # Each answer says which model version produced it (a canary split sends requests to replicas of two versions)
 VERSION_HEADERS = ("X-Model-Name", "X-Model-Version", "X-Source-Run")
 FIELDS = ("prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "n", "logprobs", "echo",

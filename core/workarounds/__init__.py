@@ -33,9 +33,10 @@ OVERRIDES = (
              "missing, non-blocking or asserted away", "paddlepaddle 2.6.2 fleet"),
     Override("core/workarounds/paddlenlp_resume.py", ("load_single_card_checkpoint", "load_single_card_optimizer"),
              "resuming a checkpoint written by several ranks on one rank reads only the first shard", "PaddleNLP 2.8.1"),
-    Override("core/workarounds/paddle_serving.py", ("ThreadChannel.push",),
+    Override("core/workarounds/paddle_serving.py", ("ThreadChannel.push", "_grpc_gateway"),
              "the client package has no Python 3.11 build (stand-in in serving_compat/); logs land in the working "
-             "directory; every channel push wakes every waiting thread; DEBUG records built per request",
+             "directory; every channel push wakes every waiting thread; DEBUG records built per request; its Go "
+             "HTTP gateway listens on every interface (a copy of libproxy_server.so listens on 127.0.0.1)",
              "Paddle Serving 0.9.0"),
     Override("core/workarounds/cuda_libraries.py", (), "the GPU wheel dlopens unversioned CUDA library names that "
              "NVIDIA's pip packages do not provide (links + LD_LIBRARY_PATH)", "paddlepaddle-gpu 2.6.2, CUDA 11.8"),

@@ -1,7 +1,8 @@
 """The gateway on Kubernetes: `deploy/kubernetes/gateway.yaml` rendered from the same settings and the same
 nginx.conf as `make gateway` (nginx.py render), in front of deploy/kubernetes/serving.yaml's Service.
 
-    ConfigMap paddle-gateway        nginx.conf and the per-consumer limits (names and rates: no keys)
+    ConfigMap paddle-gateway        nginx.conf, route.js (njs: the official nginx image has the module) and the
+                                    per-consumer limits (names and rates: no keys)
     Secret    paddle-gateway-keys   keys.map (the operator creates it from gateway.keys_dir: never in the repository)
     Deployment / Service            nginx (Debian's 1.22 image line), the one listener meant for clients
 
@@ -18,6 +19,7 @@ import yaml
 
 CONF_DIR, KEYS_DIR, STATE_DIR = Path("/etc/gateway/conf"), Path("/etc/gateway/keys"), Path("/tmp/gateway")
 SERVICE = "http://paddle-serve:18182"  # deploy/kubernetes/serving.yaml's Service, api port
+PADDLE_SERVICE = "http://paddle-serve:18180"  # its Paddle Serving HTTP port
 IMAGE = "nginx:1.22"
 
 
@@ -27,7 +29,8 @@ def manifest(config, consumers: dict) -> str:
     from core.config import with_overrides
     from serving.gateway import nginx
 
-    config = with_overrides(config, [f"gateway.backends=[{SERVICE}]", "gateway.split={}", "gateway.host=0.0.0.0"])
+    config = with_overrides(config, [f"gateway.backends=[{SERVICE}]", "gateway.split={}", "gateway.models={}",
+                                     f"gateway.paddle_backends=[{PADDLE_SERVICE}]", "gateway.host=0.0.0.0"])
     with tempfile.TemporaryDirectory() as scratch:  # (render writes limits.d/requests.conf beside the state)
         conf, limits = nginx.render(config, Path(scratch), KEYS_DIR, consumers)
         requests = (Path(scratch) / "limits.d" / "requests.conf").read_text()
@@ -35,13 +38,15 @@ def manifest(config, consumers: dict) -> str:
     # the container's output
     conf = (conf.replace(f"{Path(scratch)}/{nginx.LIMITS_FILE}", f"{CONF_DIR}/{nginx.LIMITS_FILE}")
             .replace(f"{Path(scratch)}/limits.d/requests.conf", f"{CONF_DIR}/requests.conf")
+            .replace(f"{Path(scratch)}/{nginx.ROUTE_FILE}", f"{CONF_DIR}/{nginx.ROUTE_FILE}")
             .replace(f"{Path(scratch)}/access.log", "/dev/stdout").replace(f"{Path(scratch)}/error.log", "stderr")
             .replace(str(Path(scratch)), str(STATE_DIR)))
     port = config.gateway.port
     labels = {"app": "paddle-gateway"}
     docs = [
         {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "paddle-gateway"},
-         "data": {"nginx.conf": conf, nginx.LIMITS_FILE: limits, "requests.conf": requests}},
+         "data": {"nginx.conf": conf, nginx.LIMITS_FILE: limits, "requests.conf": requests,
+                  nginx.ROUTE_FILE: (Path(nginx.__file__).parent / nginx.ROUTE_FILE).read_text()}},
         {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "paddle-gateway", "labels": labels},
          "spec": {"replicas": 2, "selector": {"matchLabels": labels}, "template": {
              "metadata": {"labels": labels},

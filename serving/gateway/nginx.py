@@ -9,7 +9,13 @@ What the rendered configuration does, for every /v1/ request:
                minute pass, the next is 429 with Retry-After); the request body at most serving.max_request_bytes (413)
     consumer   X-Pipeline-Consumer and X-Pipeline-Consumer-Tpm set for the replica (a client's own copies are
                replaced); the client's key is not passed on
-    pools      gateway.backends: one pool, or {pool: [urls]} split by gateway.split (split_clients on the request id)
+    body       route.js (njs) reads the JSON body: not a JSON object, or max_tokens over serving.max_new_tokens_limit:
+               400 at the gateway, OpenAI's error shape
+    pools      gateway.backends: one pool, or {pool: [urls]} split by gateway.split (split_clients on the request id);
+               with gateway.models, the body's "model" picks the pool (or the split), an unrouted model is a 404, and
+               X-Pipeline-Routed-Model tells the replica the name it was routed by (an alias it cannot know itself)
+    paddle     Paddle Serving's HTTP route (POST /<service>/prediction) to gateway.paddle_backends, with the same
+               keys, limits and consumer header
     failover   a replica that refuses, times out or answers 502/503 is skipped for gateway.fail_timeout_s and the
                request is sent to the next one (POSTs too: `non_idempotent`: a generation has no side effect);
                streams are passed through unbuffered, and one cut short by a dying replica ends (never hangs)
@@ -28,11 +34,15 @@ from pathlib import Path
 from core.errors import ConfigError
 from core.files import atomic_write
 from core.processes import group_alive, log_tail, port_in_use, start_group, stop_recorded, wait_ready
-from serving.protocol import CONSUMER_HEADER, TPM_HEADER
+from serving.protocol import CONSUMER_HEADER, ROUTED_MODEL_HEADER, TPM_HEADER
 
-STATE_FILE, CONF_FILE, LIMITS_FILE = "gateway.json", "nginx.conf", "limits.conf"
-INSTALL = ("nginx is not installed: `apt-get install nginx-light` (Debian/Ubuntu; root), or nginx from your package "
-           "manager")
+STATE_FILE, CONF_FILE, LIMITS_FILE, ROUTE_FILE = "gateway.json", "nginx.conf", "limits.conf", "route.js"
+INSTALL = ("nginx is not installed: `apt-get install nginx-light libnginx-mod-http-js` (Debian/Ubuntu; root), or "
+           "nginx with its njs module from your package manager")
+# njs, nginx's JavaScript module: Debian's libnginx-mod-http-js and the official nginx image put it here
+JS_MODULE = "/usr/lib/nginx/modules/ngx_http_js_module.so"
+NO_JS = ("nginx's njs module is not installed (it reads the request body: model routing, max_tokens): "
+         "`apt-get install libnginx-mod-http-js` (Debian/Ubuntu; root)")
 
 
 def binary() -> str:
@@ -58,12 +68,20 @@ def pools(config) -> dict[str, list[str]]:
     return {"default": list(g.backends) or [f"http://127.0.0.1:{config.serving.api_port}"]}
 
 
+def paddle_backends(config) -> list[str]:
+    """Paddle Serving's HTTP base URLs: gateway.paddle_backends, or this config's own `make serve` when the
+    backends are its own too."""
+    g = config.gateway
+    return list(g.paddle_backends) or ([] if g.backends else [f"http://127.0.0.1:{config.serving.http_port}"])
+
+
 def _address(url: str) -> str:
     return url.split("://", 1)[1].rstrip("/")
 
 
 CONF = """# Rendered by `make gateway` from the settings (serving/gateway/nginx.py); edits are overwritten.
 daemon off;
+load_module {js_module};
 worker_processes 1;
 pid {directory}/nginx.pid;
 error_log {directory}/error.log warn;
@@ -84,6 +102,17 @@ http {{
         default "";
         include {keys_directory}/keys.map;
     }}
+    js_import gw from {directory}/{route_file};
+    js_set $body_model gw.model;  # (read in @route and after: once route.js's check has the body in memory)
+    map "" $max_new_tokens {{
+        default {max_new_tokens};
+    }}
+    map "" $routed_models {{
+        default "{routed_models}";
+    }}
+    map $body_model $route_pool {{
+{routes}
+    }}
     include {directory}/{limits_file};
     log_format usage escape=json {log};
     access_log {directory}/access.log usage;
@@ -102,17 +131,19 @@ http {{
         proxy_set_header Authorization "";
         proxy_set_header {consumer_header} $consumer;
         proxy_set_header {tpm_header} $consumer_tpm;
+        proxy_set_header {routed_header} {routed_value};
         proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
         proxy_buffering off;
         proxy_connect_timeout 2s;
         proxy_read_timeout {read_timeout}s;
         proxy_next_upstream error timeout http_502 http_503 non_idempotent;
         proxy_next_upstream_tries {tries};
-        add_header X-Gateway-Pool $pool always;
+        add_header X-Gateway-Pool $route_pool always;
 
         location = /gateway/health {{
             return 200 '{{"gateway": "ok"}}';
         }}
+{models_location}
         location /v1/ {{
             if ($consumer = "") {{
                 return 401 '{unauthorized}';
@@ -120,7 +151,19 @@ http {{
             error_page 429 = @limited;
             error_page 413 = @too_large;
             include {directory}/limits.d/requests.conf;
-            proxy_pass http://$pool;
+            js_content gw.check;
+        }}
+        location @route {{
+            proxy_pass http://$route_pool;
+        }}
+        location ~ ^/[A-Za-z0-9_.-]+/prediction$ {{
+            if ($consumer = "") {{
+                return 401 '{unauthorized}';
+            }}
+            error_page 429 = @limited;
+            error_page 413 = @too_large;
+            include {directory}/limits.d/requests.conf;
+            {paddle_pass}
         }}
         location @limited {{
             add_header Retry-After $retry_after always;
@@ -146,7 +189,7 @@ def render(config, directory: Path, keys_directory: Path, consumers: dict) -> tu
     (directory / "limits.d").mkdir(parents=True, exist_ok=True)
     atomic_write(directory / "limits.d" / "requests.conf", request_limits)
     upstreams, choose = _pools(config)
-    tries = max(len(urls) for urls in by_pool.values())
+    tries = max(len(urls) for urls in [*by_pool.values(), paddle_backends(config)])
     unauthorized = json.dumps({"error": {"message": "missing or unknown API key: send `Authorization: Bearer <key>` "
                                          "(make gateway-key)", "type": "invalid_request_error", "param": None,
                                          "code": "invalid_api_key"}})
@@ -155,14 +198,42 @@ def render(config, directory: Path, keys_directory: Path, consumers: dict) -> tu
     too_large = json.dumps({"error": {"message": f"the request body is over {s.max_request_bytes} bytes",
                                       "type": "invalid_request_error", "param": None, "code": "bad_request"}})
     log = ("'{\"time\":\"$time_iso8601\",\"consumer\":\"$consumer\",\"method\":\"$request_method\",\"uri\":\"$uri\","
-           "\"status\":$status,\"pool\":\"$pool\",\"upstream\":\"$upstream_addr\","
+           "\"status\":$status,\"pool\":\"$route_pool\",\"upstream\":\"$upstream_addr\","
            "\"upstream_status\":\"$upstream_status\",\"request_time\":$request_time}'")
+    no_paddle = json.dumps({"error": {"message": "no Paddle Serving HTTP backends at this gateway "
+                                      "(gateway.paddle_backends)", "type": "invalid_request_error", "param": None,
+                                      "code": "not_found"}})
     conf = CONF.format(directory=directory, keys_directory=keys_directory, limits_file=LIMITS_FILE, log=log,
                        upstreams=upstreams, choose=choose, host=g.host, port=g.port, max_bytes=s.max_request_bytes,
-                       consumer_header=CONSUMER_HEADER, tpm_header=TPM_HEADER,
+                       consumer_header=CONSUMER_HEADER, tpm_header=TPM_HEADER, routed_header=ROUTED_MODEL_HEADER,
+                       routed_value="$body_model" if g.models else '""', js_module=JS_MODULE, route_file=ROUTE_FILE,
+                       max_new_tokens=s.max_new_tokens_limit, routed_models=", ".join(g.models) or "any",
+                       routes=_routes(config), models_location=_models_location(config, unauthorized),
+                       paddle_pass="proxy_pass http://paddle_http;" if paddle_backends(config) else
+                       f"return 404 '{no_paddle}';",
                        read_timeout=int(s.request_timeout_s) + 30, tries=tries, unauthorized=unauthorized,
                        limited=limited, too_large=too_large)
     return conf, limits
+
+
+def _routes(config) -> str:
+    """The map from the body's model to the pool: gateway.models (to one pool, or $pool: the split's choice), else
+    every model to $pool."""
+    g = config.gateway
+    if not g.models:
+        return "        default $pool;"
+    return "        default \"\";\n" + "\n".join(
+        f'        "{model}" {"pool_" + pools[0] if len(pools) == 1 else "$pool"};' for model, pools in g.models.items())
+
+
+def _models_location(config, unauthorized: str) -> str:
+    """GET /v1/models at the gateway: the names it routes (with gateway.models; else a replica answers)."""
+    if not config.gateway.models:
+        return ""
+    listed = json.dumps({"object": "list", "data": [{"id": m, "object": "model", "owned_by": "paddle-train-to-serve"}
+                                                    for m in config.gateway.models]}, ensure_ascii=False)
+    return (f"        location = /v1/models {{\n            if ($consumer = \"\") {{\n                return 401 "
+            f"'{unauthorized}';\n            }}\n            return 200 '{listed}';\n        }}")
 
 
 def _limits(config, consumers: dict) -> tuple[str, str]:
@@ -173,8 +244,10 @@ def _limits(config, consumers: dict) -> tuple[str, str]:
     # Each replica enforces its share of a consumer's tokens per minute: the pool's share of the requests (split)
     # spread over its replicas (round robin), so the replicas together hold the consumer to its budget, give or
     # take one request per replica (serving/server/consumers.py)
-    shares = {p: (g.split.get(p, 0) if g.split else 100) / 100 / len(urls) for p, urls in by_pool.items()}
-    limits.append('map "$pool $consumer" $consumer_tpm {\n    default 0;\n' + "".join(
+    # (a pool outside the split serves models of its own: all of their requests)
+    shares = {p: (g.split.get(p, 0) if g.split and p in g.split else 100) / 100 / len(urls)
+              for p, urls in by_pool.items()}
+    limits.append('map "$route_pool $consumer" $consumer_tpm {\n    default 0;\n' + "".join(
         f'    "pool_{p} {n}" {math.ceil(consumers[n]["tpm"] * shares[p]) if consumers[n].get("tpm") else 0};\n'
         for p in by_pool for n in names) + "}")
     limits.append("map $consumer $retry_after {\n    default 60;\n" + "".join(
@@ -196,8 +269,12 @@ def _pools(config) -> tuple[str, str]:
         f"    upstream pool_{name} {{\n" + "".join(
             f"        server {_address(u)} max_fails=1 fail_timeout={g.fail_timeout_s}s;\n" for u in urls) +
         "        keepalive 32;\n    }" for name, urls in by_pool.items())
+    if paddle_backends(config):
+        upstreams += "\n    upstream paddle_http {\n" + "".join(
+            f"        server {_address(u)} max_fails=1 fail_timeout={g.fail_timeout_s}s;\n"
+            for u in paddle_backends(config)) + "        keepalive 32;\n    }"
     if g.split:
-        rest = [p for p in by_pool if g.split[p] > 0]
+        rest = [p for p in by_pool if g.split.get(p, 0) > 0]
         choose = ('    split_clients "${request_id}" $pool {\n' + "".join(
             f"        {g.split[p]}% pool_{p};\n" for p in rest[:-1]) + f"        * pool_{rest[-1]};\n    }}")
     else:
@@ -217,7 +294,10 @@ def write(config, consumers: dict) -> Path:
     if not (key_dir / keys.MAP_FILE).is_file():
         key_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         atomic_write(key_dir / keys.MAP_FILE, "", mode=0o600)
+    if not Path(JS_MODULE).is_file():
+        raise ConfigError(NO_JS)
     conf, limits = render(config, directory, key_dir, consumers)
+    atomic_write(directory / ROUTE_FILE, (Path(__file__).parent / ROUTE_FILE).read_text())
     atomic_write(directory / LIMITS_FILE, limits)
     atomic_write(directory / CONF_FILE, conf)
     checked = subprocess.run([binary(), "-t", "-q", "-c", str(directory / CONF_FILE), "-p", str(directory)],

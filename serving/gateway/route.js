@@ -7,11 +7,11 @@
 // Errors are OpenAI's shape, as the replicas' own. Written for njs 0.7 (Debian 12's): ES5 and a few ES6 forms.
 
 function parsed(r) {
-    var text = r.requestText;
-    if (!text) {
-        return {};
-    }
     try {
+        var text = r.requestText;  // (undefined, or an exception, before the body is read: no model yet)
+        if (!text) {
+            return {};
+        }
         var body = JSON.parse(text);
         return (body !== null && typeof body === "object" && !Array.isArray(body)) ? body : null;
     } catch (e) {
@@ -27,6 +27,10 @@ function refuse(r, status, message, param, code) {
 
 function check(r) {
     if (r.method !== "POST") {
+        if (!r.variables.route_pool) {
+            refuse(r, 404, "no route " + r.method + " " + r.uri + " at the gateway", null, "not_found");
+            return;
+        }
         r.internalRedirect("@route");
         return;
     }

@@ -36,7 +36,9 @@ def gateway(exported, tmp_path_factory):
     root = tmp_path_factory.mktemp("gateway")
     replicas = [start_replica(exported, root, name) for name in ("a", "b")]
     settings = [f"gateway.port={free_port()}", f"gateway.state_dir={root / 'gw'}", f"gateway.keys_dir={root / 'keys'}",
-                f"gateway.backends=[{replicas[0]['url']}, {replicas[1]['url']}]", "gateway.fail_timeout_s=2"]
+                f"gateway.backends=[{replicas[0]['url']}, {replicas[1]['url']}]", "gateway.fail_timeout_s=2",
+                "gateway.paddle_backends=[" + ", ".join(f"http://127.0.0.1:{r['state']['http_port']}"
+                                                        for r in replicas) + "]"]
     proc = cli(["gateway", "--config", str(exported["config"]), *settings], exported["uri"])
     try:
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -246,6 +248,62 @@ def start_replica_again(gw, replica):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     state = json.loads((gw["root"] / replica["name"] / "serving" / "server.json").read_text())
     return {**replica, "state": state}
+
+
+def test_models_are_routed_by_name_and_alias_and_bodies_checked_at_the_gateway(gateway):
+    """gateway.models: an alias routed to one pool always lands there (the replica accepts the name it was routed
+    by), the registered name is split, an unrouted name is the gateway's 404, max_tokens over the limit and a body
+    that is not JSON are the gateway's 400 (no replica sees them); Paddle Serving's HTTP route passes with a key."""
+    a, b = (r["url"] for r in gateway["replicas"])
+    root = gateway["root"]
+    settings = [f"gateway.port={free_port()}", f"gateway.state_dir={root / 'routed'}", f"gateway.keys_dir={root / 'keys'}",
+                f"gateway.backends={{champion: [{a}], challenger: [{b}]}}", "gateway.split={champion: 50, challenger: 50}",
+                f"gateway.models={{{MODEL}: [champion, challenger], {MODEL}@challenger: [challenger]}}"]
+    key = new_key(gateway, "routed", 100000)
+    proc = cli(["gateway", "--config", str(gateway["config"]), *settings], gateway["uri"])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    try:
+        url, auth = re.search(r"^url: (\S+)$", proc.stdout, re.M).group(1), {"Authorization": f"Bearer {key}"}
+
+        def post(path="/v1/completions", **body):
+            return requests.post(f"{url}{path}", headers=auth, timeout=30, json={
+                "model": MODEL, "prompt": "好", "max_tokens": 2, **body})
+
+        pools = Counter()
+        for _ in range(20):
+            alias, name = post(model=f"{MODEL}@challenger"), post()
+            assert alias.status_code == 200 and alias.json()["model"] == f"{MODEL}@challenger", alias.text
+            assert alias.headers["X-Gateway-Pool"] == "pool_challenger"
+            pools[name.headers["X-Gateway-Pool"]] += 1
+        assert set(pools) == {"pool_champion", "pool_challenger"}, pools
+        log = root / "routed" / "access.log"
+        before = len(log.read_text().splitlines())
+        unknown = post(model="other-model")
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+        assert f"{MODEL}@challenger" in unknown.json()["error"]["message"]
+        big = post(max_tokens=10 ** 6)
+        assert big.status_code == 400 and big.json()["error"]["param"] == "max_tokens", big.text
+        assert "limit of" in big.json()["error"]["message"]
+        broken = requests.post(f"{url}/v1/completions", headers=auth, data="{not json", timeout=10)
+        assert broken.status_code == 400 and broken.json()["error"]["code"] == "bad_request"
+        assert [json.loads(line)["upstream"] for line in log.read_text().splitlines()[before:]] == ["", "", ""]
+        listed = requests.get(f"{url}/v1/models", headers=auth, timeout=10).json()
+        assert [m["id"] for m in listed["data"]] == [MODEL, f"{MODEL}@challenger"]
+        # a client cannot route itself: its own X-Pipeline-Routed-Model is replaced by the body's routed name
+        forged = requests.post(f"{url}/v1/completions", timeout=30, headers={**auth, "X-Pipeline-Routed-Model": "x"},
+                               json={"model": "x", "prompt": "好", "max_tokens": 2})
+        assert forged.status_code == 404
+    finally:
+        cli(["gateway-stop", "--config", str(gateway["config"]), *settings], gateway["uri"])
+    # Paddle Serving's own HTTP route through the first gateway: a key is needed, the answer is the replica's
+    fields = {"key": ["prompt", "max_new_tokens", "temperature"], "value": ["快递", "4", "0"]}
+    paddle = f"{gateway['url']}/{gateway['replicas'][0]['state']['http_url'].split('/', 3)[3]}"
+    assert requests.post(paddle, json=fields, timeout=30).status_code == 401
+    through = requests.post(paddle, json=fields, timeout=30, headers={"Authorization": f"Bearer {key}"}).json()
+    direct = requests.post(gateway["replicas"][1]["state"]["http_url"], json=fields, timeout=30).json()
+    answer = {k: dict(zip(r["key"], r["value"])) for k, r in (("through", through), ("direct", direct))}
+    assert through["err_no"] == 0 and answer["through"]["text"] == answer["direct"]["text"], answer
+    assert answer["through"]["token_ids"] == answer["direct"]["token_ids"] and answer["direct"]["text"], answer
 
 
 def test_a_weighted_split_between_pools(gateway):

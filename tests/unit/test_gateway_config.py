@@ -1,6 +1,7 @@
 """The gateway's nginx.conf (serving/gateway/nginx.py render) follows the settings, and nginx itself accepts it."""
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -53,6 +54,42 @@ def test_one_pool_by_default_and_bad_settings_refused(tmp_path):
         (["gateway.backends={a: [http://x:1], b: [http://y:2]}"], "several pools need gateway.split"),
         (["gateway.backends=[localhost:1]"], "a list of base URLs"),
         (["gateway.port=18182"], "one of the server's own ports"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, overrides)
+
+
+def test_models_route_to_their_pools_and_paddle_servings_route_has_its_backends(tmp_path):
+    config, conf, limits, _ = rendered(
+        tmp_path, "serving.max_new_tokens_limit=77",
+        "gateway.backends={a: [http://127.0.0.1:1001], b: [http://127.0.0.1:1002], chat: [http://127.0.0.1:1003]}",
+        "gateway.split={a: 90, b: 10}", "gateway.paddle_backends=[http://127.0.0.1:2001, http://127.0.0.1:2002]",
+        "gateway.models={m: [a, b], m@b: [b], m-chat: [chat]}", consumers={"t": {"rpm": 5, "tpm": 1000}})
+    routes = dict(re.findall(r'^\s+"([^"]+)" (\S+);$', re.search(r"map \$body_model \$route_pool \{(.*?)\}", conf,
+                                                                  re.S).group(1), re.M))
+    assert routes == {"m": "$pool", "m@b": "pool_b", "m-chat": "pool_chat"}
+    assert re.search(r"map \$body_model \$route_pool \{\s+default \"\";", conf)  # (other names: 404 in route.js)
+    assert re.search(r"split_clients \"\$\{request_id\}\" \$pool \{\s+90% pool_a;\s+\* pool_b;", conf)
+    assert "proxy_set_header X-Pipeline-Routed-Model $body_model;" in conf and "default 77;" in conf
+    assert '"data": [{"id": "m", ' in conf and "js_content gw.check;" in conf
+    assert re.findall(r"server (\S+) ", re.search(r"upstream paddle_http \{(.*?)\}", conf, re.S).group(1)) == \
+        ["127.0.0.1:2001", "127.0.0.1:2002"]
+    # the TPM share: 90% / 10% of the budget in the split's pools, all of it in a pool of its own
+    assert '"pool_a t" 900;' in limits and '"pool_b t" 100;' in limits and '"pool_chat t" 1000;' in limits
+    assert (tmp_path / "gw" / nginx.ROUTE_FILE).read_text() == (Path(nginx.__file__).parent / "route.js").read_text()
+    # without models: every name to the split (or the one pool), no routed-name header, no model list
+    _, plain, _, _ = rendered(tmp_path, "gateway.backends=[http://127.0.0.1:1001]")
+    assert re.search(r"map \$body_model \$route_pool \{\s+default \$pool;\s+\}", plain)
+    assert 'proxy_set_header X-Pipeline-Routed-Model "";' in plain and "location = /v1/models" not in plain
+    assert "upstream paddle_http" not in plain and "no Paddle Serving HTTP backends" in plain
+    for overrides, message in [
+        (["gateway.backends={a: [http://x:1], b: [http://y:2]}", "gateway.models={m: [c]}"], "one pool of"),
+        (["gateway.backends={a: [http://x:1], b: [http://y:2], c: [http://z:3]}", "gateway.split={a: 50, b: 50}",
+          "gateway.models={m: [a, c]}"], "or the pools of gateway.split"),
+        (["gateway.models={'m\"x': [default]}"], "model names are"),
+        (["gateway.paddle_backends=[x:1]"], "gateway.paddle_backends: a list of base URLs"),
+        (["gateway.backends={a: [http://x:1], b: [http://y:2], c: [http://z:3]}", "gateway.split={a: 50, b: 50}"],
+         "pools outside the split need gateway.models"),
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config(None, overrides)

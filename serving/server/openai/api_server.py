@@ -25,7 +25,7 @@ import time
 
 from fastapi import Request as HttpRequest  # (module level: FastAPI resolves the routes' annotations here)
 
-from serving.protocol import VERSION_HEADERS, Limits, RequestError, bad
+from serving.protocol import ROUTED_MODEL_HEADER, VERSION_HEADERS, Limits, RequestError, bad
 from serving.server.consumers import TokenBudgets, consumer_of
 from serving.server.openai.protocol import completion_body, error_body, usage_of
 from serving.server.openai.serving_chat import chat_template, parse_chat
@@ -189,8 +189,11 @@ class ApiServer:
         consumer, budget = consumer_of(http_request.headers)
         self.budgets.check(consumer, budget)
         body = await _read_json(http_request, self.limits.max_request_bytes)
-        request = (parse_chat(body, self.limits, self.model_ids, self.template) if chat
-                   else parse_completion(body, self.limits, self.model_ids))
+        # (a name the gateway routed here, gateway.models: an alias such as name@challenger is the gateway's to know)
+        routed = http_request.headers.get(ROUTED_MODEL_HEADER, "")
+        ids = self.model_ids | ({routed} if routed else set())
+        request = (parse_chat(body, self.limits, ids, self.template) if chat
+                   else parse_completion(body, self.limits, ids))
         run = Generation(self.dispatcher, request)
         headers, model = self.version_headers, self.model_label
 
