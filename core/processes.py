@@ -78,6 +78,19 @@ def signal_pids(pids, sig: int) -> None:
             pass
 
 
+def wait_gone(pids, timeout_s: float) -> bool:
+    """Wait until none of `pids` is alive (gone or a zombie; signals are delivered asynchronously); False at the
+    timeout."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = [pid for pid in pids if (proc_stat(pid) or ["Z"])[0] != "Z"]
+        if not alive or time.monotonic() > deadline:
+            return not alive
+        time.sleep(0.02)
+
+
 def die_with_parent(sig: int = 15):
     """Ask Linux to send `sig` to this process when its parent exits (prctl PR_SET_PDEATHSIG), so that a launcher
     killed with SIGKILL leaves no child running. No-op off Linux."""

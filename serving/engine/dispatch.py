@@ -83,7 +83,7 @@ class WorkerHandle:
         self.ready = threading.Event()
         self.conn: Connection | None = None
         self.proc: subprocess.Popen | None = None
-        self.send_lock = threading.Lock()
+        self.send_lock, self.spawn_lock = threading.Lock(), threading.Lock()
         self.info: dict = {}
         self.queue_state = (0, 0)
 
@@ -91,7 +91,10 @@ class WorkerHandle:
         d = self.dispatcher
         while not d.stopping and not self.retired:
             try:
-                self._spawn()
+                with self.spawn_lock:  # (retire() under the same lock: a retired handle never spawns late)
+                    if d.stopping or self.retired:
+                        return
+                    self._spawn()
                 self._read()
             except Exception as exc:  # noqa: BLE001  (counted as a death: the process is ended, then replaced)
                 d.log(f"generation worker {self.index} failed: {exc.__class__.__name__}: {exc}")
@@ -166,6 +169,11 @@ class WorkerHandle:
         for pending in held.values():
             pending.finish(error=error)
         return len(held)
+
+    def retire(self) -> None:
+        """Never (re)started from now on: a process already spawned is left to `stop`."""
+        with self.spawn_lock:
+            self.retired = True
 
     def stop(self) -> None:
         self.send("stop")
@@ -243,7 +251,7 @@ class Dispatcher:
             while not all(w.ready.is_set() for w in new):
                 if any(w.failed.is_set() for w in new) or time.monotonic() > deadline or self.stopping:
                     for w in new:
-                        w.retired = True
+                        w.retire()
                         w.stop()
                     self.log(f"switch to {model_dir} abandoned: its workers did not all load; still serving "
                              f"{self.model_dir}")
@@ -255,7 +263,7 @@ class Dispatcher:
                 for w in new:
                     w.standby = False
                 for w in old:
-                    w.retired = True
+                    w.retire()
                 self.retiring.extend(old)
             self._write_worker_file()
             self.log(f"switched to {meta['registered_model_name']} v{meta['version']} ({model_dir}); "

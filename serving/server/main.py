@@ -92,9 +92,11 @@ def _exit_fatal(reason: str) -> None:
 
 
 def _end_children() -> None:
-    from core.processes import descendants, signal_pids
+    from core.processes import descendants, signal_pids, wait_gone
 
-    signal_pids(descendants(os.getpid()), signal.SIGKILL)
+    children = descendants(os.getpid())
+    signal_pids(children, signal.SIGKILL)
+    wait_gone(children, 5.0)  # (so that whoever waits for this process finds none of them left)
 
 
 if __name__ == "__main__":

@@ -191,18 +191,29 @@ def test_streaming_with_the_openai_client_and_no_chat_without_a_template(server)
 
     client = openai.OpenAI(base_url=server["state"]["openai_base_url"], api_key="unused", max_retries=0)
     whole = client.completions.create(model="test-model", prompt="人工智能", max_tokens=64, temperature=0)
-    t0, arrivals, pieces, usage = time.perf_counter(), [], [], None
-    for chunk in client.completions.create(model="test-model", prompt="人工智能", max_tokens=64, temperature=0,
-                                           stream=True, stream_options={"include_usage": True}):
-        arrivals.append(time.perf_counter() - t0)
-        if chunk.choices:
-            pieces.append(chunk.choices[0].text)
-            finish = chunk.choices[0].finish_reason or None
-        if chunk.usage:
-            usage = chunk.usage
-    total = time.perf_counter() - t0
-    assert "".join(pieces) == whole.choices[0].text and len([p for p in pieces if p]) >= 2
-    assert arrivals[0] < total / 2, (arrivals[:3], total)
+
+    def stream():
+        t0, arrivals, pieces, usage, finish = time.perf_counter(), [], [], None, None
+        for chunk in client.completions.create(model="test-model", prompt="人工智能", max_tokens=64, temperature=0,
+                                               stream=True, stream_options={"include_usage": True}):
+            arrivals.append(time.perf_counter() - t0)
+            if chunk.choices:
+                pieces.append(chunk.choices[0].text)
+                finish = chunk.choices[0].finish_reason or None
+            if chunk.usage:
+                usage = chunk.usage
+        return arrivals, time.perf_counter() - t0, pieces, usage, finish
+
+    # (timing on a shared 2-core machine: a neighbour's burst can hold this process for a whole 0.1 s answer, so
+    # the first chunk must come early in one of three tries; a server that buffers the stream fails all three)
+    tries = []
+    for _ in range(3):
+        arrivals, total, pieces, usage, finish = stream()
+        assert "".join(pieces) == whole.choices[0].text and len([p for p in pieces if p]) >= 2
+        tries.append((arrivals[:3], total))
+        if arrivals[0] < total / 2:
+            break
+    assert arrivals[0] < total / 2, tries
     assert finish == whole.choices[0].finish_reason and usage.completion_tokens == whole.usage.completion_tokens
     # logprobs stream too (as OpenAI and vLLM): the chunks' joined equal the unstreamed answer's (the chat route's:
     # tests/integration/test_finetune.py, on a model with a chat template)
