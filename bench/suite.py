@@ -279,8 +279,8 @@ def checkpoint_stall(out: Path, uri: str, stamp: str, rounds: int = 3, steps: in
 
 
 def _upload_rates(run_dir: Path) -> list[float]:
-    """MB/s of each checkpoint upload, from rank 0's log (training/store_upload.py UPLOADED lines)."""
-    from training.store_upload import UPLOADED
+    """MB/s of each checkpoint upload, from rank 0's log (training/checkpoint/upload.py UPLOADED lines)."""
+    from training.checkpoint.upload import UPLOADED
 
     import re
 

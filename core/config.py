@@ -108,7 +108,7 @@ class TrainingConfig:
     keep_checkpoints: int = 3
     # Checkpoint files are written by a background thread of each rank (after a host copy of the tensors), so the
     # training step does not wait for the disk; a checkpoint still counts only once every rank's files are fsynced
-    # (training/async_checkpoint.py). false = write them before the next step.
+    # (training/checkpoint/async_write.py). false = write them before the next step.
     async_checkpoint: bool = True
 
 
@@ -279,6 +279,10 @@ class StorageConfig:
     uri: str = ""  # s3://bucket/prefix; "" = local disk only (the default)
     upload_wait_s: float = 300.0  # at the end of a run: how long to wait for pending uploads before naming them
     max_pending: int = 2  # checkpoints waiting to upload; a newer one replaces the oldest waiting beyond this
+    retry_s: float = 30.0  # a store that does not answer while a run is checked, resumed or fetched: retried this long
+    # One writer per run: the launcher's lease in the store (training/checkpoint/lease.py), renewed every lease_s/3;
+    # a launch that died without releasing it (kill -9, a lost node) blocks a requeue for at most this long.
+    lease_s: float = 60.0
     # Multi-node: true = every node mounts training.runs_dir (one run directory); false = each node keeps its run
     # directory on local disk, uploads its own ranks' part of each checkpoint and meets the others in the store.
     shared_filesystem: bool = True
@@ -540,6 +544,8 @@ def _validate_storage(s: StorageConfig) -> None:
              f"got {s.uri!r}")
     _require(s.upload_wait_s >= 0, f"storage.upload_wait_s: must be >= 0, got {s.upload_wait_s}")
     _require(s.max_pending >= 1, f"storage.max_pending: must be >= 1, got {s.max_pending}")
+    _require(s.retry_s >= 0, f"storage.retry_s: must be >= 0, got {s.retry_s}")
+    _require(s.lease_s >= 3, f"storage.lease_s: must be >= 3 (seconds; renewed every lease_s / 3), got {s.lease_s}")
     _require(s.shared_filesystem or bool(s.uri), "storage.shared_filesystem=false: the nodes meet in the object "
              "store; set storage.uri=s3://<bucket>[/<prefix>]")
 

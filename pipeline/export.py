@@ -24,7 +24,7 @@ import core  # noqa: F401  (zlib before paddle)
 from core import REPO_ROOT, exportdir, tracking
 from core.config import Config, load_config
 from export import ExportError
-from training.checkpoints import COMPLETE_MARKER
+from training.checkpoint.local import COMPLETE_MARKER
 
 
 @dataclass

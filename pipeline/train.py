@@ -23,9 +23,13 @@ from core.layout import ParallelLayout
 from pipeline.runner import failures, nodes, rundir, supervise
 from pipeline.runner.launch import Launch, Outcome, launch_ranks, run_other_node
 from pipeline.runner.tracked_run import TrackedRun
+from training.checkpoint import store as checkpoint_store
 
 # A resume's config waits here until the resumed run has completed a step (training/callbacks.py PromoteConfig).
 PENDING_CONFIG = "config.next.yaml"
+# A run that finished but whose checkpoints did not all reach the store (storage.uri): this exit code and this tag.
+EXIT_STORE_MISSING = 4
+TAG_STORE_MISSING = "pipeline.store_missing"
 
 
 def run(config: Config, resume: str = "", dry_run: bool = False) -> int:
@@ -37,16 +41,26 @@ def run(config: Config, resume: str = "", dry_run: bool = False) -> int:
     if nodes.node_rank() != 0:  # (the other nodes' launchers never touch the tracking store)
         return run_other_node(launch)
     tracked = TrackedRun(config).connect()
-    prepare(launch)
     stopper = supervise.Stopper(config.training.stop_grace_s)
+    prepare(launch, stopper)
     stopper.install()  # (here: data preparation imported paddlenlp, which resets SIGTERM)
-    tracked.open(launch.run_dir, launch.layout)
+    try:
+        tracked.open(launch.run_dir, launch.layout)
+    except BaseException:
+        launch.writer.release()
+        raise
     print(header(launch, tracked), flush=True)
     began, outcome = time.time(), Outcome()
     try:
         outcome = launch_ranks(launch, tracked, stopper)
     finally:
         close(launch, tracked, outcome)
+    missing = checkpoint_store.missing(launch.run_dir) if outcome.status == "FINISHED" else None
+    if missing:  # (finished, but not every checkpoint is in the store: a scheduler sees it in the exit code)
+        outcome.returncode = EXIT_STORE_MISSING
+        print(f"store: {', '.join(missing['missing'])} did not reach {config.storage.uri} ({missing['reason']}); the "
+              f"run finished, exit code {EXIT_STORE_MISSING}; MLflow tag {TAG_STORE_MISSING}", file=sys.stderr,
+              flush=True)
     if stopper.signum:
         outcome.returncode = 128 + stopper.signum
         print(f"stopped; latest complete checkpoint: {_latest(launch.run_dir)}\ncontinue with: make train "
@@ -80,8 +94,20 @@ def resolve(config: Config, resume: str, dry_run: bool = False) -> Launch:
         return Launch(config, layout, None)
     run_dir = rundir.find(resume, tracking.tracking_uri(config))
     if store is not None and nodes.node_rank() == 0:  # (the nodes' disks differ: the store says what is complete)
-        return Launch(config, layout, run_dir, rundir.latest_in_store(store, run_dir), run_dir / PENDING_CONFIG)
+        return Launch(config, layout, run_dir, _latest_in_store(store, run_dir, config), run_dir / PENDING_CONFIG)
     return Launch(config, layout, run_dir, _latest(run_dir), run_dir / PENDING_CONFIG)
+
+
+def _latest_in_store(store, run_dir: Path, config: Config) -> Path | None:
+    """Nodes that share no filesystem: the latest checkpoint complete in the store, made whole on this disk."""
+    fetched = checkpoint_store.fetch_latest(store, run_dir)
+    if fetched is None:
+        return None
+    checkpoint, size, seconds = fetched
+    if size:
+        print(f"{checkpoint.name}: the other nodes' parts from {store.uri} ({size / 2**20:.1f} MB in {seconds:.1f}s)",
+              flush=True)
+    return checkpoint
 
 
 def _requeued(config: Config, store) -> str:
@@ -110,8 +136,14 @@ def check_before_launch(launch: Launch) -> None:
         raise ConfigError(f"finetune.data={f.data}: no such file (DATA= takes reviews or a .jsonl file)")
     launch.layout.check_fits_machine()
     from training.data import check_size_early
+    from training.data.store import in_store
 
     check_size_early(launch.config)  # (a step count at no scale: refused now, not after MLflow and paddle start)
+    for uri in {launch.config.storage.uri, *[launch.config.data.cache_dir] * in_store(launch.config)} - {""}:
+        from core.storage import Store  # (endpoint, credentials, bucket and a write, before any training time)
+
+        seconds = Store(uri, attempts=1).check()
+        print(f"store: {uri} answers, accepts the credentials and a write ({seconds:.2f}s)", flush=True)
     if launch.layout.nnodes > 1 and not os.environ.get("MASTER"):
         raise ConfigError("parallel.nnodes > 1: set MASTER=<host:port> of node 0 (and NODE_RANK) on every node")
     if launch.layout.nnodes > 1 and launch.run_dir is None and not launch.config.training.run_name:
@@ -121,12 +153,21 @@ def check_before_launch(launch: Launch) -> None:
 
 
 # -- prepare ----------------------------------------------------------------------------------------------------------
-def prepare(launch: Launch) -> None:
+def prepare(launch: Launch, stopper: supervise.Stopper) -> None:
+    """A new run directory, or a resumed one cleaned; either way held by this launch alone (one writer per run)."""
+    from training.checkpoint import lease
+
+    def lost():  # (another launch holds the run now: these ranks must not write another checkpoint)
+        stopper.kill()
+
     if launch.run_dir is None:
         launch.run_dir = rundir.create(launch.config)
+        launch.writer = lease.hold(launch.run_dir, launch.config, lost)
         return
-    from training.checkpoints import remove_partial
+    launch.writer = lease.hold(launch.run_dir, launch.config, lost)
+    from training.checkpoint.local import remove_partial
 
+    (launch.run_dir / checkpoint_store.NOT_UPLOADED).unlink(missing_ok=True)
     for path in remove_partial(launch.run_dir):  # (a save the interruption cut short: it would be written again)
         print(f"removed the partial {path.name} left by the interrupted run", flush=True)
     print(f"resuming {launch.run_dir} from {launch.resume_from or 'the start (no complete checkpoint yet)'}",
@@ -153,7 +194,12 @@ def close(launch: Launch, tracked: TrackedRun, outcome: Outcome) -> None:
         tracked.record_stages(run_dir, layout)
     if started:
         tracked.record_layout(layout, launch.resume_from)
+    missing = checkpoint_store.missing(run_dir)
+    if missing and outcome.status == "FINISHED":
+        tracked.set_tag(TAG_STORE_MISSING, f"{', '.join(missing['missing'])}: {missing['reason']}")
     tracked.close(run_dir, outcome.status if started else tracked.previous_status)
+    if launch.writer:
+        launch.writer.release()
 
 
 # -- what the console shows -------------------------------------------------------------------------------------------
@@ -182,7 +228,7 @@ def header(launch: Launch, tracked: TrackedRun) -> str:
 def summary(run_dir: Path, config: Config, seconds: float) -> str:
     """The end of a finished run: its eval loss, the best checkpoint, the time taken and the next commands."""
     from pipeline.runner.console import duration
-    from training.checkpoints import checkpoint_info, complete_checkpoints
+    from training.checkpoint.local import checkpoint_info, complete_checkpoints
 
     metric = config.export.metric
     rated = [(step, checkpoint_info(path)) for step, path in complete_checkpoints(run_dir)]
@@ -229,7 +275,7 @@ def _count(n: float) -> str:
 
 
 def _latest(run_dir: Path) -> Path | None:
-    from training.checkpoints import latest_complete
+    from training.checkpoint.local import latest_complete
 
     return latest_complete(run_dir)
 

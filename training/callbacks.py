@@ -1,5 +1,5 @@
-"""Trainer callbacks: MLflow logging (PaddleNLP 2.8.1 has no MLflow integration), checkpoint completion and upload,
-graceful stop on SIGTERM / SIGINT, and the switch to a new config once a resume has started."""
+"""Trainer callbacks: MLflow logging (PaddleNLP 2.8.1 has no MLflow integration), graceful stop on SIGTERM / SIGINT,
+and the switch to a new config once a resume has started. (After a checkpoint save: training/checkpoint/manager.py.)"""
 from __future__ import annotations
 
 import json
@@ -14,8 +14,6 @@ from paddlenlp.trainer import TrainerCallback  # (this import resets SIGTERM: ha
 
 from core import tracking
 from training import progress
-from training.checkpoints import (DONE_MARKER_PREFIX, checkpoint_info, complete_checkpoints, make_durable,
-                                  mark_complete, prune)
 
 
 class FinalStepCallback(TrainerCallback):
@@ -27,117 +25,6 @@ class FinalStepCallback(TrainerCallback):
             control.should_evaluate = True
             control.should_save = True
         return control
-
-
-def should_upload(mode: str, metric: str, info: dict, earlier: list[dict]) -> bool:
-    """tracking.checkpoint_artifacts: `all` uploads every complete checkpoint, `best` those that improve `metric`
-    (lower is better) over every earlier checkpoint of the run, `none` nothing."""
-    if mode == "all":
-        return True
-    if mode != "best" or metric not in info:
-        return False
-    return all(info[metric] < e[metric] for e in earlier if metric in e)
-
-
-class CheckpointCompleteCallback(TrainerCallback):
-    """After every rank has written checkpoint-<step> and made its files durable (fsync), rank 0 marks it complete,
-    applies retention (training.keep_checkpoints) and records it in MLflow (uploading the files too when
-    tracking.checkpoint_artifacts asks for it; in the background, training does not wait for the upload). When the
-    nodes share no filesystem, each node's first rank does this for its node's part on its own disk, and the store
-    says when the checkpoint is whole (training/store_upload.py).
-
-    Synchronous saves: every rank fsyncs, a barrier, rank 0 marks. Asynchronous saves (`writer`, see
-    training/async_checkpoint.py): each rank's writer thread, once its files are written and fsynced, leaves a
-    `.done-rank<r>` marker in the checkpoint; rank 0's writer waits for the markers of all ranks (no collective: the
-    training loop owns those) and marks the checkpoint complete. A checkpoint killed half-way is never marked.
-    Each save's pause of the training loop is logged as `checkpoint_stall_s`."""
-
-    def __init__(self, mlflow_logger: "MlflowLogger | None", upload_mode: str = "none", metric: str = "eval_loss",
-                 keep: int = 0, writer=None, peers_timeout_s: float = 3600.0, store=None, store_wait_s: float = 0,
-                 owner: bool = False, peers: range = range(0)):
-        self.mlflow_logger, self.upload_mode, self.metric, self.keep = mlflow_logger, upload_mode, metric, keep
-        self.writer, self.peers_timeout_s = writer, peers_timeout_s
-        self.owner, self.peers = owner, peers  # (training/rank.py checkpoint_roles: who marks, over whose parts)
-        self.store, self.store_wait_s = store, store_wait_s  # (training/store_upload.py, rank 0 with storage.uri)
-        self.noted = False
-
-    def on_save(self, args, state, control, **kwargs):
-        import paddle.distributed as dist
-
-        checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        evals = [e for e in state.log_history if "eval_loss" in e and e.get("step") == state.global_step]
-        info = {"step": state.global_step, "path": str(checkpoint.resolve()), "saved_at": time.time(),
-                **{k: v for k, v in (evals[-1] if evals else {}).items() if k.startswith("eval_")}}
-        if "eval_loss" in info:
-            info["eval_perplexity"] = tracking.perplexity(info["eval_loss"])
-        if self.writer is not None:
-            self.writer.check()  # an earlier write failed: stop here, not silently without checkpoints
-            self.writer.submit(self._finish, checkpoint, info, dist.get_rank())
-        else:
-            make_durable(checkpoint)  # each rank: what it wrote reaches the disk before the checkpoint can count
-            if dist.get_world_size() > 1:
-                dist.barrier()
-            if self.owner:
-                self._complete(checkpoint, info)
-        started = getattr(state, "checkpoint_started_at", None)
-        if started and self.mlflow_logger:
-            self.mlflow_logger.log_metrics({"checkpoint_stall_s": time.time() - started}, state.global_step)
-        return control
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if self.writer is not None:
-            self.writer.check()
-        return control
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if self.writer is not None:
-            self.writer.drain()  # the last checkpoint is complete (or its failure raised) before the rank exits
-        if self.store is not None:
-            missing = self.store.finish(self.store_wait_s)
-            text = (f"store: not uploaded within storage.upload_wait_s={self.store_wait_s:g}s: {', '.join(missing)} "
-                    "(complete on local disk; a resume from this disk uploads them)" if missing else
-                    f"store: {self.store.what()} is in {self.store.store.uri}")
-            print(text, flush=True)
-            progress.note(Path(args.output_dir).parent, text)
-
-    def _finish(self, checkpoint: Path, info: dict, rank: int) -> None:
-        """In the rank's writer thread, after its files of this checkpoint are written and fsynced."""
-        make_durable(checkpoint)
-        checkpoint.mkdir(parents=True, exist_ok=True)  # (a rank with nothing to save, on a disk of its own)
-        marker = checkpoint / f"{DONE_MARKER_PREFIX}{rank}"
-        with open(marker, "w") as fh:
-            fh.write(str(time.time()))
-            fh.flush()
-            os.fsync(fh.fileno())
-        if not self.owner:
-            return
-        deadline = time.time() + self.peers_timeout_s
-        while not all((checkpoint / f"{DONE_MARKER_PREFIX}{r}").exists() for r in self.peers):
-            if time.time() > deadline:
-                raise TimeoutError(f"{checkpoint}: not every rank finished writing within {self.peers_timeout_s:g}s")
-            time.sleep(0.05)
-        self._complete(checkpoint, info)
-
-    def _complete(self, checkpoint: Path, info: dict) -> None:
-        """Rank 0: mark complete, apply retention, record (and maybe upload) in MLflow."""
-        checkpoint.mkdir(parents=True, exist_ok=True)  # (a node whose ranks had nothing to save, on its own disk)
-        earlier = [checkpoint_info(path) for step, path in complete_checkpoints(checkpoint.parent.parent)
-                   if step != info["step"]] if self.upload_mode == "best" else []
-        mark_complete(checkpoint, info)
-        uploading = (self.mlflow_logger.uploading() if self.mlflow_logger else set()) | \
-            (self.store.uploading() if self.store else set())
-        removed = prune(checkpoint.parent.parent, self.keep, self.metric, info["step"], uploading)
-        if removed:
-            print(f"checkpoints: removed {', '.join(p.name for p in removed)}", flush=True)
-            if not self.noted:  # (the console hears it once; the rank log every time)
-                self.noted = True
-                progress.note(checkpoint.parent.parent, f"checkpoints: keeping the newest {self.keep} and the best by "
-                              f"{self.metric} (training.keep_checkpoints); older ones are removed as new ones "
-                              f"complete")
-        if self.store is not None:
-            self.store.submit(checkpoint, info)
-        if self.mlflow_logger:
-            self.mlflow_logger.log_checkpoint(info, should_upload(self.upload_mode, self.metric, info, earlier))
 
 
 class GracefulStop(TrainerCallback):

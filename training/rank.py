@@ -41,7 +41,7 @@ def make_trainer(device: str = "cpu", **kwargs):
         resumed_window = None  # (a resume: the window its checkpoint saved, added at the first step)
 
         def _save_checkpoint(self, model, metrics=None):
-            # when the loop paused for this checkpoint (CheckpointCompleteCallback logs checkpoint_stall_s)
+            # when the loop paused for this checkpoint (training/checkpoint/manager.py logs checkpoint_stall_s)
             import time
 
             self.state.checkpoint_started_at = time.time()
@@ -112,11 +112,6 @@ def prepare_model(config, model):
     return model
 
 
-def async_writes(config, layout: ParallelLayout) -> bool:
-    """training.async_checkpoint applies to unified checkpoints (semi_auto saves its own way, synchronously)."""
-    return config.training.async_checkpoint and layout.mode != "semi_auto"
-
-
 def training_arguments(config, layout: ParallelLayout, output_dir: Path):
     from paddlenlp.trainer import TrainingArguments
 
@@ -140,6 +135,8 @@ def performance_values(config, layout: ParallelLayout) -> dict:
 def training_argument_values(config, layout: ParallelLayout, output_dir: Path) -> dict:
     """The keyword arguments of PaddleNLP's TrainingArguments for this config (a plain dict: the translation of
     every setting is testable without the devices it needs)."""
+    from training.checkpoint import async_write
+
     t, perf = config.training, config.performance
     semi_auto = layout.mode == "semi_auto"
     pipeline_options = []
@@ -186,8 +183,8 @@ def training_argument_values(config, layout: ParallelLayout, output_dir: Path) -
         distributed_dataloader=perf.distributed_dataloader,
         # Full (merged) tensors in safetensors: export and resume do not depend on the training layout.
         unified_checkpoint=not semi_auto,
-        # PaddleNLP's async branch (host snapshot), written by our writer thread: training/async_checkpoint.py
-        unified_checkpoint_config="async_save" if async_writes(config, layout) else "",
+        # PaddleNLP's async branch (host snapshot), written by our writer thread: training/checkpoint/async_write.py
+        unified_checkpoint_config="async_save" if async_write.enabled(config, layout) else "",
         ignore_save_lr_and_optim=semi_auto,  # see training/semi_auto.py
         device=layout.device,
         no_cuda=layout.device == "cpu",
@@ -217,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from core.tokenizer import load_tokenizer
     from training.callbacks import GracefulStop
-    from training.checkpoints import STOPPED_MARKER
+    from training.checkpoint.local import STOPPED_MARKER
     # (after the paddlenlp import, which resets SIGTERM to the default action)
     graceful_stop = GracefulStop(run_dir / STOPPED_MARKER)
     train_args = training_arguments(config, layout, run_dir / "checkpoints")
@@ -312,35 +309,12 @@ def model_and_trainer_class(config: Config, layout: ParallelLayout, train_args, 
     return model, new_trainer
 
 
-def checkpoint_roles(config: Config, layout: ParallelLayout, rank: int) -> tuple[bool, range]:
-    """Whether `rank` marks checkpoints complete, and over which ranks' parts: rank 0 over every rank (one run
-    directory), or, when the nodes share no filesystem (storage.shared_filesystem=false), each node's first rank
-    over its node's ranks (`--rank NODE_RANK` gives node k the ranks k*n .. k*n+n-1)."""
-    if config.storage.shared_filesystem or layout.nnodes == 1:
-        return rank == 0, range(layout.world_size)
-    first = rank - rank % layout.procs_per_node
-    return rank == first, range(first, first + layout.procs_per_node)
-
-
-def store_uploader(config: Config, layout: ParallelLayout, run_dir: Path, owner: bool, peers: range):
-    """The rank that marks checkpoints complete uploads them when storage.uri names a store
-    (training/store_upload.py): all of each, or its node's part (`peers`: its node's ranks) when the nodes share no
-    filesystem."""
-    if not config.storage.uri or not owner:
-        return None
-    from training.store_upload import StoreUploader
-
-    return StoreUploader(config.storage.uri, run_dir, config.training.keep_checkpoints, config.export.metric,
-                         config.storage.max_pending, node=peers.start // len(peers),
-                         nnodes=layout.world_size // len(peers))
-
-
 def callbacks(config: Config, layout: ParallelLayout, run_dir: Path, pending: Path | None, graceful_stop,
               first_process: bool, train_blocks: int) -> list:
     """Stop on a signal (`graceful_stop`), promote a resume's config, measure memory, mark checkpoints complete (and prune, upload), and on the first
     process: MLflow records and the console's progress events."""
-    from training.callbacks import (CheckpointCompleteCallback, FinalStepCallback, MlflowLogger, PeakMemory,
-                                    PromoteConfig)
+    from training.callbacks import FinalStepCallback, MlflowLogger, PeakMemory, PromoteConfig
+    from training.checkpoint import manager
 
     mlflow_logger = None
     run_id = os.environ.get("PIPELINE_MLFLOW_RUN_ID")
@@ -349,21 +323,11 @@ def callbacks(config: Config, layout: ParallelLayout, run_dir: Path, pending: Pa
 
         mlflow_logger = MlflowLogger(tracking.client(os.environ["MLFLOW_TRACKING_URI"]), run_id,
                                      config.training.seq_length, run_dir)
-    writer = None
-    if async_writes(config, layout):
-        from training import async_checkpoint
-
-        async_checkpoint.apply()
-        writer = async_checkpoint.writer()
     import paddle.distributed as dist
 
-    owner, peers = checkpoint_roles(config, layout, dist.get_rank())
-    found = [FinalStepCallback(), graceful_stop, PromoteConfig(pending, run_dir / "config.yaml", owner),
-             PeakMemory(run_dir, layout.device),
-             CheckpointCompleteCallback(mlflow_logger, config.tracking.checkpoint_artifacts, config.export.metric,
-                                        config.training.keep_checkpoints, writer, owner=owner, peers=peers,
-                                        store=store_uploader(config, layout, run_dir, owner, peers),
-                                        store_wait_s=config.storage.upload_wait_s)]
+    checkpoints = manager.for_rank(config, layout, run_dir, dist.get_rank(), mlflow_logger)
+    found = [FinalStepCallback(), graceful_stop, PromoteConfig(pending, run_dir / "config.yaml", checkpoints.owner),
+             PeakMemory(run_dir, layout.device), checkpoints]
     if mlflow_logger:
         found.append(mlflow_logger)
     if first_process:

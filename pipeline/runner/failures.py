@@ -68,7 +68,7 @@ def diagnose(run_dir: Path, layout: ParallelLayout, rank: int, why: str, logs: d
 
     Disk full: the partial checkpoints (newer than the latest complete one; the ranks are gone, so nothing writes
     them) are removed so the disk is not left full, and the line names the free space and the RESUME command."""
-    from training.checkpoints import latest_complete, remove_partial
+    from training.checkpoint.local import latest_complete, remove_partial
 
     latest = latest_complete(run_dir)
     usage = shutil.disk_usage(run_dir)

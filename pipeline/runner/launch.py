@@ -23,6 +23,7 @@ class Launch:
     run_dir: Path | None  # None until a new run's directory is claimed (prepare)
     resume_from: Path | None = None  # the latest complete checkpoint of a resumed run
     pending: Path | None = None  # a resume's config, promoted to config.yaml once the run completed a step
+    writer: object = None  # while this launch trains the run: its writer lock and lease (training/checkpoint/lease.py)
 
     @property
     def resumed(self) -> bool:
@@ -38,7 +39,7 @@ class Outcome:
 # -- this node's ranks------------------------------------------------------------------------------------------------------
 def launch_ranks(launch: Launch, tracked: TrackedRun, stopper: supervise.Stopper) -> Outcome:
     """Run this node's ranks to the end; the outcome says how they ended."""
-    from training.checkpoints import STOPPED_MARKER
+    from training.checkpoint.local import STOPPED_MARKER
 
     config, layout, run_dir = launch.config, launch.layout, launch.run_dir
     if launch.pending is not None:  # (the new config, maybe another layout, goes live after the first step)

@@ -5,7 +5,7 @@ the run resumes from, then writes `launch.json` into the run directory. Every ot
 this launch: `$PIPELINE_LAUNCH_ID`, else `$MASTER`, must match -- checks that its own config is node 0's, and
 starts its ranks with the resume point node 0 chose. All ranks write their parts of a checkpoint into the same
 `checkpoints/checkpoint-<step>/`, which rank 0 marks complete only after a barrier over every rank of every node
-(training/callbacks.py). Each node's launcher logs under `logs/node<k>/`.
+(training/checkpoint/manager.py). Each node's launcher logs under `logs/node<k>/`.
 
 Without shared storage the file never appears on the other nodes: they stop after `parallel.node_wait_s` with a
 message naming the path.
@@ -14,7 +14,7 @@ Nodes that share no filesystem (`storage.shared_filesystem=false`) meet in the o
 announcement at `<storage.uri>/runs/<run>/launch.json` (and the run's MLflow id at `run.json`, so that a node 0
 requeued onto an empty disk finds its run); every node keeps its own run directory on local disk, made from the
 announced config, and each node's first rank uploads its node's part of every checkpoint
-(training/store_upload.py). A checkpoint resumes from the store once every node's part is there.
+(training/checkpoint/upload.py). A checkpoint resumes from the store once every node's part is there.
 """
 from __future__ import annotations
 
@@ -61,11 +61,11 @@ def meeting_store(config):
         return None
     from core.storage import Store
 
-    return Store(config.storage.uri)
+    return Store(config.storage.uri, retry_s=config.storage.retry_s)
 
 
 def _store_key(store, run_dir: Path, name: str) -> str:
-    from core.storage import run_prefix
+    from training.checkpoint.store import run_prefix
 
     return f"{run_prefix(store, run_dir.name)}/{name}"
 

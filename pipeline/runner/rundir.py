@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from core import REPO_ROOT, tracking
-from core.config import Config, ConfigError
+from core.config import Config, ConfigError, load_config
 from pipeline.runner.supervise import stop_signal_handler
 
 
@@ -31,11 +31,12 @@ def find(resume: str, uri: str) -> Path:
 def restore(run, uri: str, resume: str) -> Path:
     """A run begun on another machine, made again here from its MLflow record and the object store: its recorded
     config (storage.uri included), its data set (prepared here from the same corpus: the same content key), and its
-    latest checkpoint complete in the store (docs/storage.md)."""
+    latest checkpoint complete in the store (docs/storage.md). A store that fails (past storage.retry_s) ends it in
+    one line; the MLflow run is tagged with it and, if nothing runs it any more, marked FAILED; nothing is left here."""
     import tempfile
 
-    from core import storage
-    from core.config import load_config
+    from core.storage import Store, StoreError
+    from training.checkpoint import store as checkpoint_store
 
     client = tracking.client(uri)
     with tempfile.TemporaryDirectory() as tmp:
@@ -54,23 +55,44 @@ def restore(run, uri: str, resume: str) -> Path:
 
     if _run_id_of(run_dir / RUN_INFO) == run.info.run_id:
         return run_dir  # (restored here before: this machine's copy of the run, under its own runs_dir)
-    store = storage.Store(config.storage.uri)
-    steps = storage.complete_steps(store, name)
     if run_dir.exists():
         raise ConfigError(f"RESUME={resume}: {run_dir} exists but is not the run's directory ({recorded}); move it")
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
-    run_dir.mkdir()
-    with _removed_on_failure(run_dir):
-        _fill(config, run_dir)
-        (run_dir / RUN_INFO).write_text(json.dumps({"run_id": run.info.run_id, "tracking_uri": uri}))
-        if steps:
-            checkpoint, size, seconds = fetch_checkpoint(store, run_dir, max(steps), steps[max(steps)])
-            print(f"restored {name} from {store.uri}: {checkpoint.name} ({size / 2**20:.1f} MB in {seconds:.1f}s)",
-                  flush=True)
-        else:
-            print(f"restored {name} from its MLflow record: no checkpoint complete in {store.uri} yet, it starts "
-                  "over", flush=True)
+    store = Store(config.storage.uri, retry_s=config.storage.retry_s)
+    try:
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        run_dir.mkdir()
+        with _removed_on_failure(run_dir):
+            _fill(config, run_dir)
+            (run_dir / RUN_INFO).write_text(json.dumps({"run_id": run.info.run_id, "tracking_uri": uri}))
+            fetched = checkpoint_store.fetch_latest(store, run_dir)
+            if fetched:
+                checkpoint, size, seconds = fetched
+                print(f"restored {name} from {store.uri}: {checkpoint.name} ({size / 2**20:.1f} MB in "
+                      f"{seconds:.1f}s)", flush=True)
+            else:
+                print(f"restored {name} from its MLflow record: no checkpoint complete in {store.uri} yet, it starts "
+                      "over", flush=True)
+    except StoreError as exc:
+        _record_unresumed(client, run, config, f"RESUME={resume}: {exc}")
+        raise StoreError(f"RESUME={resume}: {exc}; nothing was kept here, run it again once the store answers",
+                         exc.kind) from None
     return run_dir
+
+
+def _record_unresumed(client, run, config: Config, line: str) -> None:
+    """A resume the store stopped: the line on the MLflow run (`pipeline.resume_failed`), and a RUNNING run whose
+    launcher is gone marked FAILED as pipeline/runner/liveness.py marks it (still resumable)."""
+    from pipeline.runner import liveness
+
+    try:
+        client.set_tag(run.info.run_id, "pipeline.resume_failed", line[:5000])
+        if run.info.status == "RUNNING":
+            state, why = liveness.liveness(run.data.tags, time.time(), config.tracking.stale_after_s)
+            if state != "alive":
+                client.set_tag(run.info.run_id, "pipeline.reaped", f"{state}: {why}")
+                client.set_terminated(run.info.run_id, "FAILED")
+    except Exception:  # noqa: BLE001  (the tracking store failing too: the console line is what remains)
+        pass
 
 
 def _run_id_of(run_info: Path) -> str:
@@ -78,39 +100,6 @@ def _run_id_of(run_info: Path) -> str:
         return json.loads(run_info.read_text())["run_id"]
     except (OSError, ValueError, KeyError):
         return ""
-
-
-def fetch_checkpoint(store, run_dir: Path, step: int, record: dict) -> tuple[Path, int, float]:
-    """Checkpoint `step`, complete in the store, into the run directory: the files this disk lacks (all of them
-    unless this disk holds a complete part of it), marked complete with the store's record. (path, bytes, seconds)"""
-    from core import storage
-    from training.checkpoints import COMPLETE_MARKER, mark_complete
-
-    began = time.time()
-    checkpoint = run_dir / "checkpoints" / f"checkpoint-{step}"
-    if not (checkpoint / COMPLETE_MARKER).is_file():
-        shutil.rmtree(checkpoint, ignore_errors=True)  # (a part cut short here: taken whole from the store)
-    files = store.download(f"{storage.checkpoints_prefix(store, run_dir.name)}/{checkpoint.name}", checkpoint,
-                           lambda relative: relative.split("/")[0] in (storage.PARTS_DIR, storage.COMPLETE_MARKER)
-                           or (checkpoint / relative).is_file())
-    size = sum(f.stat().st_size for f in files)
-    mark_complete(checkpoint, record)  # (its record as the store has it, and `latest`)
-    return checkpoint, size, time.time() - began
-
-
-def latest_in_store(store, run_dir: Path) -> Path | None:
-    """Nodes that share no filesystem: the latest checkpoint complete in the store (every node's part there),
-    made whole on this disk; None if there is none yet."""
-    from core import storage
-
-    steps = storage.complete_steps(store, run_dir.name)
-    if not steps:
-        return None
-    checkpoint, size, seconds = fetch_checkpoint(store, run_dir, max(steps), steps[max(steps)])
-    if size:
-        print(f"{checkpoint.name}: the other nodes' parts from {store.uri} ({size / 2**20:.1f} MB in {seconds:.1f}s)",
-              flush=True)
-    return checkpoint
 
 
 def join_locally(config: Config, run_dir: Path, info: dict, store) -> tuple[Path | None, Path | None]:
@@ -124,13 +113,12 @@ def join_locally(config: Config, run_dir: Path, info: dict, store) -> tuple[Path
             _fill(config, run_dir)
     resume_from = None
     if info["resume_checkpoint"]:
-        from core import storage
+        from training.checkpoint import store as checkpoint_store
 
         step = int(info["resume_checkpoint"].split("-")[1])
-        record = storage.complete_steps(store, run_dir.name).get(step)
-        if record is None:
+        resume_from = checkpoint_store.fetch_step(store, run_dir, step)
+        if resume_from is None:
             raise ConfigError(f"node 0 resumes from {info['resume_checkpoint']}, which is not complete in {store.uri}")
-        resume_from = fetch_checkpoint(store, run_dir, step, record)[0]
     pending = None
     if info["pending_config"]:
         pending = run_dir / Path(info["pending_config"]).name

@@ -141,6 +141,12 @@ class TrackedRun:
         except Exception as exc:  # noqa: BLE001
             print(f"MLflow: could not record the new layout ({exc.__class__.__name__})", file=sys.stderr, flush=True)
 
+    def set_tag(self, key: str, value: str) -> None:
+        try:
+            self.client.set_tag(self.run_id, key, value[:5000])
+        except Exception as exc:  # noqa: BLE001  (the console line says it too)
+            print(f"MLflow: could not set {key} ({exc.__class__.__name__})", file=sys.stderr, flush=True)
+
     def record_failure(self, failure: dict) -> None:
         self.client.log_text(self.run_id, failure["tail"], f"failure/workerlog.{failure['rank']}.tail.txt")
         self.client.set_tag(self.run_id, "failed_rank", str(failure["rank"]))

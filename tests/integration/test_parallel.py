@@ -102,7 +102,7 @@ def test_checkpoint_merges_into_a_single_model(world, layout):
     runs = world["root"] / "runs"
     if not (runs / layout / "checkpoints" / "latest").exists():
         train(world, layout)
-    from training.checkpoints import checkpoint_info, latest_complete
+    from training.checkpoint.local import checkpoint_info, latest_complete
     from training.data.read import validation_dataset
     from model.llama import load_merged
 

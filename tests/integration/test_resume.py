@@ -18,7 +18,7 @@ from helpers import (LAYOUTS, env_for, make_command, metric_history, processes_m
                      wait_until)
 from core import REPO_ROOT, tracking
 from core.processes import descendants, signal_pids
-from training import checkpoints
+from training.checkpoint import local as checkpoints
 
 pytestmark = pytest.mark.slow
 RTOL = 1e-4
@@ -308,7 +308,7 @@ def test_nodes_without_a_shared_disk_meet_in_the_store_and_a_lost_node_resumes_o
     store = storage.Store("s3://pipeline/apart")
     procs = _start_apart(world, s3, "parallel.collective_timeout_s=10")
     try:
-        assert wait_until(lambda: storage.complete_steps(store, "apart"), 240, 0.2, alive=procs[1],
+        assert wait_until(lambda: checkpoint_store.complete_steps(store, "apart"), 240, 0.2, alive=procs[1],
                           context=lambda: procs[1].stdout.read()[-3000:]), "no checkpoint complete in the store"
         signal_pids([*reversed(descendants(procs[0].pid)), procs[0].pid], signal.SIGKILL)  # node 1 is lost ...
         (_, _), (rc0, out0) = _finish(procs, timeout=120)
@@ -317,7 +317,7 @@ def test_nodes_without_a_shared_disk_meet_in_the_store_and_a_lost_node_resumes_o
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
     assert rc0 != 0, out0[-2000:]
-    step = max(storage.complete_steps(store, "apart"))
+    step = max(checkpoint_store.complete_steps(store, "apart"))
     assert step < STEPS
     shutil.rmtree(world["root"] / "disk1")  # ... with its disk: requeued onto an empty one
     procs = _start_apart(world, s3, "parallel.collective_timeout_s=10", resume=True)  # (the same command again)
@@ -335,7 +335,7 @@ def test_nodes_without_a_shared_disk_meet_in_the_store_and_a_lost_node_resumes_o
     assert "data: fetched" in out1  # (its data copy from the store, not prepared again)
     # each node uploaded its own ranks' part (stage 1's weights are node 1's); the last checkpoint is whole only in
     # the store
-    last = f"{storage.checkpoints_prefix(store, 'apart')}/checkpoint-{STEPS}/"
+    last = f"{checkpoint_store.checkpoints_prefix(store, 'apart')}/checkpoint-{STEPS}/"
     keys = {k[len(last):] for k in store.keys(last)}
     shards = {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}
     assert {".parts/node-0.json", ".parts/node-1.json", "checkpoint_complete.json", *shards} <= keys, keys
@@ -352,8 +352,8 @@ def test_a_kill_during_an_async_save_resumes_from_the_last_complete_checkpoint(w
     """training.async_checkpoint (the default): the writer thread is slowed (fault injection) so that saves are
     still in flight when the job is killed with SIGKILL. `latest` names a complete checkpoint, never the one being
     written; the resume removes the partial one and continues exactly."""
-    from training.async_checkpoint import DELAY_ENV
-    from training.checkpoints import COMPLETE_MARKER
+    from training.checkpoint.async_write import DELAY_ENV
+    from training.checkpoint.local import COMPLETE_MARKER
 
     run_dir = world["runs"] / "async-kill"
     proc = subprocess.Popen([sys.executable, "-m", "pipeline", "train", "--config", str(world["config"]),

@@ -5,16 +5,19 @@ with the uninterrupted run's losses; a data set published to the store and fetch
 share no disk: tests/integration/test_resume.py; a tracking server whose artifacts, exports included, live in the
 store: tests/integration/test_remote.py.)"""
 import json
+import os
 import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from core import REPO_ROOT
 from core.processes import descendants, signal_pids
 from helpers import TINY_CONFIG, env_for, metric_history, progress_events, wait_until
+from training.checkpoint import store as checkpoint_store
 
 pytestmark = pytest.mark.slow
 MAX_STEPS = 150
@@ -44,7 +47,7 @@ def test_checkpoints_outlive_the_store_failing_and_the_disk(s3, tmp_path, monkey
     assert ref.wait(timeout=300) == 0, ref.stdout.read()[-3000:]
     bucket = "s3://pipeline/tests"
     run = _train(s3, tmp_path / "node", uri, "cut", f"storage.uri={bucket}", f"data.cache_dir={bucket}/data",
-                 f"data.local_dir={tmp_path / 'node' / 'disk' / 'cache'}")
+                 f"data.local_dir={tmp_path / 'node' / 'disk' / 'cache'}", "storage.retry_s=3")
     for key, value in s3["env"].items():  # (this process reads the store too)
         monkeypatch.setenv(key, value)
     store = storage.Store(bucket, attempts=1)
@@ -64,17 +67,19 @@ def test_checkpoints_outlive_the_store_failing_and_the_disk(s3, tmp_path, monkey
     assert max(steps) < MAX_STEPS, "the run ended before the node was lost: nothing left to resume"
     local = {p.relative_to(run_dir / "checkpoints" / f"checkpoint-{max(steps)}").as_posix()
              for p in (run_dir / "checkpoints" / f"checkpoint-{max(steps)}").rglob("*") if p.is_file()}
-    prefix = f"{storage.checkpoints_prefix(store, 'cut')}/checkpoint-{max(steps)}/"
+    prefix = f"{checkpoint_store.checkpoints_prefix(store, 'cut')}/checkpoint-{max(steps)}/"
     assert {k[len(prefix):] for k in store.keys(prefix)} == {f for f in local if not f.startswith(".done-rank")}
     assert len(steps) <= 3  # (retention in the store: the newest 2 and the best)
     run_id = json.loads((run_dir / "mlflow_run.json").read_text())["run_id"]
     shutil.rmtree(tmp_path / "node" / "disk")  # ... and its disk with it
-    resumed = subprocess.run([sys.executable, "-m", "pipeline", "train", "--resume", run_id], cwd=REPO_ROOT,
-                             env=_env(s3, uri), capture_output=True, text=True, timeout=600)
+    _resume_while_the_store_is_down(s3, uri, run_id, run_dir, bucket)
+    s3["state"] = s3["restart"]()
+    resumed = _resume_twice_at_once(s3, uri, run_id, run_dir)
+    client = tracking.client(uri)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "answers, accepts the credentials and a write" in resumed.stdout
     assert f"restored cut from {bucket}: checkpoint-{max(steps)}" in resumed.stdout
     assert f"from {bucket}/data (" in resumed.stdout and "data: fetched" in resumed.stdout  # (not prepared again)
-    client = tracking.client(uri)
     expected = metric_history(client, _run_id(client, "ref"), "loss")
     got = metric_history(client, run_id, "loss")
     assert sorted(got) == sorted(expected) == list(range(1, MAX_STEPS + 1))
@@ -88,11 +93,48 @@ def test_checkpoints_outlive_the_store_failing_and_the_disk(s3, tmp_path, monkey
         e.get("text", "") for e in progress_events(tmp_path / "node" / "disk" / "runs" / "cut"))
 
 
-def _complete(store) -> dict:
-    from core import storage
+def _resume_while_the_store_is_down(s3, uri: str, run_id: str, run_dir, bucket: str) -> None:
+    """A requeue while the store is down: one line naming the store and the cause after storage.retry_s (3 s here),
+    the MLflow run (RUNNING: its launcher was killed) marked FAILED and tagged, nothing left on the disk."""
+    from core import tracking
 
+    signal_pids([s3["state"]["pid"], *descendants(s3["state"]["pid"])], signal.SIGKILL)
+    began = time.monotonic()
+    down = subprocess.run([sys.executable, "-m", "pipeline", "train", "--resume", run_id], cwd=REPO_ROOT,
+                          env=_env(s3, uri), capture_output=True, text=True, timeout=300)
+    assert down.returncode == 2 and "Traceback" not in down.stderr, down.stderr[-3000:]
+    (line,) = [text for text in down.stderr.splitlines() if text.startswith("error:")]
+    assert f"{bucket}/data at http://127.0.0.1:" in line and "unreachable" in line and "for 3s (storage.retry_s)" in line, line
+    assert time.monotonic() - began < 120 and not run_dir.exists()
+    record = tracking.client(uri).get_run(run_id)
+    assert record.info.status == "FAILED" and "unreachable" in record.data.tags["pipeline.resume_failed"]
+
+
+def _resume_twice_at_once(s3, uri: str, run_id: str, run_dir) -> subprocess.CompletedProcess:
+    """The requeue with the store back: the lease the killed launcher left is taken over at once (its process is
+    gone); a second launch of the run while the first trains is refused in one line naming the holder."""
+    resuming = subprocess.Popen([sys.executable, "-m", "pipeline", "train", "--resume", run_id], cwd=REPO_ROOT,
+                                env=_env(s3, uri), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
     try:
-        return storage.complete_steps(store, "cut")
+        assert wait_until(lambda: (run_dir / "writer.lock").exists() and (run_dir / "writer.lock").read_text(), 300,
+                          0.2, alive=resuming), "the resume did not take the run"
+        second = subprocess.run([sys.executable, "-m", "pipeline", "train", "--resume", run_id], cwd=REPO_ROOT,
+                                env=_env(s3, uri), capture_output=True, text=True, timeout=300)
+        assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
+        assert f"cut is being trained by pid {resuming.pid} on " in second.stderr, second.stderr[-2000:]
+        out, err = resuming.communicate(timeout=600)
+    finally:
+        if resuming.poll() is None:
+            os.killpg(resuming.pid, signal.SIGKILL)
+    resumed = subprocess.CompletedProcess(resuming.args, resuming.returncode, out, err)
+    assert "writer lease: " in resumed.stdout and "that process is gone)" in resumed.stdout, resumed.stdout[-3000:]
+    return resumed
+
+
+def _complete(store) -> dict:
+    try:
+        return checkpoint_store.complete_steps(store, "cut")
     except Exception:  # noqa: BLE001  (the store is down)
         return {}
 
@@ -137,3 +179,99 @@ def test_a_data_set_is_published_whole_and_fetched_once(s3, tmp_path, monkeypatc
     assert not [p for p in (tmp_path / "c").iterdir() if p.name.startswith(".")]  # (no staging left)
     assert prepare(machine("c"), log=lines.append).reused and sum("data: fetched" in line for line in lines) == 1
 
+
+
+def test_a_store_that_cannot_be_used_is_refused_before_launch_in_one_line(s3, tmp_path):
+    """Endpoint, credentials and bucket are checked before anything starts: a refused secret is named as refused
+    credentials (not "unreachable"), a dead endpoint as unreachable; one line each, in seconds, nothing made."""
+    from core.processes import free_port
+
+    cases = {"the credentials were refused (SignatureDoesNotMatch": {"AWS_SECRET_ACCESS_KEY": "not-the-secret"},
+             "unreachable (EndpointConnectionError": {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}",
+                                                      "MLFLOW_S3_ENDPOINT_URL": ""}}
+    for cause, env in cases.items():
+        config = tmp_path / "t.yaml"
+        config.write_text(TINY_CONFIG)
+        began = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "pipeline", "train", "--config", str(config),
+                               "storage.uri=s3://pipeline/refused", f"training.runs_dir={tmp_path / 'runs'}"],
+                              cwd=REPO_ROOT, env={**_env(s3, f"sqlite:///{tmp_path / 'm.db'}"), **env},
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        (line,) = [text for text in proc.stderr.splitlines() if text.strip()]
+        assert line.startswith("error: s3://pipeline/refused at http://127.0.0.1:") and cause in line, line
+        assert time.monotonic() - began < 60 and not (tmp_path / "runs").exists()
+        assert not (tmp_path / "m.db").exists()  # (refused before the tracking store was opened)
+
+
+def test_checkpoints_that_never_reach_the_store_end_the_run_with_exit_4_and_a_tag(s3, tmp_path):
+    """The store dies mid-run and stays down: the run finishes its steps, waits storage.upload_wait_s, names the
+    checkpoints missing and their cause, and ends with exit code 4 and the MLflow tag pipeline.store_missing."""
+    from core import tracking
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run = _train(s3, tmp_path, uri, "gone", "storage.uri=s3://pipeline/gone", "storage.upload_wait_s=2",
+                 "training.max_steps=24")
+    run_dir = tmp_path / "disk" / "runs" / "gone"
+    try:
+        assert wait_until(lambda: (run_dir / "checkpoints" / "checkpoint-6" / "checkpoint_complete.json").exists(),
+                          180, 0.1, alive=run), "no checkpoint"
+        signal_pids([s3["state"]["pid"], *descendants(s3["state"]["pid"])], signal.SIGKILL)
+        out, _ = run.communicate(timeout=300)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+        s3["state"] = s3["restart"]()
+    assert run.returncode == 4, out[-3000:]
+    client = tracking.client(uri)
+    record = client.get_run(_run_id(client, "gone"))
+    assert record.info.status == "FINISHED"
+    missing = record.data.tags["pipeline.store_missing"]
+    assert "checkpoint-24" in missing and "unreachable" in missing, missing
+    assert "did not reach s3://pipeline/gone" in out and "exit code 4" in out, out[-2000:]
+
+
+def test_the_writer_lease_has_one_holder_lapses_and_is_taken_over_once(s3, monkeypatch):
+    """runs/<run>/writer.json on the real store: refused while its holder renews it, taken over once it lapses (of
+    two takers at the same moment one wins), and the old holder, back, finds it lost and stops."""
+    import threading
+
+    from core.errors import ConfigError
+    from core.storage import Store
+    from training.checkpoint.lease import StoreLease, holds, lease_key, writer_id
+
+    for key, value in s3["env"].items():
+        monkeypatch.setenv(key, value)
+    store = Store("s3://pipeline/lease", retry_s=2)
+    store.ensure_bucket()
+    old = StoreLease(store, "r", "elsewhere:11:1", 3)
+    assert "writer.json" in old.acquire()
+    for _ in range(2):  # (renewed every second: still held after more than one lease time)
+        with pytest.raises(ConfigError, match=r"r is being trained by pid 11 on elsewhere .*renewed \ds ago"):
+            StoreLease(store, "r", writer_id(), 3).acquire()
+        time.sleep(2.5)
+    old.done.set()  # (its host is lost: no more renewals)
+    time.sleep(3.5)
+    takers, outcomes = [StoreLease(store, "r", f"taker{i}:1:1", 3) for i in range(2)], []
+    barrier = threading.Barrier(2)
+
+    def take(lease):
+        barrier.wait()
+        try:
+            outcomes.append((lease, lease.acquire()))
+        except ConfigError as exc:
+            outcomes.append((lease, exc))
+    threads = [threading.Thread(target=take, args=(t,)) for t in takers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    won = [lease for lease, how in outcomes if isinstance(how, str)]
+    assert len(won) == 1 and "taken over from pid 11 on elsewhere" in dict(outcomes)[won[0]], outcomes
+    assert holds(store, "r", won[0].holder) and not holds(store, "r", old.holder)
+    lost = threading.Event()
+    old.on_lost, old.done = lost.set, threading.Event()
+    threading.Thread(target=old._renew, daemon=True).start()  # (the old holder is back and renews)
+    assert lost.wait(5)
+    won[0].release()
+    assert store.read(lease_key(store, "r")) is None

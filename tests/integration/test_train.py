@@ -169,7 +169,7 @@ def test_a_full_disk_during_a_save_is_diagnosed_cleaned_up_and_resumes(tiny_conf
 
     from helpers import env_for, make_command
     from core import REPO_ROOT
-    from training.checkpoints import COMPLETE_MARKER
+    from training.checkpoint.local import COMPLETE_MARKER
 
     disk = tmp_path / "disk"
     disk.mkdir()

@@ -1,11 +1,11 @@
-"""training/async_checkpoint.py's writer: tasks run in order; after the first failure (a full disk) nothing queued
+"""training/checkpoint/async_write.py's writer: tasks run in order; after the first failure (a full disk) nothing queued
 after it runs -- above all not the completion marker of the checkpoint it belonged to -- and the training thread
 gets the error at its next check."""
 import threading
 
 import pytest
 
-from training.async_checkpoint import Writer
+from training.checkpoint.async_write import Writer
 
 
 def test_tasks_run_in_order_and_drain_waits_for_them():

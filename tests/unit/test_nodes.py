@@ -40,7 +40,7 @@ def test_a_node_with_another_config_is_told_which_settings_differ(tmp_path, monk
     (False, [0, 2], range(2, 4)),  # a disk per node: each node's first rank, over its node's ranks
 ])
 def test_who_marks_a_checkpoint_complete(shared, owners, peers_of_3):
-    from training.rank import checkpoint_roles
+    from training.checkpoint.manager import checkpoint_roles
 
     config = load_config(None, ["parallel.nnodes=2", "parallel.data=4", "parallel.micro_batch_size=4",
                                 "storage.uri=s3://bucket/p", f"storage.shared_filesystem={str(shared).lower()}"])

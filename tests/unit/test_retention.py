@@ -1,7 +1,7 @@
 """Checkpoint retention (training.keep_checkpoints) on real checkpoint directories: what is kept, what `latest` and
 the best resolve to, and that a checkpoint still being written or uploaded is never touched."""
 
-from training.checkpoints import (COMPLETE_MARKER, LATEST_FILE, checkpoint_info, complete_checkpoints,
+from training.checkpoint.local import (COMPLETE_MARKER, LATEST_FILE, checkpoint_info, complete_checkpoints,
                                   latest_complete, mark_complete, prune, to_prune)
 
 

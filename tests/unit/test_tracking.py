@@ -75,7 +75,7 @@ def test_unsent_records_survive_in_the_run_directory(tmp_path):
 
 
 def test_checkpoint_upload_choice():
-    from training.callbacks import should_upload
+    from training.checkpoint.manager import should_upload
 
     earlier = [{"step": 3, "eval_loss": 5.0}, {"step": 6, "eval_loss": 4.0}, {"step": 7}]
     assert should_upload("best", "eval_loss", {"step": 9, "eval_loss": 3.9}, earlier)

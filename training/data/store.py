@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from core import dataset
+from core.storage import Store, retrying
 
 DEFAULT_LOCAL_DIR = "~/.cache/paddle-train-to-serve/data"
 
@@ -29,14 +30,12 @@ def local_root(config) -> Path:
 
 
 def open_store(config):
-    from core.storage import Store
-
-    return Store(config.data.cache_dir)
+    return Store(config.data.cache_dir, retry_s=config.storage.retry_s)
 
 
 def manifest(store, key: str) -> dict | None:
     """The manifest of the set `key` if the store has the whole set."""
-    data = store.read(store.key(key, dataset.MANIFEST))
+    data = retrying(lambda: store.read(store.key(key, dataset.MANIFEST)), f"reading data set {key}", store)
     return json.loads(data) if data is not None else None
 
 
@@ -47,7 +46,8 @@ def fetch(store, key: str, root: Path, log=print) -> bool:
     began = time.time()
     staging = root / f".fetching-{key}-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
-    size = sum(f.stat().st_size for f in store.download(store.key(key), staging))
+    size = sum(f.stat().st_size for f in retrying(lambda: store.download(store.key(key), staging),
+                                                  f"fetching data set {key}", store))
     dataset.publish(staging, root / key)
     log(f"data: fetched {key} from {store.uri} ({size / 2**20:.1f} MB in {time.time() - began:.1f}s)")
     return True
@@ -58,7 +58,12 @@ def publish(store, final: Path, key: str, log=print) -> None:
     if manifest(store, key) is not None:
         return
     began = time.time()
-    store.ensure_bucket()
-    size = store.upload_tree(final, store.key(key), lambda relative: relative == dataset.MANIFEST)
-    if store.put_if_absent(store.key(key, dataset.MANIFEST), (final / dataset.MANIFEST).read_bytes()):
+
+    def upload() -> tuple[int, bool]:
+        store.ensure_bucket()
+        size = store.upload_tree(final, store.key(key), lambda relative: relative == dataset.MANIFEST)
+        return size, store.put_if_absent(store.key(key, dataset.MANIFEST), (final / dataset.MANIFEST).read_bytes())
+
+    size, published = retrying(upload, f"publishing data set {key}", store)
+    if published:
         log(f"data: published {key} to {store.uri} ({size / 2**20:.1f} MB in {time.time() - began:.1f}s)")

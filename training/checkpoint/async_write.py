@@ -8,7 +8,7 @@ timeout): no callback can tell when the files are on disk, and nothing fsyncs th
 not even read (`save_single_card_checkpoint` always writes synchronously). So this module replaces that function
 for every unified-checkpoint file: the state dict is snapshotted to host numpy copies (`.numpy()` copies) before
 the step goes on, and one thread per rank writes the files in order, fsyncs them, and then runs what was queued
-after them (the rank's completion marker, see training/callbacks.py). A write that fails (a full disk) stops
+after them (the rank's completion marker, see manager.py). A write that fails (a full disk) stops
 everything queued after it, and the training step that next looks (`check`) raises it.
 
 Applies to PaddleNLP 2.8.1 only (`apply` refuses another version); safetensors only (any other save stays
@@ -65,6 +65,11 @@ class Writer(threading.Thread):
         self.check()
 
 
+def enabled(config, layout) -> bool:
+    """training.async_checkpoint applies to unified checkpoints (semi_auto saves its own way, synchronously)."""
+    return config.training.async_checkpoint and layout.mode != "semi_auto"
+
+
 def writer() -> Writer:
     global _writer
     if _writer is None:
@@ -86,7 +91,7 @@ def apply() -> None:
 
     found = version("paddlenlp")
     if found != SUPPORTED_PADDLENLP:
-        raise RuntimeError(f"training/async_checkpoint.py replaces a function of PaddleNLP {SUPPORTED_PADDLENLP}, "
+        raise RuntimeError(f"training/checkpoint/async_write.py replaces a function of PaddleNLP {SUPPORTED_PADDLENLP}, "
                            f"found {found}: check file_save_async_or_sync there, or set training.async_checkpoint="
                            f"false")
     import paddle

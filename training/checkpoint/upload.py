@@ -1,11 +1,13 @@
 """Complete checkpoints to the object store (`storage.uri`), in the background on rank 0: training never waits.
 
-A checkpoint is queued once it is complete on local disk (training/callbacks.py). One thread uploads its files,
-then its completion record, written last and only if absent (core/storage.py put_if_absent), so a reader of the
-store never takes a partial checkpoint. Retention (training.keep_checkpoints: the newest N and the best by the export
-metric) applies in the store after each upload. While the store is down the thread retries with backoff (the console
-says so once, and again when it is back); at most `max_pending` checkpoints wait, a newer one replacing the oldest
-waiting. At the end of the run the rank waits up to `storage.upload_wait_s` and names what is still missing.
+A checkpoint is queued once it is complete on local disk (manager.py). One thread uploads its files (core/storage.py
+upload_tree: several at once), then its completion record, written last and only if absent (store.py), so a reader
+of the store never takes a partial checkpoint. Retention (training.keep_checkpoints: the newest N and the best by the
+export metric) applies in the store after each upload, only while this run's launcher holds the writer lease
+(lease.py). While the store is down the thread retries with backoff, cut short when a newer checkpoint is queued;
+the console says so once, naming the cause (unreachable, credentials refused, permission denied), and again when it
+is back. At most `max_pending` checkpoints wait, a newer one replacing the oldest waiting. At the end of the run the
+rank waits up to `storage.upload_wait_s` and names what is still missing.
 
 Nodes that share no filesystem (storage.shared_filesystem=false): each node's first rank uploads its node's part
 (the files its ranks wrote on its disk), then the part's record (`.parts/node-<k>.json`). Whichever node finds every
@@ -14,12 +16,16 @@ part there writes the completion record (node 0's record, conditionally: one wri
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from pathlib import Path
 
-from core import storage
+from core.storage import Store, describe
 from training import progress
+from training.checkpoint import lease
+from training.checkpoint.local import COMPLETE_MARKER, DONE_MARKER_PREFIX
+from training.checkpoint.store import checkpoints_prefix, mark_complete_in_store, part_key, retain
 
 BACKOFF_S = (0.5, 1, 2, 4, 8, 15, 30)
 UPLOADED = "store: uploaded"  # (the rank log's line per checkpoint: the bench reads MB/s from it)
@@ -28,15 +34,18 @@ UPLOADED = "store: uploaded"  # (the rank log's line per checkpoint: the bench r
 class StoreUploader:
     def __init__(self, uri: str, run_dir: Path, keep: int, metric: str, max_pending: int = 2, node: int = 0,
                  nnodes: int = 1):
-        self.store = storage.Store(uri)
+        self.store = Store(uri)
         self.node, self.nnodes = node, nnodes  # (nnodes > 1: this node's part only; the nodes share no disk)
         self.run_dir, self.run_name, self.keep, self.metric = run_dir, run_dir.name, keep, metric
         self.max_pending = max_pending
+        self.writer = os.environ.get(lease.WRITER_ENV, "")
         self.waiting: list[tuple[Path, dict]] = []
+        self.submitted = 0
         self.current: Path | None = None
         self.cond = threading.Condition()
         self.down_since: float | None = None
         self.bucket_checked = False
+        self.cause = ""  # (the last failure, named: store_missing.json and the end-of-run line carry it)
         self.thread = threading.Thread(target=self._run, name="store-upload", daemon=True)
         self.thread.start()
 
@@ -47,6 +56,7 @@ class StoreUploader:
                 self._note(f"store: {dropped.name} not uploaded: {checkpoint.name} replaces it in the queue "
                            f"(storage.max_pending={self.max_pending})")
             self.waiting.append((checkpoint, info))
+            self.submitted += 1
             self.cond.notify_all()
 
     def uploading(self) -> set[str]:
@@ -61,6 +71,9 @@ class StoreUploader:
         """Wait up to `wait_s` for the queue to empty; the checkpoints still missing in the store."""
         deadline = time.monotonic() + wait_s
         with self.cond:
+            if (self.waiting or self.current) and wait_s > 0:
+                print(f"store: waiting up to {wait_s:g}s (storage.upload_wait_s) for "
+                      f"{len(self.waiting) + bool(self.current)} checkpoint(s) to reach {self.store.uri}", flush=True)
             while (self.waiting or self.current) and time.monotonic() < deadline:
                 self.cond.wait(min(1.0, max(deadline - time.monotonic(), 0.01)))
             return [p.name for p, _ in self.waiting] + ([self.current.name] if self.current else [])
@@ -87,57 +100,52 @@ class StoreUploader:
                 if self.down_since is not None:
                     self._note(f"store: reachable again after {time.time() - self.down_since:.0f}s; "
                                f"{checkpoint.name} uploaded")
-                    self.down_since = None
+                    self.down_since, self.cause = None, ""
                 return
             except Exception as exc:  # noqa: BLE001  (any store failure: retried, training goes on)
-                if self.down_since is None:
-                    self.down_since = time.time()
-                    self._note(f"store: {self.store.uri} unreachable ({exc.__class__.__name__}); retrying "
-                               f"{checkpoint.name} with backoff, training goes on")
-                time.sleep(BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)])
+                kind, text = describe(exc)
+                if self.down_since is None or text != self.cause:
+                    self.down_since = self.down_since or time.time()
+                    self._note(f"store: {self.store.name()}: {text}; retrying {checkpoint.name} with backoff, "
+                               "training goes on")
+                self.cause = text
+                with self.cond:  # (a newer checkpoint queued meanwhile cuts the wait short: a store that is back
+                    # catches up within one save interval, not a whole backoff step)
+                    submitted = self.submitted
+                    self.cond.wait_for(lambda: self.submitted != submitted, BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)])
 
     def _upload(self, checkpoint: Path, info: dict) -> None:
-        prefix = f"{storage.checkpoints_prefix(self.store, self.run_name)}/{checkpoint.name}"
-        marker = f"{prefix}/{storage.COMPLETE_MARKER}"
-        if not self.bucket_checked:
+        prefix = f"{checkpoints_prefix(self.store, self.run_name)}/{checkpoint.name}"
+        if not self.bucket_checked:  # (the launcher's check made it; ranks started by hand may not have one)
             self.store.ensure_bucket()
             self.bucket_checked = True
-        if self.store.read(marker) is not None:
+        if self.store.read(f"{prefix}/{COMPLETE_MARKER}") is not None:
             return  # (uploaded before an interruption)
         began = time.monotonic()
-        part = storage.part_key(self.store, self.run_name, checkpoint.name, self.node)
+        part = part_key(self.store, self.run_name, checkpoint.name, self.node)
         size = 0
         if self.nnodes == 1 or self.store.read(part) is None:
-            size = self.store.upload_tree(checkpoint, prefix, lambda relative: relative == storage.COMPLETE_MARKER
-                                          or relative.startswith(".done-rank"))
+            size = self.store.upload_tree(checkpoint, prefix, lambda relative: relative == COMPLETE_MARKER
+                                          or relative.startswith(DONE_MARKER_PREFIX))
         if self.nnodes > 1:
             self.store.put(part, json.dumps(info).encode())
             info = self._all_parts(checkpoint.name)
         seconds = time.monotonic() - began
         print(f"{UPLOADED} {checkpoint.name}: {size / 2**20:.2f} MB in {seconds:.3f}s", flush=True)  # (rank log)
-        if info is not None and self.store.put_if_absent(marker, json.dumps(info).encode()):
-            self._retention()
+        step = int(checkpoint.name.split("-")[1])
+        if info is not None and mark_complete_in_store(self.store, self.run_name, step, info):
+            if self.keep > 0 and self.writer and not lease.holds(self.store, self.run_name, self.writer):
+                self._note(f"store: this launch no longer holds {self.run_name}'s writer lease: retention left to "
+                           "the holder")
+                return
+            retain(self.store, self.run_name, self.keep, self.metric)
 
     def _all_parts(self, name: str) -> dict | None:
         """Node 0's record of the checkpoint once every node's part is in the store; None while one is missing."""
-        records = [self.store.read(storage.part_key(self.store, self.run_name, name, k)) for k in range(self.nnodes)]
+        records = [self.store.read(part_key(self.store, self.run_name, name, k)) for k in range(self.nnodes)]
         return None if any(r is None for r in records) else json.loads(records[0])
-
-    def _retention(self) -> None:
-        if self.keep <= 0:
-            return
-        listed = storage.checkpoint_keys(self.store, self.run_name)
-        steps = storage.complete_steps(self.store, self.run_name, listed)
-        keep = set(sorted(steps)[-self.keep:])
-        rated = {s: i[self.metric] for s, i in steps.items() if self.metric in i}
-        if rated:
-            keep.add(min(rated, key=rated.get))
-        never = {s for s in set(listed) - set(steps) if s < max(steps)}  # (parts of one that never completed: dropped)
-        for step in sorted((set(steps) - keep) | never):
-            marker = storage.marker_key(self.store, self.run_name, step)
-            self.store.delete([marker])  # (the marker first: never a partial one)
-            self.store.delete([k for k in listed[step] if k != marker])
 
     def _note(self, text: str) -> None:
         print(text, flush=True)
         progress.note(self.run_dir, text)
+

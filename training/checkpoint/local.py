@@ -1,4 +1,4 @@
-"""Which checkpoints of a run are complete, and which is the latest.
+"""Checkpoints on local disk: which are complete, which is the latest, retention, and durability.
 
 PaddleNLP's Trainer writes `checkpoint-<step>/` in place, from every rank (of every node: the run directory is
 shared). A checkpoint only counts once all ranks have finished writing it and made it durable (fsync): rank 0 then
@@ -14,7 +14,8 @@ import shutil
 from pathlib import Path
 
 from core.files import atomic_write, fsync_path
-from core.storage import COMPLETE_MARKER  # (one name for the record, on disk and in the store)
+
+COMPLETE_MARKER = "checkpoint_complete.json"  # (a complete checkpoint's record, on disk as in the store)
 
 # Written in the run directory by rank 0 when a signal stopped training early (step, signal).
 STOPPED_MARKER = "stopped.json"
