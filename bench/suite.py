@@ -245,14 +245,18 @@ def checkpoint_stall(out: Path, uri: str, stamp: str, rounds: int = 3, steps: in
     store = object_store.start(out / "object-store", free_port())
     os.environ.update(object_store.environment(store))  # (the training subprocesses read the store's environment)
     settings = {"sync": ["training.async_checkpoint=false"], "async": ["training.async_checkpoint=true"],
-                "async+store": ["training.async_checkpoint=true", "storage.upload_wait_s=600"]}
+                "async+store": ["training.async_checkpoint=true", "storage.upload_wait_s=600"],
+                # (the same with one file at a time: what storage.transfer_threads' parallel uploads gain)
+                "async+store-serial": ["training.async_checkpoint=true", "storage.upload_wait_s=600",
+                                       "storage.transfer_threads=1"]}
+    uploads_by: dict[str, list[float]] = {name: [] for name in settings}
     stalls: dict[str, list[float]] = {name: [] for name in settings}
     runtimes: dict[str, list[float]] = {name: [] for name in settings}
-    sizes, uploads = [], []
+    sizes = []
     try:
         for i in range(rounds):
             for name, extra in settings.items():
-                store_uri = [f"storage.uri=s3://bench/ckpt-{stamp}-{i}"] if name.endswith("store") else []
+                store_uri = [f"storage.uri=s3://bench/ckpt-{stamp}-{i}-{name.split('+')[-1]}"] if "store" in name else []
                 r = train_run(f"ckpt-{name}-{i}-{stamp}", [*CHECKPOINT_MODEL, *extra, *store_uri,
                                                             f"training.max_steps={steps}", "training.eval_interval=2",
                                                             "training.save_interval=2", "training.keep_checkpoints=0"],
@@ -262,7 +266,7 @@ def checkpoint_stall(out: Path, uri: str, stamp: str, rounds: int = 3, steps: in
                 runtimes[name].append(r["train_runtime_s"])  # (the whole loop: do background writes slow the steps?)
                 latest = Path(r["run_dir"]) / "checkpoints" / f"checkpoint-{steps}"
                 sizes.append(sum(f.stat().st_size for f in latest.rglob("*") if f.is_file()))
-                uploads += _upload_rates(Path(r["run_dir"]))
+                uploads_by[name] += _upload_rates(Path(r["run_dir"]))
     finally:
         object_store.stop(out / "object-store")
     result = {name: spread(v) for name, v in stalls.items()}
@@ -270,10 +274,12 @@ def checkpoint_stall(out: Path, uri: str, stamp: str, rounds: int = 3, steps: in
                   train_runtime_s={name: spread(v) for name, v in runtimes.items()},
                   async_vs_sync=result["async"]["median"] / result["sync"]["median"],
                   store_vs_async=result["async+store"]["median"] / result["async"]["median"],
-                  upload_mb_per_s=spread(uploads))
+                  upload_mb_per_s=spread(uploads_by["async+store"]),
+                  upload_mb_per_s_one_file_at_a_time=spread(uploads_by["async+store-serial"]))
     print(f"[bench] checkpoint stall: sync {result['sync']['median'] * 1000:.0f} ms, async "
           f"{result['async']['median'] * 1000:.0f} ms, async + store {result['async+store']['median'] * 1000:.0f} ms "
-          f"per save ({result['checkpoint_mb']:.0f} MB; uploads {result['upload_mb_per_s']['median']:.0f} MB/s)",
+          f"per save ({result['checkpoint_mb']:.0f} MB; uploads {result['upload_mb_per_s']['median']:.0f} MB/s, one "
+          f"file at a time {result['upload_mb_per_s_one_file_at_a_time']['median']:.0f} MB/s)",
           flush=True)
     return result
 
@@ -447,7 +453,8 @@ def _training_lines(r: dict) -> list[str]:
         lines.append(f"| paused per checkpoint, asynchronous + uploads to the object store / asynchronous alone | "
                      f"{ms(c['async+store'])} / {ms(c['async'])} = {c['store_vs_async']:.2f}x; uploads "
                      f"{c['upload_mb_per_s']['median']:.0f} [{c['upload_mb_per_s']['min']:.0f}-"
-                     f"{c['upload_mb_per_s']['max']:.0f}] MB/s |")
+                     f"{c['upload_mb_per_s']['max']:.0f}] MB/s (one file at a time: "
+                     f"{c['upload_mb_per_s_one_file_at_a_time']['median']:.0f} MB/s) |")
         rt = c["train_runtime_s"]
         lines.append(f"| training loop of those runs (s): synchronous / asynchronous / + store | "
                      f"{rt['sync']['median']:.1f} / {rt['async']['median']:.1f} / {rt['async+store']['median']:.1f} |")

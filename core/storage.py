@@ -24,7 +24,6 @@ AUTH = ("SignatureDoesNotMatch", "InvalidAccessKeyId", "InvalidToken", "ExpiredT
         "InvalidSecurity", "TokenRefreshRequired")
 PERMISSION = ("AccessDenied", "AllAccessDisabled", "AccountProblem")
 PRECONDITION = ("PreconditionFailed", "412", "ConditionalRequestConflict")
-TRANSFER_THREADS = 8  # (files of a checkpoint in flight at once: upload_tree, download)
 
 
 class StoreError(ConfigError):
@@ -86,20 +85,26 @@ def retrying(fn, what: str, store: "Store"):
 
 
 class Store:
-    def __init__(self, uri: str, attempts: int = 3, retry_s: float = 30.0):
+    def __init__(self, uri: str, attempts: int = 3, retry_s: float = 30.0, threads: int = 8):
         import boto3
         from botocore.config import Config as BotoConfig
 
         if not uri.startswith("s3://"):
             raise ConfigError(f"storage.uri: expected s3://<bucket>[/<prefix>], got {uri!r}")
-        self.uri, self.retry_s = uri.rstrip("/"), retry_s
+        self.uri, self.retry_s, self.threads = uri.rstrip("/"), retry_s, threads
         self.bucket, _, self.prefix = uri[5:].partition("/")
         self.prefix = self.prefix.strip("/")
         # (a session of its own: boto3's default session keeps the first credentials it read for the whole process)
         self.client = boto3.session.Session().client(
             "s3", endpoint_url=endpoint(), region_name=os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
             config=BotoConfig(retries={"max_attempts": attempts, "mode": "standard"}, connect_timeout=5,
-                              read_timeout=60, max_pool_connections=TRANSFER_THREADS * 2))
+                              read_timeout=60, max_pool_connections=max(10, threads * 2)))
+
+    @classmethod
+    def of(cls, config, uri: str = "", attempts: int = 3) -> "Store":
+        """The store `uri` (default storage.uri) with the config's storage settings (retries, transfer threads)."""
+        s = config.storage
+        return cls(uri or s.uri, attempts=attempts, retry_s=s.retry_s, threads=s.transfer_threads)
 
     def name(self) -> str:
         return f"{self.uri} at {endpoint() or 'the default AWS endpoint'}"
@@ -143,11 +148,11 @@ class Store:
         self.client.upload_file(str(local), self.bucket, key)
 
     def upload_tree(self, local_dir: Path, prefix: str, skip=lambda relative: False) -> int:
-        """Every file under `local_dir` to `prefix`/<its relative path> (but those `skip` names), TRANSFER_THREADS
-        at a time; the bytes sent. The first failure raises once every transfer has ended."""
+        """Every file under `local_dir` to `prefix`/<its relative path> (but those `skip` names), `threads`
+        at a time (storage.transfer_threads); the bytes sent. The first failure raises once every transfer has ended."""
         files = [(p, p.relative_to(local_dir).as_posix()) for p in sorted(local_dir.rglob("*")) if p.is_file()]
         files = [(p, r) for p, r in files if not skip(r)]
-        with ThreadPoolExecutor(TRANSFER_THREADS) as pool:
+        with ThreadPoolExecutor(self.threads) as pool:
             for future in [pool.submit(self.upload_file, p, f"{prefix}/{r}") for p, r in files]:
                 future.result()
         return sum(p.stat().st_size for p, _ in files)
@@ -218,7 +223,7 @@ class Store:
 
     def download(self, prefix: str, local_dir: Path, skip=lambda relative: False) -> list[Path]:
         """Every object under `prefix` (but those `skip` names), into `local_dir` (relative paths kept),
-        TRANSFER_THREADS at a time."""
+        `threads` at a time."""
         wanted = []
         for key in self.keys(prefix):
             relative = key[len(prefix.rstrip("/")) + 1:]
@@ -226,7 +231,7 @@ class Store:
                 wanted.append((key, local_dir / relative))
         for _, target in wanted:
             target.parent.mkdir(parents=True, exist_ok=True)
-        with ThreadPoolExecutor(TRANSFER_THREADS) as pool:
+        with ThreadPoolExecutor(self.threads) as pool:
             for future in [pool.submit(self.client.download_file, self.bucket, k, str(t)) for k, t in wanted]:
                 future.result()
         return [t for _, t in wanted]

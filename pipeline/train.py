@@ -136,14 +136,14 @@ def check_before_launch(launch: Launch) -> None:
         raise ConfigError(f"finetune.data={f.data}: no such file (DATA= takes reviews or a .jsonl file)")
     launch.layout.check_fits_machine()
     from training.data import check_size_early
-    from training.data.store import in_store
 
     check_size_early(launch.config)  # (a step count at no scale: refused now, not after MLflow and paddle start)
-    for uri in {launch.config.storage.uri, *[launch.config.data.cache_dir] * in_store(launch.config)} - {""}:
-        from core.storage import Store  # (endpoint, credentials, bucket and a write, before any training time)
+    if launch.config.storage.uri:  # (endpoint, credentials, bucket and a write, before any training time)
+        from core.storage import Store
 
-        seconds = Store(uri, attempts=1).check()
-        print(f"store: {uri} answers, accepts the credentials and a write ({seconds:.2f}s)", flush=True)
+        seconds = Store.of(launch.config, attempts=1).check()
+        print(f"store: {launch.config.storage.uri} answers, accepts the credentials and a write ({seconds:.2f}s)",
+              flush=True)
     if launch.layout.nnodes > 1 and not os.environ.get("MASTER"):
         raise ConfigError("parallel.nnodes > 1: set MASTER=<host:port> of node 0 (and NODE_RANK) on every node")
     if launch.layout.nnodes > 1 and launch.run_dir is None and not launch.config.training.run_name:

@@ -61,7 +61,7 @@ def meeting_store(config):
         return None
     from core.storage import Store
 
-    return Store(config.storage.uri, retry_s=config.storage.retry_s)
+    return Store.of(config)
 
 
 def _store_key(store, run_dir: Path, name: str) -> str:

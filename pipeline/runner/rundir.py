@@ -57,7 +57,7 @@ def restore(run, uri: str, resume: str) -> Path:
         return run_dir  # (restored here before: this machine's copy of the run, under its own runs_dir)
     if run_dir.exists():
         raise ConfigError(f"RESUME={resume}: {run_dir} exists but is not the run's directory ({recorded}); move it")
-    store = Store(config.storage.uri, retry_s=config.storage.retry_s)
+    store = Store.of(config)
     try:
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         run_dir.mkdir()

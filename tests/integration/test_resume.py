@@ -19,6 +19,7 @@ from helpers import (LAYOUTS, env_for, make_command, metric_history, processes_m
 from core import REPO_ROOT, tracking
 from core.processes import descendants, signal_pids
 from training.checkpoint import local as checkpoints
+from training.checkpoint import store as checkpoint_store
 
 pytestmark = pytest.mark.slow
 RTOL = 1e-4
@@ -292,7 +293,7 @@ def _start_apart(world, s3, *extra, resume: bool = False) -> list[subprocess.Pop
             ["--config", str(world["config"]), *world["common"], "training.run_name=apart"]
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "pipeline", "train", *what, f"training.runs_dir={disk / 'runs'}",
-             f"data.local_dir={disk / 'data'}", "data.cache_dir=s3://pipeline/apart-data",
+             f"data.local_dir={disk / 'data'}", "data.cache_dir=store",
              "storage.uri=s3://pipeline/apart", "storage.shared_filesystem=false", "parallel.nnodes=2",
              *LAYOUTS["pp2"], *extra], cwd=REPO_ROOT, env={**env, "NODE_RANK": str(node)}, text=True,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True))

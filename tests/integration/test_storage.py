@@ -46,7 +46,7 @@ def test_checkpoints_outlive_the_store_failing_and_the_disk(s3, tmp_path, monkey
     ref = _train(s3, tmp_path / "ref", uri, "ref")
     assert ref.wait(timeout=300) == 0, ref.stdout.read()[-3000:]
     bucket = "s3://pipeline/tests"
-    run = _train(s3, tmp_path / "node", uri, "cut", f"storage.uri={bucket}", f"data.cache_dir={bucket}/data",
+    run = _train(s3, tmp_path / "node", uri, "cut", f"storage.uri={bucket}", "data.cache_dir=store",
                  f"data.local_dir={tmp_path / 'node' / 'disk' / 'cache'}", "storage.retry_s=3")
     for key, value in s3["env"].items():  # (this process reads the store too)
         monkeypatch.setenv(key, value)
@@ -145,7 +145,7 @@ def _run_id(client, name: str) -> str:
 
 
 def test_a_data_set_is_published_whole_and_fetched_once(s3, tmp_path, monkeypatch):
-    """data.cache_dir=s3://...: a set prepared on one machine is published by content key, manifest last; a set
+    """data.cache_dir=store: a set prepared on one machine is published by content key, manifest last; a set
     whose manifest is missing in the store (a publish cut short) is never taken; another machine fetches the whole
     set into its local directory, byte for byte, and a second preparation there reuses that copy."""
     from core import dataset, storage
@@ -159,11 +159,11 @@ def test_a_data_set_is_published_whole_and_fetched_once(s3, tmp_path, monkeypatc
     uri = "s3://pipeline/data-tests"
 
     def machine(name):
-        return with_overrides(load_config(tmp_path / "t.yaml"), [f"data.cache_dir={uri}",
+        return with_overrides(load_config(tmp_path / "t.yaml"), [f"storage.uri={uri}", "data.cache_dir=store",
                                                                  f"data.local_dir={tmp_path / name}"])
     first = prepare(machine("a"), log=print)
     key = content_key(machine("a"), corpora(machine("a").data))
-    remote = storage.Store(uri)
+    remote = storage.Store(f"{uri}/data")  # (data.cache_dir=store: the sets under <storage.uri>/data)
     assert not first.reused and remote.read(remote.key(key, dataset.MANIFEST)) == (first.path / "manifest.json").read_bytes()
     remote.delete([remote.key(key, dataset.MANIFEST)])  # (the store holds every shard but not the manifest)
     lines = []

@@ -71,7 +71,9 @@ def test_non_utf8_config_says_where(tmp_path):
     ("tracking.stale_after_s=30", "tracking.stale_after_s: must be at least 2 x tracking.heartbeat_s"),
     ("storage.shared_filesystem=false", "storage.shared_filesystem=false: the nodes meet in the object store; set "
                                         "storage.uri"),
-    ("data.cache_dir=gs://bucket/data", "data.cache_dir: a local directory or s3://<bucket>"),
+    ("data.cache_dir=gs://bucket/data", "data.cache_dir=gs://bucket/data: a local directory, or `store`"),
+    ("data.cache_dir=s3://bucket/data", "data.cache_dir=store puts the sets under <prefix>/data"),
+    ("data.cache_dir=store", "data.cache_dir=store: the data sets go to the object store storage.uri names"),
 ])
 def test_stop_and_tracking_settings_are_checked(override, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):

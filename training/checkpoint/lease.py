@@ -175,8 +175,7 @@ def hold(run_dir: Path, config, on_lost) -> Held:
     lock = LocalLock(run_dir, holder)
     store_lease = None
     if config.storage.uri:
-        store_lease = StoreLease(Store(config.storage.uri, retry_s=config.storage.retry_s), run_dir.name, holder,
-                                 config.storage.lease_s, on_lost)
+        store_lease = StoreLease(Store.of(config), run_dir.name, holder, config.storage.lease_s, on_lost)
         try:
             print(store_lease.acquire(), flush=True)
         except BaseException:

@@ -60,9 +60,10 @@ def for_rank(config, layout, run_dir: Path, rank: int, mlflow_logger) -> "Checkp
     owner, peers = checkpoint_roles(config, layout, rank)
     uploader = None
     if config.storage.uri and owner:
+        from core.storage import Store
         from training.checkpoint.upload import StoreUploader
 
-        uploader = StoreUploader(config.storage.uri, run_dir, config.training.keep_checkpoints, config.export.metric,
+        uploader = StoreUploader(Store.of(config), run_dir, config.training.keep_checkpoints, config.export.metric,
                                  config.storage.max_pending, node=peers.start // len(peers),
                                  nnodes=layout.world_size // len(peers))
         for _, path in complete_checkpoints(run_dir)[-config.storage.max_pending:]:  # (a resume: what an earlier

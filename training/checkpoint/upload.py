@@ -32,9 +32,9 @@ UPLOADED = "store: uploaded"  # (the rank log's line per checkpoint: the bench r
 
 
 class StoreUploader:
-    def __init__(self, uri: str, run_dir: Path, keep: int, metric: str, max_pending: int = 2, node: int = 0,
+    def __init__(self, store: Store, run_dir: Path, keep: int, metric: str, max_pending: int = 2, node: int = 0,
                  nnodes: int = 1):
-        self.store = Store(uri)
+        self.store = store
         self.node, self.nnodes = node, nnodes  # (nnodes > 1: this node's part only; the nodes share no disk)
         self.run_dir, self.run_name, self.keep, self.metric = run_dir, run_dir.name, keep, metric
         self.max_pending = max_pending

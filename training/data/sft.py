@@ -266,7 +266,7 @@ def encoded_set(config, tokenizer_dir: Path, run_dir: Path, log=print) -> tuple[
 
     key = content_key(config, tokenizer_dir)
     cache = config.data.cache_dir
-    if not cache or "://" in cache:
+    if not cache or cache == "store":
         root = run_dir / "data"
         root.mkdir(parents=True, exist_ok=True)
         _encode(config, tokenizer_dir, root)

@@ -1,4 +1,4 @@
-"""Prepared data sets in the object store (`data.cache_dir=s3://bucket/prefix`, docs/storage.md).
+"""Prepared data sets in the object store (`data.cache_dir=store`: under `<storage.uri>/data`, docs/storage.md).
 
 A set is found or made on local disk as always, under `data.local_dir`, and published to the store by its content
 key: every file first, its manifest last and only if absent (core/storage.py put_if_absent). A reader that finds
@@ -20,8 +20,15 @@ from core.storage import Store, retrying
 DEFAULT_LOCAL_DIR = "~/.cache/paddle-train-to-serve/data"
 
 
+STORE = "store"  # (data.cache_dir's value for "in the object store storage.uri names")
+
+
 def in_store(config) -> bool:
-    return config.data.cache_dir.startswith("s3://")
+    return config.data.cache_dir == STORE
+
+
+def store_uri(config) -> str:
+    return f"{config.storage.uri.rstrip('/')}/data"
 
 
 def local_root(config) -> Path:
@@ -30,7 +37,7 @@ def local_root(config) -> Path:
 
 
 def open_store(config):
-    return Store(config.data.cache_dir, retry_s=config.storage.retry_s)
+    return Store.of(config, store_uri(config))
 
 
 def manifest(store, key: str) -> dict | None:
