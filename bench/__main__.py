@@ -11,20 +11,7 @@ import argparse
 import signal
 import sys
 
-import core  # noqa: F401  (zlib before paddle)
-
-
-class Stopped(BaseException):
-    """Raised in the main thread by SIGTERM / SIGINT, so that every `finally` of the suite runs."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _stop(signum, frame):
-    signal.signal(signum, signal.SIG_IGN)  # (once: the clean-up itself must not be interrupted)
-    raise Stopped(signum)
+from bench import Stopped, on_stop_signal
 
 
 def stop_leftovers(out) -> list[str]:
@@ -73,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     import paddlenlp  # noqa: F401  (its import resets SIGTERM to the default action: the handlers go after it)
 
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, _stop)
+        signal.signal(signum, on_stop_signal)
     die_with_parent(signal.SIGTERM)
     out = suite.out_dir(args.out)
     try:

@@ -70,7 +70,7 @@ def make_generate_trial(export_dir: Path, table: Path, out: Path, batch_size: in
 
 
 def run(export_dir: Path, out: Path, quick: bool) -> dict:
-    from bench import spread
+    from bench import between_trials, spread
     from core.config import DEFAULT_CONFIG, load_config
 
     out.mkdir(parents=True, exist_ok=True)
@@ -80,6 +80,7 @@ def run(export_dir: Path, out: Path, quick: bool) -> dict:
     trials: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     for _ in range(rounds):
         for variant in VARIANTS:
+            between_trials()
             proc = subprocess.run([sys.executable, "-m", "bench.batch_generate", "--trial", variant, "--model",
                                    str(export_dir), "--table", str(table), "--out", str(out), "--batch-size",
                                    str(batch_size)], capture_output=True, text=True, cwd=REPO_ROOT)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import between_trials
 from core import REPO_ROOT
 
 VARIANTS = ("previous", "workers1", "workers2")
@@ -140,6 +141,7 @@ def run(out: Path, uri: str, quick: bool) -> dict:
     for r in range(rounds):
         for size, files in sizes.items():
             for variant in VARIANTS[r % 3:] + VARIANTS[:r % 3]:
+                between_trials()
                 raw[size][variant].append(_trial_process(variant, files, out / "data-scratch"))
                 t = raw[size][variant][-1]
                 print(f"[bench] data {size} {variant}: {t['mb'] / t['seconds']:.2f} MB/s, peak RSS "

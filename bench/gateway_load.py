@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import requests
 
+from bench import between_trials
 from bench.serving_load import PROMPTS, server_config, stream_ttft
 from core import exportdir
 
@@ -45,6 +46,7 @@ def run(export_dir: Path, out: Path, quick: bool) -> dict:
         overhead = _overhead(states[0]["openai_base_url"], f"{url}/v1", headers, model, 20 if quick else 300)
         rounds = []
         for _ in range(1 if quick else 3):  # (alternating: both see the same machine)
+            between_trials()
             through = stream_ttft({"openai_base_url": f"{url}/v1"}, model, CLIENTS, 3 if quick else 15,
                                   headers=headers)
             direct = stream_ttft(states[2], model, CLIENTS, 3 if quick else 15)

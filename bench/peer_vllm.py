@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import spread
+from bench import between_trials, spread
 from core import REPO_ROOT, exportdir
 
 LOCK = REPO_ROOT / "requirements" / "peer-vllm.lock"
@@ -45,7 +45,9 @@ PARITY_TEXTS = ("人工智能", "这本书写得很好，我很喜欢，推荐�
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "paddle-train-to-serve" / "peers"
+    from core.files import user_cache
+
+    return user_cache("peers")
 
 
 def env_dir(lock: Path = LOCK) -> Path:
@@ -221,6 +223,7 @@ def run(export_dir: Path, out: Path, quick: bool, log=print) -> dict:
     batch, seq = config.parallel.micro_batch_size, config.training.seq_length
     gen, serve, train = {"ours": [], "vllm": []}, {"ours": [], "vllm": []}, {"ours": [], "torch": []}
     for round_ in range(rounds):
+        between_trials()
         order = ("ours", "vllm") if round_ % 2 == 0 else ("vllm", "ours")
         for who in order:
             gen[who].append(ours_generate(export_dir, table, out) if who == "ours"

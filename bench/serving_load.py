@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import requests
 
+from bench import between_trials
 from core import exportdir
 from core.config import DEFAULT_CONFIG, load_config
 
@@ -40,6 +41,7 @@ def run(export_dir: Path, out: Path, quick: bool) -> dict:
     samples: dict[str, list[dict]] = {"static": [], "continuous": []}
     for _ in range(rounds):
         for scheduler in ("static", "continuous"):
+            between_trials()
             samples[scheduler].append(served(export_dir, out, scheduler, clients, duration, quick, alone))
     for scheduler, runs in samples.items():
         result[scheduler] = _median_of(runs)
@@ -114,6 +116,7 @@ def served(export_dir: Path, out: Path, scheduler: str, clients: tuple, duration
         times: dict[str, list[float]] = {name: [] for name in trials}
         for _ in range(10 if quick else 100):  # interleaved: the four see the same machine
             for name, call in trials.items():
+                between_trials()
                 times[name] += _timed(call, 1)
         load = [load_test(state["http_url"], n, duration) for n in clients]
         streaming = [stream_ttft(state, body["model"], n, duration) for n in ((1, 4) if quick else STREAM_CLIENTS)] \

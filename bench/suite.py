@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import spread
+from bench import between_trials, spread
 from core import REPO_ROOT, exportdir, tracking
 from core.config import DEFAULT_CONFIG
 
@@ -76,6 +76,7 @@ def runtime_trials(out: Path, repeats: int, steps: int, quick: bool) -> dict:
     trials: dict[str, list[dict]] = {name: [] for name in names}
     for round_ in range(repeats):
         for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            between_trials()
             trials[name].append(trial(run_dir, name, steps, out / "scratch"))
             print(f"[bench] round {round_ + 1} {name}: {trials[name][-1]['tokens_per_s']:.0f} tok/s", flush=True)
     figures = ("tokens_per_s", "bare_tokens_per_s", "matmul_peak_gflops", "mfu", "step_s", "bare_step_s")
@@ -256,6 +257,7 @@ def checkpoint_stall(out: Path, uri: str, stamp: str, rounds: int = 3, steps: in
     try:
         for i in range(rounds):
             for name, extra in settings.items():
+                between_trials()
                 store_uri = [f"storage.uri=s3://bench/ckpt-{stamp}-{i}-{name.split('+')[-1]}"] if "store" in name else []
                 r = train_run(f"ckpt-{name}-{i}-{stamp}", [*CHECKPOINT_MODEL, *extra, *store_uri,
                                                             f"training.max_steps={steps}", "training.eval_interval=2",

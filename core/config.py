@@ -17,6 +17,7 @@ import yaml
 
 from core import REPO_ROOT
 from core.errors import ConfigError, require as _require
+from core.files import DATA_CACHE
 from core.layout import ParallelLayout
 
 # The config every verb uses when none is given (the Makefile's CONFIG default too).
@@ -59,7 +60,7 @@ class DataConfig:
     # run and node that can see it (on a cluster: shared storage); "" = inside each run directory; "store" = in the
     # object store storage.uri names, under <storage.uri>/data (docs/storage.md): a set prepared anywhere is
     # published there, and a machine fetches it once into `local_dir` and reads it memory-mapped from there.
-    cache_dir: str = "~/.cache/paddle-train-to-serve/data"
+    cache_dir: str = DATA_CACHE  # ($XDG_CACHE_HOME/paddle-train-to-serve/data when that is set: core/files.py)
     local_dir: str = ""  # with cache_dir=store: this machine's copies; "" = ~/.cache/paddle-train-to-serve/data
     # Input text per shard (one worker task; a compressed file is one shard). 0 = the corpus / 64, within 1..1024 MB:
     # enough tasks to keep every worker busy, few enough shards for PaddleNLP's blending (at most 254).

@@ -1,6 +1,7 @@
 """Files that a reader or a crash may see half-done are written one way, here: a temporary file beside the target
 (unique to the writing process and thread), written, flushed and fsynced, renamed over the target (atomic on one
-file system), and the directory fsynced so that the rename itself survives a crash of the machine."""
+file system), and the directory fsynced so that the rename itself survives a crash of the machine. And where this
+tool keeps its per-user cache (`user_cache`, `cache_path`), decided once."""
 from __future__ import annotations
 
 import os
@@ -37,3 +38,22 @@ def publish(written: str | Path, path: str | Path) -> None:
     """Rename a file written (and fsynced) elsewhere in the same directory over `path`, durably."""
     os.replace(written, path)
     fsync_path(Path(path).parent)
+
+
+# data.cache_dir's default (and data.local_dir's when the sets live in the store), as a config writes it
+DATA_CACHE = "~/.cache/paddle-train-to-serve/data"
+
+
+def user_cache(*parts: str) -> Path:
+    """This tool's per-user cache: $XDG_CACHE_HOME/paddle-train-to-serve when that is set (the XDG base-directory
+    rule), else ~/.cache/paddle-train-to-serve; prepared data sets, the bench's server list, the peer environments."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base.joinpath("paddle-train-to-serve", *parts)
+
+
+def cache_path(configured: str) -> Path:
+    """A configured directory (data.cache_dir, data.local_dir), absolute: `~/.cache/...` (the defaults are written
+    so) is read as $XDG_CACHE_HOME/... when that is set."""
+    if configured.startswith("~/.cache/") and os.environ.get("XDG_CACHE_HOME"):
+        return (Path(os.environ["XDG_CACHE_HOME"]) / configured[len("~/.cache/"):]).resolve()
+    return Path(configured).expanduser().resolve()

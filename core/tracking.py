@@ -32,6 +32,16 @@ def tracking_uri(config: Config | None = None) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{LOCAL_STORE}"
 
 
+def display_uri(uri: str) -> str:
+    """A tracking URI fit for a message: a password in it (http://user:secret@host) is left out."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(uri)
+    if parts.password is None:
+        return uri
+    return parts._replace(netloc=f"{parts.username}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")).geturl()
+
+
 def is_local(uri: str) -> bool:
     return uri.startswith("sqlite:")
 

@@ -6,6 +6,15 @@ import time
 
 from core.config import Config
 
+HELP = "prepare the corpus as token shards (reused when already prepared)"
+
+
+def arguments(p) -> None:
+    from pipeline.runner.cli import config_argument, overrides_argument
+
+    config_argument(p)
+    overrides_argument(p, "section.key=value overrides, e.g. data.workers=4 data.engine=ray")
+
 
 def run(config: Config) -> int:
     from training.data.prepare import prepare

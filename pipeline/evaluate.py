@@ -27,6 +27,18 @@ from core import exportdir, tracking
 from serving.engine import runtime
 from core.config import Config, ConfigError
 
+HELP = "a registered version on a fixed held-out set and prompt set, in MLflow"
+
+
+def arguments(p) -> None:
+    from pipeline.runner.cli import config_argument, overrides_argument
+
+    config_argument(p)
+    p.add_argument("--model", default="", help="models:/<name>/<version>, models:/<name>@<alias> or a directory")
+    p.add_argument("--data", default="", help="a corpus (file, glob or directory) instead of the source run's "
+                                              "validation split")
+    overrides_argument(p)
+
 PROMPTS = ("人工智能", "这本书", "快递很快，", "价格便宜", "我们今天", "手机很好用", "质量不错，", "服务态度")
 NEW_TOKENS = 32
 BATCH = 16

@@ -7,7 +7,7 @@ fine-tuning (full or LoRA: finetune.method) of a trained model, as a training ru
              downloaded from the run's artifacts into <runs_dir>/.bases/ (kept: a resume and the export read it).
     config   CONFIG (default configs/tiny-chat.yaml) with the base's model shape, model.init_from, its tokenizer
              (the chat template is added to the run's copy), and its train/validation split rule (so held-out
-             examples are the base's held-out documents); then `make train`'s machinery (pipeline/train.py): a new
+             examples are the base's held-out documents); then `make train`'s machinery (pipeline/runner/train_run.py): a new
              MLflow run tagged with its base (pipeline.base), resumable with RESUME=<run>.
 """
 from __future__ import annotations
@@ -18,8 +18,22 @@ from pathlib import Path
 
 from core import tracking
 from core.config import Config, ConfigError, load_config, with_overrides
-from pipeline import train
-from pipeline.runner import rundir
+from pipeline.runner import rundir, source_run, train_run
+
+HELP = "supervised fine-tuning (LoRA or full) of a trained model on instruction data with the chat template"
+
+
+def arguments(p) -> None:
+    from pipeline.runner.cli import overrides_argument
+
+    p.add_argument("--config", default=None, help="YAML config (make finetune: configs/tiny-chat.yaml)")
+    p.add_argument("--model", default="", help="the base: an MLflow run id, a checkpoint directory or "
+                                                "models:/<name>/<version|@alias> (default: the best run of "
+                                                "finetune.base_experiment)")
+    p.add_argument("--data", default="", help="reviews (the built-in task) or a .jsonl of {src, tgt} or {messages}")
+    p.add_argument("--resume", default="", help="run directory or MLflow run id of a fine-tuning run")
+    p.add_argument("--dry-run", action="store_true", help="print the layout and exit")
+    overrides_argument(p, "section.key=value, e.g. finetune.method=full")
 
 
 @dataclass
@@ -32,7 +46,7 @@ class Base:
 
 def run(config: Config, model: str = "", data: str = "", dry_run: bool = False) -> int:
     base = resolve_base(config, model)
-    return train.run(finetune_config(config, base, data), dry_run=dry_run)
+    return train_run.run(finetune_config(config, base, data), dry_run=dry_run)
 
 
 def finetune_config(config: Config, base: Base, data: str = "") -> Config:
@@ -78,14 +92,12 @@ def _from_directory(path: Path) -> Base:
 
 
 def _from_run(config: Config, run_id: str, step: int | None = None, uri: str = "") -> Base:
-    from pipeline import export
-
-    export.quiet_libraries()
+    source_run.quiet_libraries()
     tracking_uri = tracking.tracking_uri(config)
     tracking.check_reachable(tracking_uri)
     client = tracking.client(tracking_uri)
     try:
-        chosen = export.select(client, config.finetune.base_experiment, "eval_loss", run_id, step)
+        chosen = source_run.select(client, config.finetune.base_experiment, "eval_loss", run_id, step)
     except Exception as exc:  # noqa: BLE001  (ExportError: no such run / experiment / checkpoint)
         raise ConfigError(f"the base model: {exc}" + ("" if run_id else "; train one first (make train), or pass "
                                                       "MODEL=<run id, checkpoint directory or models:/...>")) from None
@@ -94,7 +106,7 @@ def _from_run(config: Config, run_id: str, step: int | None = None, uri: str = "
     if chosen.local_checkpoint is None and (downloaded / "config.json").is_file():  # (downloaded before)
         checkpoint, recorded, tokenizer = downloaded, kept / "config.yaml", kept / "tokenizer"
     else:
-        checkpoint, recorded, tokenizer = export.fetch_inputs(client, chosen, kept)
+        checkpoint, recorded, tokenizer = source_run.fetch_inputs(client, chosen, kept)
     print(f"base model: run {chosen.run_id} ({chosen.run_name}), checkpoint-{chosen.step} (eval_loss "
           f"{chosen.metric_value:.4f}): {checkpoint}", flush=True)
     return Base(checkpoint, tokenizer, uri or f"runs:/{chosen.run_id}/checkpoints/checkpoint-{chosen.step}",
@@ -114,5 +126,5 @@ def _from_version(config: Config, uri: str) -> Base:
 
 def main(config: Config, args) -> int:
     if args.resume:  # (the run's recorded config, overrides on top: pipeline/__main__.py verb_config)
-        return train.run(config, resume=args.resume, dry_run=args.dry_run)
+        return train_run.run(config, resume=args.resume, dry_run=args.dry_run)
     return run(config, args.model, args.data, args.dry_run)

@@ -6,6 +6,19 @@ from __future__ import annotations
 from core.config import Config, ConfigError
 from serving.gateway import keys, nginx
 
+HELP = "a consumer's key (printed once) with its limits, or REVOKE one"
+
+
+def arguments(p) -> None:
+    from pipeline.runner.cli import config_argument, overrides_argument
+
+    config_argument(p)
+    p.add_argument("--name", default="")
+    p.add_argument("--rpm", type=int, default=None, help="requests per minute")
+    p.add_argument("--tpm", type=int, default=0, help="tokens per minute (0 = no budget)")
+    p.add_argument("--revoke", default="", help="a consumer whose key is refused from now on")
+    overrides_argument(p, "section.key=value, e.g. gateway.port=18190")
+
 
 def main(config: Config, args) -> int:
     directory = keys.keys_dir(config)

@@ -19,6 +19,21 @@ from core import registry
 from core.config import Config, ConfigError
 from pipeline.runner.console import duration
 
+HELP = "batch generation over a table (jsonl/parquet), resumable"
+
+
+def arguments(p) -> None:
+    from pipeline.runner.cli import config_argument, overrides_argument
+
+    config_argument(p)
+    p.add_argument("--model", default="", help="as for serve (default: the newest registered version)")
+    p.add_argument("--input", default="", help="prompts: .jsonl or .parquet with `prompt` (and `id`, settings)")
+    p.add_argument("--output", default="", help=".jsonl or .parquet; rows already there are not generated again")
+    p.add_argument("--engine", default="local", help="local (one worker process per core) or ray (Ray Data)")
+    p.add_argument("--workers", type=int, default=0, help="worker processes / Ray actors (0 = one per core)")
+    p.add_argument("--ray-address", default="", help="a Ray cluster (default: a local instance)")
+    overrides_argument(p)
+
 
 def run(config: Config, model: str, input_path: str, output_path: str, engine: str = "local", workers: int = 0,
         ray_address: str = "") -> dict:

@@ -7,6 +7,8 @@ from core.config import Config
 from pipeline.runner import object_store
 from pipeline.runner.tracking_server import STATE_DIR, settings, start
 
+HELP = "start a tracking server on 127.0.0.1 (settings: mlflow/server.env)"
+
 
 def main(config: Config, args) -> int:
     s = settings()

@@ -5,6 +5,8 @@ from __future__ import annotations
 from core.config import Config
 from pipeline.runner.object_store import STATE_DIR, start
 
+HELP = "a local S3 endpoint (SeaweedFS) for storage.uri, on 127.0.0.1:8333"
+
 
 def main(config: Config, args) -> int:
     state = start()

@@ -4,6 +4,8 @@ from __future__ import annotations
 from core.config import Config
 from pipeline.runner.object_store import stop
 
+HELP = "stop the local S3 endpoint (its data is kept)"
+
 
 def main(config: Config, args) -> int:
     print("stopped" if stop() else "no object store was running")

@@ -27,6 +27,18 @@ from core import arithmetic
 from core.config import Config, ConfigError, checked_layout
 from core.layout import ParallelLayout
 
+HELP = "memory and step-time estimates of every layout of a model on a cluster"
+
+
+def arguments(p) -> None:
+    from pipeline.runner.cli import config_argument, overrides_argument
+
+    config_argument(p)
+    p.add_argument("--top", type=int, default=10, help="how many fitting layouts to print")
+    p.add_argument("--csv", default="", help="write every valid layout, ranked, to this CSV file")
+    p.add_argument("--write", default="", help="write the top layout as a config file (check it with DRY_RUN=1)")
+    overrides_argument(p, "e.g. cluster.gpus=512 cluster.gpu_memory_gb=80")
+
 GB = 1e9
 
 

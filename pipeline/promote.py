@@ -15,6 +15,19 @@ import time
 from core import tracking
 from core.config import Config, ConfigError
 
+HELP = "move a registry alias to a version if its evaluation is as good"
+
+
+def arguments(p) -> None:
+    from pipeline.runner.cli import config_argument, overrides_argument
+
+    config_argument(p)
+    p.add_argument("--model", default="", help="models:/<name>/<version>")
+    p.add_argument("--alias", default="champion")
+    p.add_argument("--metric", default="eval_loss")
+    p.add_argument("--force", action="store_true", help="move the alias even without or against the evidence")
+    overrides_argument(p)
+
 METRICS = ("eval_loss", "perplexity", "task_accuracy")
 HIGHER_IS_BETTER = ("task_accuracy",)  # (a fine-tuned model's held-out task: make evaluate)
 

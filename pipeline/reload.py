@@ -6,6 +6,15 @@ import os
 from core.config import Config, ConfigError
 from serving.state import default_state_dir, read_state
 
+HELP = "the running endpoint resolves its models:/ reference again and switches if it moved"
+
+
+def arguments(p) -> None:
+    from pipeline.runner.cli import config_argument, overrides_argument
+
+    config_argument(p)
+    overrides_argument(p)
+
 
 def main(config: Config, args) -> int:
     return reload(config)

@@ -6,6 +6,16 @@ from core import tracking
 from core.config import Config
 from pipeline.runner.liveness import reap, running
 
+HELP = "RUNNING runs of an experiment: alive, dead or stale; --reap marks the dead and stale ones FAILED"
+
+
+def arguments(p) -> None:
+    from pipeline.runner.cli import config_argument
+
+    config_argument(p, "; names the experiment")
+    p.add_argument("--experiment", default="")
+    p.add_argument("--reap", action="store_true")
+
 
 def main(config: Config, args) -> int:
     experiment, stale_after_s = args.experiment or config.tracking.experiment, config.tracking.stale_after_s

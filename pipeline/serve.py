@@ -7,6 +7,19 @@ from core.config import Config
 from serving import controller
 from serving.state import default_state_dir, read_worker
 
+HELP = "start the Paddle Serving endpoint in the background"
+
+
+def arguments(p) -> None:
+    from pipeline.runner.cli import config_argument, overrides_argument
+
+    config_argument(p)
+    p.add_argument("--model", default="", help="export directory, models:/<name>/<version>, models:/<name>@<alias> "
+                                                "or models:/<name>/latest (default: the newest registered version)")
+    p.add_argument("--foreground", action="store_true", help="run the server as this process (containers, "
+                                                             "supervisors): its exit code, its signals")
+    overrides_argument(p, "section.key=value overrides, e.g. serving.http_port=18280")
+
 
 def main(config: Config, args) -> int:
     return serve(config, args.model, args.foreground)

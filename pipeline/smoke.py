@@ -10,6 +10,15 @@ from core.config import Config, ConfigError
 from serving.client.smoke import run_smoke
 from serving.state import default_state_dir, read_state
 
+HELP = "real HTTP/gRPC calls against the running endpoint"
+
+
+def arguments(p) -> None:
+    from pipeline.runner.cli import config_argument, overrides_argument
+
+    config_argument(p)
+    overrides_argument(p)
+
 
 def main(config: Config, args) -> int:
     return smoke(config)

@@ -6,6 +6,15 @@ from core.config import Config
 from serving import controller
 from serving.state import default_state_dir, registered, unregister
 
+HELP = "drain and stop the running endpoint (SIGTERM, then its whole process group)"
+
+
+def arguments(p) -> None:
+    from pipeline.runner.cli import config_argument, overrides_argument
+
+    config_argument(p)
+    overrides_argument(p)
+
 
 def main(config: Config, args) -> int:
     print("stopped" if controller.stop(default_state_dir(config)) else "no server was running")

@@ -29,6 +29,18 @@ from core.workarounds import cpu_runtime
 from core.config import Config, ConfigError, load_config, parse_override
 from core.layout import ParallelLayout
 
+HELP = "train a grid of overrides (key=v1,v2 ...), N at a time, then compare them"
+OWN_OVERRIDES = True  # (a grid, not one config)
+
+
+def arguments(p) -> None:
+    from pipeline.runner.cli import config_argument, overrides_argument
+
+    config_argument(p)
+    p.add_argument("--id", default="", help="continue this sweep (finished runs are not retrained)")
+    p.add_argument("--parallel", type=int, default=0, help="runs at once (default: what the cores hold)")
+    overrides_argument(p, "e.g. training.learning_rate=1e-3,3e-3 model.num_layers=2,4")
+
 
 def grid(overrides: list[str]) -> list[list[str]]:
     """`a=1,2 b=x` -> [[a=1, b=x], [a=2, b=x]]. A value in brackets (a YAML list) is one value."""
@@ -150,10 +162,11 @@ def _train_all(todo, config_path, base: Config, home: Path, at_once: int, thread
 
 
 def _report(uri: str, experiment: str, sweep_id: str, home: Path, failed: list[str]) -> int:
-    from pipeline import compare
-    rows, out_dir = compare.compare(experiment, filter_string=f"tags.`pipeline.sweep` = '{sweep_id}'", uri=uri,
-                                    out_dir=home / "report")
-    print(compare.table(rows))
+    from pipeline.runner import comparison
+
+    rows, out_dir = comparison.compare(experiment, filter_string=f"tags.`pipeline.sweep` = '{sweep_id}'", uri=uri,
+                                       out_dir=home / "report")
+    print(comparison.table(rows))
     print(f"\nsweep {sweep_id}: {len(rows)} runs, best eval_loss first; {out_dir / 'runs.md'}, "
           f"{out_dir / 'loss_curves.png'}; the same with: make compare FILTER=\"tags.`pipeline.sweep` = "
           f"'{sweep_id}'\"", flush=True)

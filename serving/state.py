@@ -43,7 +43,9 @@ def read_worker(state_dir: Path) -> dict:
 
 def registry_dir() -> Path:
     """Where servers started on behalf of a tool (the bench) are listed, per user: `make stop` finds them there."""
-    return Path("~/.cache/paddle-train-to-serve/servers").expanduser()
+    from core.files import user_cache
+
+    return user_cache("servers")
 
 
 def register(state_dir: Path, owner: str) -> None:

@@ -20,7 +20,10 @@ from core.layout import ParallelLayout  # noqa: E402
 
 
 def make_trainer(device: str = "cpu", **kwargs):
-    """PaddleNLP's Trainer, with one change: the same sample order for every layout.
+    """PaddleNLP's Trainer with four methods overridden (each an OVERRIDES row, core/workarounds/__init__.py):
+    `_get_train_sampler` (the same sample order for every layout, below), `_save_checkpoint` (the pause a checkpoint
+    costs, and the checkpoint manager: training/checkpoint/), `_maybe_log_save_evaluate` (the loss window a resume
+    continues) and `_wrap_model` (per-stage pipeline timing: training/stage_timing.py).
 
     Trainer 2.8.1 shuffles with `BatchSampler` (paddle's global RNG) in a single process but with
     `DistributedBatchSampler` (seeded by the epoch) in a distributed run, so a single-process run and a parallel run

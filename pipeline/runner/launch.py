@@ -1,4 +1,4 @@
-"""Running one node's ranks for `make train` (pipeline/train.py): what a launch is, the ranks started and
+"""Running one node's ranks for `make train` (pipeline/runner/train_run.py): what a launch is, the ranks started and
 supervised (supervise.py) with progress on the console (console.py), and how they ended; nodes other than 0 join
 node 0's launch (nodes.py)."""
 from __future__ import annotations

@@ -21,7 +21,8 @@ def find(resume: str, uri: str) -> Path:
     try:
         run = tracking.client(uri).get_run(resume)
     except Exception:  # noqa: BLE001  (MLflow raises several types for an unknown id)
-        raise ConfigError(f"RESUME={resume}: neither a run directory nor a known MLflow run id") from None
+        raise ConfigError(f"RESUME={resume}: neither a run directory nor a run id in the tracking store "
+                          f"{tracking.display_uri(uri)} (tracking.tracking_uri, else $MLFLOW_TRACKING_URI)") from None
     run_dir = run.data.tags.get(tracking.TAG_RUN_DIR)
     if run_dir and Path(run_dir).is_dir():
         return Path(run_dir)
@@ -51,7 +52,7 @@ def restore(run, uri: str, resume: str) -> Path:
                           "storage.uri=s3://... so that checkpoints outlive a disk")
     name = Path(recorded).name or run.info.run_name
     run_dir = runs_root(config) / name
-    from pipeline.runner.tracked_run import RUN_INFO
+    from pipeline.runner.tracked_run import RUN_INFO, write_run_info
 
     if _run_id_of(run_dir / RUN_INFO) == run.info.run_id:
         return run_dir  # (restored here before: this machine's copy of the run, under its own runs_dir)
@@ -63,7 +64,7 @@ def restore(run, uri: str, resume: str) -> Path:
         run_dir.mkdir()
         with _removed_on_failure(run_dir):
             _fill(config, run_dir)
-            (run_dir / RUN_INFO).write_text(json.dumps({"run_id": run.info.run_id, "tracking_uri": uri}))
+            write_run_info(run_dir, run.info.run_id, run.info.experiment_id, uri)
             fetched = checkpoint_store.fetch_latest(store, run_dir)
             if fetched:
                 checkpoint, size, seconds = fetched

@@ -21,6 +21,14 @@ from core.workarounds import cpu_runtime
 from pipeline.runner import liveness
 
 RUN_INFO = "mlflow_run.json"
+
+
+def write_run_info(run_dir: Path, run_id: str, experiment_id: str, uri: str) -> None:
+    """The run directory's link to its MLflow run, one shape wherever it is written (a new run, a restored one)."""
+    from core.files import atomic_write
+
+    atomic_write(run_dir / RUN_INFO, json.dumps({"run_id": run_id, "experiment_id": experiment_id,
+                                                 "tracking_uri": uri}))
 TAG_LAYOUT_HISTORY = "pipeline.layout_history"
 
 
@@ -70,8 +78,7 @@ class TrackedRun:
             self.client.log_batch(self.run_id, tags=[_tag(k, v) for k, v in alive.items()])
         else:
             self._create(run_dir, layout, alive)
-            info_file.write_text(json.dumps({"run_id": self.run_id, "experiment_id": self.experiment_id,
-                                             "tracking_uri": self.uri}))
+            write_run_info(run_dir, self.run_id, self.experiment_id, self.uri)
         self.heartbeat = Heartbeat(self.client, self.run_id, self.config.tracking.heartbeat_s)
 
     def _create(self, run_dir: Path, layout: ParallelLayout, alive: dict) -> None:

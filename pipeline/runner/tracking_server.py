@@ -13,6 +13,7 @@ from pathlib import Path
 
 from core import REPO_ROOT
 from core.config import ConfigError
+from core.files import atomic_write
 from core.processes import group_alive, log_tail, port_in_use, start_group, stop_recorded, wait_ready
 
 SETTINGS = REPO_ROOT / "mlflow" / "server.env"
@@ -47,7 +48,7 @@ def start(host: str, port: int, backend_store: Path, artifacts: Path | str, stat
     proc = start_group(cmd, state_dir / "server.log", state_dir, env)
     url = f"http://{host}:{port}"
     state = {"pid": proc.pid, "url": url, "artifacts": str(artifacts)}
-    state_file.write_text(json.dumps(state))
+    atomic_write(state_file, json.dumps(state))  # (a reader never sees half of it)
     if wait_ready(proc, lambda: requests.get(url + "/health", timeout=2).ok, timeout_s) != "ready":
         stop(state_dir)
         raise ConfigError("the MLflow server did not become healthy; last log lines:\n"

@@ -30,7 +30,7 @@ def test_train_and_compare_over_http(server, tiny_config, tmp_path):
         proc = cli(["train", "--config", str(tiny_config), f"training.runs_dir={runs}", f"training.run_name={name}",
                     f"training.learning_rate={lr}", "training.max_steps=6"], server["url"])
         assert proc.returncode == 0, proc.stderr[-3000:]
-    from pipeline.compare import compare, table
+    from pipeline.runner.comparison import compare, table
 
     rows, out_dir = compare("tests", uri=server["url"], out_dir=tmp_path / "report")
     assert [r["run"] for r in rows] == sorted([r["run"] for r in rows], key=lambda n: [

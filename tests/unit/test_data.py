@@ -251,7 +251,33 @@ def test_an_interrupted_preparation_continues_and_gives_the_same_set(tmp_path):
     made = prepare(config, log=lines.append)
     assert any("continuing the interrupted preparation" in line for line in lines)
     assert snapshot(made.path) == snapshot(clean.path)
-    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [clean.path.name]
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir() if p.suffix != ".lock") == [clean.path.name]
+
+
+def test_a_preparation_waits_for_the_holder_of_its_key_even_after_another_finished(tmp_path):
+    """The key's lock file outlives each preparation: B waits on it while A builds; once A is done, B holds it, and C
+    (started then) waits for B instead of building beside it. (Before, A unlinked the file after its turn, and C
+    locked a new file of the same name at once: two builds of one key.)"""
+    import fcntl
+    import shutil
+    import threading
+
+    files = [reviews(tmp_path / "c.txt", 150, "x")]
+    config = config_for(tmp_path, files)
+    key = prepare(config_for(tmp_path, files, [f"data.cache_dir={tmp_path / 'probe'}"])).path.name
+    lock_path = tmp_path / "cache" / f".staging-{key}.lock"
+    lock_path.parent.mkdir(parents=True)
+    with open(lock_path, "w") as b_lock:  # (B opens the file before A starts, as a waiting preparation would)
+        prepare(config)  # A
+        fcntl.flock(b_lock, fcntl.LOCK_EX)  # B's turn: it holds the key ...
+        shutil.rmtree(tmp_path / "cache" / key)  # (... and, say, finds no set: it would build one)
+        c = threading.Thread(target=prepare, args=(config,))
+        c.start()
+        c.join(timeout=3)
+        assert c.is_alive(), "C built the key while B held its lock"
+        assert not (tmp_path / "cache" / key).exists()
+    c.join(timeout=120)
+    assert (tmp_path / "cache" / key / "manifest.json").is_file()
 
 
 def test_a_blend_yields_samples_in_its_weights(tmp_path):
@@ -421,3 +447,21 @@ def test_the_sample_index_is_sized_before_it_is_built():
     fits = int(message.split("use at most training.max_steps=")[1].split(", or")[0].replace(",", ""))
     assert 0 < fits < 10**12
     read.check_index(read.index_size(929_161, 236, 64, fits * 8), fits, 8 << 30)  # (the advice fits)
+
+
+def test_the_per_user_cache_follows_xdg_cache_home(tmp_path, monkeypatch):
+    """Every per-user cache of the tool (prepared sets by default, their local copies with the store, the bench's
+    server list, the peer environments) is under $XDG_CACHE_HOME when that is set, else ~/.cache."""
+    from bench.peer_vllm import cache_root
+    from serving.state import registry_dir
+    from training.data.prepare import data_root
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert data_root(load_config(None)) == tmp_path / "home" / ".cache" / "paddle-train-to-serve" / "data"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    root = tmp_path / "xdg" / "paddle-train-to-serve"
+    stored = load_config(None, ["storage.uri=s3://bucket/p", "data.cache_dir=store"])
+    assert [data_root(load_config(None)), data_root(stored), registry_dir(), cache_root()] == \
+        [root / "data", root / "data", root / "servers", root / "peers"]
+    assert data_root(load_config(None, [f"data.cache_dir={tmp_path / 'mine'}"])) == tmp_path / "mine"

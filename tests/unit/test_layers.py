@@ -125,15 +125,27 @@ def test_the_serving_order_rule_catches_a_wrong_import():
 
 def test_pipeline_holds_verbs_and_its_machinery_never_imports_one():
     """Every module directly in pipeline/ is a verb (`python -m pipeline <verb>`), named after it; what they share
-    lives in pipeline/runner/, which imports no verb."""
+    lives in pipeline/runner/; no verb is imported by another verb or by the machinery."""
     from pipeline.__main__ import VERBS
 
     top = {p.stem for p in (REPO_ROOT / "pipeline").glob("*.py")} - {"__init__", "__main__"}
     assert top == set(VERBS.values()), f"not verbs: {sorted(top - set(VERBS.values()))}; " \
                                        f"verbs without a module: {sorted(set(VERBS.values()) - top)}"
-    verbs = {f"pipeline.{m}" for m in top}
-    wrong = [(m, i) for m, deps in graph().items() if m.startswith("pipeline.runner") for i in deps if i in verbs]
+    wrong = verb_import_violations(graph(), {f"pipeline.{m}" for m in top})
     assert not wrong, wrong
+
+
+def verb_import_violations(g: dict[str, set[str]], verbs: set[str]) -> list[tuple[str, str]]:
+    """A verb or the machinery importing a verb: what two verbs share belongs in pipeline/runner/."""
+    return [(m, i) for m, deps in g.items() if m.startswith("pipeline.") for i in deps if i in verbs and i != m]
+
+
+def test_the_verb_rule_catches_a_verb_importing_a_verb():
+    verbs = {"pipeline.train", "pipeline.finetune", "pipeline.export"}
+    g = {"pipeline.finetune": {"pipeline.train", "pipeline.runner.train_run"}, "pipeline.export": {"core.tracking"},
+         "pipeline.runner.launch": {"pipeline.export"}, "pipeline.__main__": {"core.config"}}
+    assert sorted(verb_import_violations(g, verbs)) == [("pipeline.finetune", "pipeline.train"),
+                                                        ("pipeline.runner.launch", "pipeline.export")]
 
 
 def test_every_internal_import_names_a_module_that_exists():
@@ -207,3 +219,22 @@ def test_no_function_is_longer_than_60_lines():
     """(a function that does not fit on a screen is a function to split; tests included)"""
     long = long_functions([*modules().values(), *sorted((REPO_ROOT / "tests").rglob("*.py"))])
     assert not long, long
+
+
+def test_a_verb_declares_its_arguments_beside_its_main_and_only_its_module_is_loaded():
+    """Adding a verb is its module (HELP, arguments, main) and a VERBS entry; parsing one verb's command line imports
+    that verb's module and no other verb's."""
+    import subprocess
+    import sys
+
+    from pipeline.__main__ import VERBS, module_of, parser
+
+    for verb in VERBS:
+        module = module_of(verb)
+        assert module.HELP and callable(module.main), verb
+    assert parser("train").parse_args(["train", "--resume", "r1", "training.max_steps=3"]).overrides == \
+        ["training.max_steps=3"]
+    code = ("import sys; from pipeline.__main__ import parser; parser('stop').parse_args(['stop']); "
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('pipeline.') and 'runner' not in m)))")
+    loaded = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    assert loaded.stdout.split() == ["pipeline.__main__", "pipeline.stop"], loaded.stdout

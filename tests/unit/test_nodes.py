@@ -54,7 +54,7 @@ def test_node_0_on_an_empty_disk_continues_the_run_the_store_records(tmp_path, m
     """deploy/train-node.sh runs the first command on a disk without the run: node 0 continues the run the store
     records under that name (by its MLflow run id), a new name starts a new run."""
     from core.storage import Store
-    from pipeline import train
+    from pipeline.runner import train_run as train
 
     store = Store("s3://bucket/prefix")
     recorded = {"prefix/runs/apart/run.json": b'{"run_id": "f00d"}'}

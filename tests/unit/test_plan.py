@@ -148,7 +148,8 @@ def test_plan_and_a_dry_run_work_on_every_shipped_config(path, capsys):
     """`make plan` and `make train DRY_RUN=1` on each config in configs/: some layout fits the config's own cluster
     (the 512-GPU configs carry theirs), and the dry run prints the layout without launching."""
     from core.config import load_config
-    from pipeline import plan, train
+    from pipeline import plan
+    from pipeline.runner import train_run as train
 
     config = load_config(path)
     assert plan.run(config, 3, "", "") == 0

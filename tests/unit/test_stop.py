@@ -33,3 +33,28 @@ def test_make_stop_stops_a_server_a_bench_left_running(tmp_path, monkeypatch, ca
     finally:
         if server.poll() is None:
             server.kill()
+
+
+def test_a_stop_signal_landing_in_a_finalizer_still_stops_the_bench_at_its_next_trial(monkeypatch):
+    """Python swallows an exception raised in a finalizer, the bench's Stopped included when SIGTERM's handler runs
+    there; the handler's record makes the next trial raise it. (Before, the suite went on to its end.)"""
+    import gc
+    import signal
+
+    import pytest
+
+    import bench
+
+    monkeypatch.setattr(bench, "_received", [])
+    monkeypatch.setattr(signal, "signal", lambda signum, handler: None)  # (this process keeps its SIGTERM action)
+
+    class Finalized:
+        def __del__(self):
+            bench.on_stop_signal(signal.SIGTERM, None)  # (as if SIGTERM arrived while this finalizer ran)
+
+    Finalized()
+    gc.collect()  # (swallowed: "Exception ignored in ... Finalized.__del__")
+    with pytest.raises(bench.Stopped) as stopped:
+        for _ in range(3):
+            bench.between_trials()
+    assert stopped.value.signum == signal.SIGTERM

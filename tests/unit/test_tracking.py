@@ -1,5 +1,6 @@
 """Tracking logic without a server: buffered MLflow records in order, what a failure keeps, checkpoint upload
 choice, run liveness, and where a local store keeps its artifacts. (Fast: no training, no server.)"""
+import re
 import time
 
 import pytest
@@ -140,3 +141,24 @@ def test_a_dataset_insert_lost_to_a_run_started_at_the_same_moment_is_linked_on_
     with pytest.raises(MlflowException, match="database is locked"):
         tracking.log_dataset_input(Racing("database is locked"), run_id, dataset)
     assert calls == [run_id]
+
+
+def test_resume_by_run_id_searches_the_tracking_store_the_overrides_name(tmp_path, monkeypatch):
+    """`make train RESUME=<id> ARGS="tracking.tracking_uri=..."` finds the run in that store, not the local one; an
+    unknown id names the store searched (and never a password in its URI)."""
+    from core.config import ConfigError, load_config
+    from pipeline.runner import train_run as train
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = f"sqlite:///{tmp_path / 'elsewhere.db'}"
+    client = tracking.client(uri)
+    run_dir = tmp_path / "runs" / "r"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(load_config(None, ["training.max_steps=70"]).to_yaml())
+    run = client.create_run(client.create_experiment("e"), tags={tracking.TAG_RUN_DIR: str(run_dir)})
+    config = train.resumed_config(run.info.run_id, [f"tracking.tracking_uri={uri}", "training.max_steps=90"])
+    assert config.training.max_steps == 90 and config.tracking.tracking_uri == uri
+    with pytest.raises(ConfigError, match=rf"not-a-run: neither a run directory nor a run id in the tracking store "
+                                          rf"{re.escape(uri)} \(tracking"):
+        train.resumed_config("not-a-run", [f"tracking.tracking_uri={uri}"])
+    assert tracking.display_uri("http://team:s3cret@mlflow.internal:5000/x") == "http://team:***@mlflow.internal:5000/x"

@@ -30,7 +30,7 @@ from pathlib import Path
 from core import REPO_ROOT, dataset
 from core.errors import ConfigError
 from core.tokenizer import EOS_TOKEN, SPECIAL_TOKENS, read_vocab, write_tokenizer
-from core.files import atomic_write
+from core.files import atomic_write, cache_path
 from training.data import corpus, engines, store
 
 CODE = [Path(__file__).parent / name for name in ("corpus.py", "shards.py", "prepare.py")] + \
@@ -51,7 +51,7 @@ def data_root(config, run_dir: Path | None = None) -> Path:
     if store.in_store(config):
         return store.local_root(config)
     if config.data.cache_dir:
-        return Path(config.data.cache_dir).expanduser().resolve()
+        return cache_path(config.data.cache_dir)
     if run_dir is None:
         raise ConfigError("data.cache_dir is empty (prepare inside each run): `make data` needs a data.cache_dir")
     return run_dir / "data"
@@ -111,6 +111,8 @@ def prepare(config, run_dir: Path | None = None, log=print) -> Prepared:
         return Prepared(final, dataset.check(final), True, time.time() - t0)
     root.mkdir(parents=True, exist_ok=True)
     staging = root / f".staging-{key}"
+    # (the lock file stays: unlinked after a turn, a preparation waiting on it holds a lock on a file that is gone,
+    # and the next one creates a new file and locks that one, so the two build the same key at once)
     with open(root / f".staging-{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # (a concurrent preparation of the same key: wait, then reuse its set)
         reused = (final / dataset.MANIFEST).is_file() or (remote is not None and store.fetch(remote, key, root, log))
@@ -119,8 +121,6 @@ def prepare(config, run_dir: Path | None = None, log=print) -> Prepared:
                 log(f"data: continuing the interrupted preparation in {staging}")
             manifest = _build(config, corpora, staging, key, log)
             dataset.publish(staging, final)
-    # (missing_ok: runs preparing the same key at once each unlink it after their turn; a later one finds it gone)
-    (root / f".staging-{key}.lock").unlink(missing_ok=True)
     if reused:
         return Prepared(final, dataset.check(final), True, time.time() - t0)
     if remote is not None:

@@ -15,9 +15,8 @@ import time
 from pathlib import Path
 
 from core import dataset
+from core.files import DATA_CACHE, cache_path
 from core.storage import Store, retrying
-
-DEFAULT_LOCAL_DIR = "~/.cache/paddle-train-to-serve/data"
 
 
 STORE = "store"  # (data.cache_dir's value for "in the object store storage.uri names")
@@ -33,7 +32,7 @@ def store_uri(config) -> str:
 
 def local_root(config) -> Path:
     """Where this machine keeps its copies of the store's sets."""
-    return Path(config.data.local_dir or DEFAULT_LOCAL_DIR).expanduser().resolve()
+    return cache_path(config.data.local_dir or DATA_CACHE)
 
 
 def open_store(config):
