@@ -2,9 +2,11 @@
 export (copied with the tokenizer) and serving (the chat route renders requests with it).
 
 Format: PaddleNLP 2.8.1's own, `chat_template.json` beside `vocab.txt` ({"system", "conversation": [user turn, answer
-turn], "query"}, jinja), so `tokenizer.apply_chat_template` and `tokenizer.encode_chat_inputs` use it as they load.
-`render` is the same rendering without importing PaddleNLP (the API server process stays light); a unit test checks
-it equals `apply_chat_template` on every shape of conversation.
+turn], "query"}, jinja), so PaddleNLP's tokenizer loads it too. It is rendered here, by one function (`_part`, PaddleNLP's
+jinja settings) and nowhere else: `render` the prompt for an answer (the chat route; `apply_chat_template`'s text),
+`training_pieces` the texts a training example is made of (`encode_chat_inputs`'s texts), and export/hf.py derives the
+Hugging Face copy from the same template. tests/unit/test_chat.py checks both against PaddleNLP's own rendering on
+every shape of conversation, and tests/unit/test_hf.py the HF copy against `render`.
 
 The role markers are Chinese words whose characters the vocabulary has (用户 user, 助手 assistant, and the full-width
 colon); each answer ends with the end-of-text token, so the model learns to stop. `missing_characters` checks a
@@ -112,21 +114,38 @@ def check_request(messages: list[dict]) -> None:
         raise ConfigError("the conversation must end with a user message (the question to answer)")
 
 
-def render(template: dict, system: str, turns: list[list[str]]) -> str:
-    """PaddleNLP's ChatTemplate.__call__ (2.8.1), same jinja settings: the prompt for the last turn's answer."""
+def _part(source: str, values: dict) -> str:
+    """One part of the template rendered as PaddleNLP 2.8.1's ChatTemplate renders it (the same jinja settings)."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+    return env.from_string(source).render(**values)
+
+
+def render(template: dict, system: str, turns: list[list[str]]) -> str:
+    """The prompt for the last turn's answer (PaddleNLP's ChatTemplate.__call__, 2.8.1)."""
     context = {"is_training": False, "system": system, "length": len(turns)}
-    text = env.from_string(template["system"]).render(**context) if template.get("system") else ""
+    text = _part(template["system"], context) if template.get("system") else ""
     for index, (user, answer) in enumerate(turns[:-1]):
         values = {**context, "is_first": index == 0, "is_last": False, "user": user, "bot": answer, "index": index}
-        text += "".join(env.from_string(part).render(values) for part in template["conversation"])
+        text += "".join(_part(part, values) for part in template["conversation"])
     query = turns[-1][0]
     if template.get("query") is None:
         return text + query
     values = {**context, "is_first": len(turns) == 1, "is_last": False}
-    return text + env.from_string(template["query"]).render(query=query, index=len(turns) - 1, **values)
+    return text + _part(template["query"], {"query": query, "index": len(turns) - 1, **values})
+
+
+def training_pieces(template: dict, system: str, turns: list[list[str]]) -> list[str]:
+    """An answered conversation's texts as training encodes them, each on its own (PaddleNLP's encode_chat_inputs,
+    2.8.1): the system text ("" without one), then each turn's prompt and its answer."""
+    context = {"is_training": False, "system": system}
+    texts = [_part(template["system"], context) if template.get("system") else ""]
+    for index, (user, answer) in enumerate(turns):
+        values = {"user": user, "bot": answer, "index": index, **context, "is_first": index == 0,
+                  "is_last": index == len(turns) - 1}
+        texts += [_part(part, values) for part in template["conversation"]]
+    return texts
 
 
 def render_messages(template: dict, messages: list[dict]) -> str:

@@ -19,6 +19,7 @@ import numpy as np
 from core import REPO_ROOT, exportdir
 from core.config import Config
 from export import ExportError, mlflow_model
+from serving.engine.kv_cache import DecodeCache
 from export.convert import dynamic_forward
 from serving.engine import runtime
 
@@ -178,12 +179,11 @@ def cache_parity_error(model, prefill, decode, vocab: int, seq_length: int, seed
     positions = np.tile(np.arange(half), (2, 1)).astype("int64")
     prompt[1, :pad], mask[1, :pad], positions[1] = 0, 0.0, np.maximum(np.arange(half) - pad, 0)
     logits, keys, values = prefill(prompt, positions, mask)
+    cache = DecodeCache(keys, values, mask, np.array([half, half - pad], dtype="int64"))  # (positions t and t - pad)
     worst = max(float(np.abs(logits[0] - expected[0][0, half - 1]).max()),
                 float(np.abs(logits[1] - expected[1][0, half - 1 - pad]).max()))
     for t in range(half, length):
-        mask = np.concatenate([mask, np.ones((2, 1), "float32")], axis=1)
-        step_positions = np.array([[t], [t - pad]], dtype="int64")
-        logits, keys, values = decode(ids[:, t:t + 1], step_positions, mask, keys, values)
+        logits = decode(ids[:, t:t + 1], cache)
         worst = max(worst, float(np.abs(logits[0] - expected[0][0, t]).max()),
                     float(np.abs(logits[1] - expected[1][0, t - pad]).max()))
     return worst

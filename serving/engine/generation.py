@@ -15,6 +15,7 @@ from typing import Callable
 
 import numpy as np
 
+from serving.engine.kv_cache import DecodeCache
 from serving.protocol import GenerationSettings
 
 
@@ -91,9 +92,8 @@ def generate(forward: Callable[[np.ndarray], np.ndarray], prompt_ids: list[int],
 
 def generate_batch(prefill, decode, prompts: list[list[int]], settings: list[GenerationSettings], eos_id: int,
                    banned_ids: list[int], usable_vocab: int, max_length: int, pad_id: int = 0) -> list[list[int]]:
-    """New token ids for each prompt. `prefill(ids, positions, key_mask) -> (logits[B,V], keys, values)` and
-    `decode(ids[B,1], positions[B,1], key_mask[B,P+1], keys, values) -> (logits, keys, values)`, caches
-    [layers, B, heads, P, head_dim]."""
+    """New token ids for each prompt. `prefill(ids, positions, key_mask) -> (logits[B,V], keys, values)`, caches
+    [layers, B, heads, T, head_dim], and `decode(ids[B,1], cache) -> logits` (serving/engine/kv_cache.py)."""
     budgets = [budget(len(p), s, max_length) for p, s in zip(prompts, settings)]
     rngs = [np.random.default_rng(s.seed) for s in settings]
     new: list[list[int]] = [[] for _ in prompts]
@@ -107,8 +107,8 @@ def generate_batch(prefill, decode, prompts: list[list[int]], settings: list[Gen
     for r, i in enumerate(rows):
         n = len(prompts[i])
         ids[r, width - n:], mask[r, width - n:], positions[r, width - n:] = prompts[i], 1.0, np.arange(n)
-    lengths = np.array([len(prompts[i]) for i in rows], dtype="int64")
     logits, keys, values = prefill(ids, positions, mask)
+    cache = DecodeCache(keys, values, mask, np.array([len(prompts[i]) for i in rows], dtype="int64"))
     while True:
         keep, tokens = [], []
         for r, i in enumerate(rows):
@@ -121,8 +121,5 @@ def generate_batch(prefill, decode, prompts: list[list[int]], settings: list[Gen
             return new
         if len(keep) < len(rows):  # finished requests leave the batch, with their caches
             rows = [rows[r] for r in keep]
-            keys, values, mask, lengths = keys[:, keep], values[:, keep], mask[keep], lengths[keep]
-        mask = np.concatenate([mask, np.ones((len(rows), 1), dtype="float32")], axis=1)
-        logits, keys, values = decode(np.asarray(tokens, dtype="int64")[:, None], lengths[:, None].copy(), mask,
-                                      keys, values)
-        lengths = lengths + 1
+            cache.keep(keep)
+        logits = decode(np.asarray(tokens, dtype="int64")[:, None], cache)

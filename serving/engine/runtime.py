@@ -67,77 +67,43 @@ def cache_session(export_dir: Path, threads: int = 1, placement: Placement = Pla
     or process: paddle.inference predictors are not thread-safe):
 
         prefill(ids, positions, mask) -> logits [B,V], keys [L,B,Hkv,T,D], values
-        decode(ids, positions, mask, keys [L,B,Hkv,P,D], values) -> logits [B,V], keys [L,B,Hkv,P+1,D], values
+        decode(ids [B,1], cache: serving/engine/kv_cache.py DecodeCache) -> logits [B,V]
 
     The decode program takes each layer's cache as an input of its own and returns only the new token's keys and
-    values (export/programs.py); they are written into the next free column of buffers with room to grow
-    (_GrowingCache): no copy of the whole cache in Python a step, only the predictor's own. Exports made before
-    (one stacked cache in, the grown caches out) are read too."""
+    values (export/programs.py); the cache's owner holds them in buffers with room to grow, and decode writes the new
+    column there: no copy of the whole cache in Python a step, only the predictor's own. Exports made before (one
+    stacked cache in, the grown caches out) are read too."""
     export_dir = Path(export_dir)
     prefill = create_predictor(export_dir, prefix=PREFILL_PREFIX, threads=threads, placement=placement)
     decode = create_predictor(export_dir, prefix=DECODE_PREFIX, threads=threads, placement=placement)
     names = decode.get_input_names()
-    if PAST_KINDS[0] in names:  # (the earlier form: one stacked input per kind)
-        return (lambda *feeds: run(prefill, *feeds)), (lambda *feeds: run(decode, *feeds))
+    if PAST_KINDS[0] in names:  # (the earlier form: one stacked input per kind, the grown caches out)
+        def stacked_step(ids, cache):
+            positions, keys, values, mask = cache.step_inputs()
+            logits, grown_keys, grown_values = run(decode, ids, positions, mask, keys, values)
+            cache.append(grown_keys[:, :, :, -1:], grown_values[:, :, :, -1:])
+            return logits
+
+        return (lambda *feeds: run(prefill, *feeds)), stacked_step
     layers = sum(past_input(PAST_KINDS[0], layer) in names for layer in range(len(names)))
     layer_inputs = [[decode.get_input_handle(past_input(kind, layer)) for layer in range(layers)]
                     for kind in PAST_KINDS]
     step_inputs = [decode.get_input_handle(name) for name in (FEED_NAME, POSITIONS_NAME, KEY_MASK_NAME)]
     outputs = [decode.get_output_handle(name) for name in decode.get_output_names()]
 
-    grown = _GrowingCache()
-
-    def decode_step(ids, positions, mask, keys, values):
-        keys, values, mask = grown.hold(keys, values, mask)
+    def decode_step(ids, cache):
+        positions, keys, values, mask = cache.step_inputs()
         for handle, value in zip(step_inputs, (ids, positions, mask)):
             _feed(handle, value)
-        for handles, cache in zip(layer_inputs, (keys, values)):
+        for handles, buffers in zip(layer_inputs, (keys, values)):
             for layer, handle in enumerate(handles):
-                _feed(handle, cache[layer])  # (cache[layer]: a contiguous view, copied once into the predictor)
+                _feed(handle, buffers[layer])  # (buffers[layer]: a contiguous view, copied once into the predictor)
         decode.run()
         logits, new_keys, new_values = (handle.copy_to_cpu() for handle in outputs)
-        return (logits, *grown.append(new_keys, new_values))
+        cache.append(new_keys, new_values)
+        return logits
 
     return (lambda *feeds: run(prefill, *feeds)), decode_step
-
-
-class _GrowingCache:
-    """The decode steps' caches in buffers with room to grow, so that a step writes only its new column instead of
-    copying the whole cache into a wider array (np.concatenate: ~20% of a step at 128 sequences, measured).
-
-    `hold` takes the caches the scheduler passes back: the views this object returned last (then nothing is copied)
-    or new arrays (after sequences joined or left: copied once into buffers with GROW free columns). The predictor is
-    fed the whole buffer; the free columns are masked (model/llama.py MASKED: weight exactly 0 after the softmax).
-    `append` writes the step's new keys and values into the next free column and returns views of the used part."""
-    GROW = 32
-
-    def __init__(self):
-        self.keys = self.values = None
-        self.used = 0
-
-    def _ours(self, keys: np.ndarray, values: np.ndarray) -> bool:
-        return self.keys is not None and keys.base is self.keys and values.base is self.values \
-            and keys.shape[3] == self.used and keys.ctypes.data == self.keys.ctypes.data \
-            and values.ctypes.data == self.values.ctypes.data and keys.shape[:3] == self.keys.shape[:3]
-
-    def hold(self, keys: np.ndarray, values: np.ndarray, mask: np.ndarray):
-        """(keys, values, mask) as fed: the buffers, and the mask widened to them (free columns 0)."""
-        width = keys.shape[3]
-        if not self._ours(keys, values) or width == self.keys.shape[3]:
-            shape = list(keys.shape)
-            shape[3] = width + self.GROW
-            self.keys, self.values = np.zeros(shape, dtype=keys.dtype), np.zeros(shape, dtype=values.dtype)
-            self.keys[:, :, :, :width], self.values[:, :, :, :width] = keys, values
-            self.used = width
-        capacity = self.keys.shape[3]
-        wide = np.zeros((mask.shape[0], capacity + 1), dtype=mask.dtype)
-        wide[:, :width], wide[:, capacity] = mask[:, :width], mask[:, width]
-        return self.keys, self.values, wide
-
-    def append(self, new_keys: np.ndarray, new_values: np.ndarray):
-        self.keys[:, :, :, self.used], self.values[:, :, :, self.used] = new_keys[:, :, :, 0], new_values[:, :, :, 0]
-        self.used += 1
-        return self.keys[:, :, :, :self.used], self.values[:, :, :, :self.used]
 
 
 def _feed(handle, value: np.ndarray) -> None:

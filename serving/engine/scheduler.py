@@ -26,6 +26,7 @@ import numpy as np
 
 from serving.protocol import GenerationSettings
 from serving.engine.generation import budget, choose_rows, token_logprobs
+from serving.engine.kv_cache import DecodeCache
 
 
 @dataclass
@@ -68,7 +69,7 @@ class Scheduler:
         self.running: list[Job] = []
         self.cancelled: set[int] = set()
         self.earliest_deadline = math.inf  # (of the waiting jobs, or earlier: the queue is scanned only from then)
-        self.keys = self.values = self.mask = self.lengths = None
+        self.cache: DecodeCache | None = None  # the running batch's keys and values (serving/engine/kv_cache.py)
 
     # -- the queue ------------------------------------------------------------------------------------------------
     def add(self, job: Job) -> None:
@@ -124,7 +125,7 @@ class Scheduler:
         if self.policy == "static" and self.running:
             return []
         admitted: list[Job] = []
-        width = self.mask.shape[1] if self.running else 0
+        width = self.cache.used if self.running else 0
         while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
             job = self.waiting[0]
             rows = len(self.running) + len(admitted) + 1
@@ -147,22 +148,19 @@ class Scheduler:
             n = len(job.prompt_ids)
             ids[r, width - n:], mask[r, width - n:], positions[r, width - n:] = job.prompt_ids, 1.0, np.arange(n)
         logits, keys, values = self.prefill(ids, positions, mask)
-        lengths = np.array([len(job.prompt_ids) for job in jobs], dtype="int64")
+        joining = DecodeCache(keys, values, mask, np.array([len(job.prompt_ids) for job in jobs], dtype="int64"))
         joined = time.monotonic()
         for job in jobs:
             job.first_token_at, job.peak_batch = joined, max(job.peak_batch, len(jobs))
         self._choose(jobs, logits)
-        self._merge(jobs, keys, values, mask, lengths)
+        self._merge(jobs, joining)
         return out + self._finish_done()
 
     def _decode_step(self) -> list[Outcome]:
         for job in self.running:
             job.peak_batch = max(job.peak_batch, len(self.running))
         tokens = np.asarray([job.pending for job in self.running], dtype="int64")[:, None]
-        self.mask = np.concatenate([self.mask, np.ones((len(self.running), 1), dtype="float32")], axis=1)
-        logits, self.keys, self.values = self.decode(tokens, self.lengths[:, None].copy(), self.mask, self.keys,
-                                                     self.values)
-        self.lengths = self.lengths + 1
+        logits = self.decode(tokens, self.cache)  # (the step's keys and values written into the cache's next column)
         self._choose(self.running, logits)
         return self._finish_done()
 
@@ -191,37 +189,17 @@ class Scheduler:
         self._keep([r for r in range(len(self.running)) if r not in done])
         return out
 
-    def _merge(self, jobs: list[Job], keys, values, mask, lengths) -> None:
-        """Join new sequences' caches to the running batch's, left-padding the narrower with masked columns."""
+    def _merge(self, jobs: list[Job], joining: DecodeCache) -> None:
+        """Join new sequences' caches to the running batch's (the narrower left-padded with masked columns)."""
         if not self.running:
-            self.running, self.keys, self.values, self.mask, self.lengths = list(jobs), keys, values, mask, lengths
+            self.running, self.cache = list(jobs), joining
             return
-        width = max(self.mask.shape[1], mask.shape[1])
-        pad = lambda a, axis: _left_pad(a, width, axis)  # noqa: E731
-        self.keys = np.concatenate([pad(self.keys, 3), pad(keys, 3)], axis=1)
-        self.values = np.concatenate([pad(self.values, 3), pad(values, 3)], axis=1)
-        self.mask = np.concatenate([pad(self.mask, 1), pad(mask, 1)], axis=0)
-        self.lengths = np.concatenate([self.lengths, lengths])
+        self.cache.join(joining)
         self.running += jobs
 
     def _keep(self, rows: list[int]) -> None:
         self.running = [self.running[r] for r in rows]
         if not rows:
-            self.keys = self.values = self.mask = self.lengths = None
+            self.cache = None
             return
-        self.keys, self.values = self.keys[:, rows], self.values[:, rows]
-        self.mask, self.lengths = self.mask[rows], self.lengths[rows]
-        used = np.flatnonzero(self.mask.any(axis=0))
-        start = int(used[0]) if len(used) else 0
-        if start:  # columns masked for every remaining sequence: no longer needed
-            self.keys, self.values, self.mask = self.keys[:, :, :, start:], self.values[:, :, :, start:], \
-                self.mask[:, start:]
-
-
-def _left_pad(array: np.ndarray, width: int, axis: int) -> np.ndarray:
-    missing = width - array.shape[axis]
-    if missing <= 0:
-        return array
-    spec = [(0, 0)] * array.ndim
-    spec[axis] = (missing, 0)
-    return np.pad(array, spec)
+        self.cache.keep(rows)

@@ -38,10 +38,11 @@ def full_sequence_session(forward):
         cache = np.where(mask == 1, ids, -1)[None, :, None, :, None]
         return last_logits([r[m == 1].tolist() for r, m in zip(ids, mask)]), cache, cache
 
-    def decode(ids, positions, mask, keys, values):
-        cache = np.concatenate([keys, ids[None, :, None, :, None]], axis=3)
-        rows = [[int(t) for t, m in zip(cache[0, b, 0, :, 0], mask[b]) if m == 1] for b in range(len(ids))]
-        return last_logits(rows), cache, cache
+    def decode(ids, cache):
+        column = ids[None, :, None, :, None]
+        cache.append(column, column)
+        held, mask = cache.keys, cache.mask
+        return last_logits([[int(t) for t, m in zip(held[0, b, 0, :, 0], mask[b]) if m == 1] for b in range(len(ids))])
 
     return prefill, decode
 

@@ -72,8 +72,8 @@ def test_ray_writes_the_same_shards_as_local_processes(tmp_path):
     local = cli_data(base + [f"data.cache_dir={tmp_path / 'local'}"])
     ray = cli_data(base + [f"data.cache_dir={tmp_path / 'ray'}", "data.engine=ray"])
     assert local.returncode == 0 and ray.returncode == 0, local.stderr[-2000:] + ray.stderr[-2000:]
-    [local_set] = (tmp_path / "local").iterdir()
-    [ray_set] = (tmp_path / "ray").iterdir()
+    [local_set] = [p for p in (tmp_path / "local").iterdir() if not p.name.startswith(".")]  # (not the lock file)
+    [ray_set] = [p for p in (tmp_path / "ray").iterdir() if not p.name.startswith(".")]
     shards = [s for s in json.loads((local_set / dataset.MANIFEST).read_text())["shards"] if s["split"] == "train"]
     assert len(shards) >= 2  # (several tasks: the 6 files grouped into pieces of up to data.shard_mb)
     assert local_set.name == ray_set.name and len(snapshot(local_set)) == 4 * len(shards) + 3
@@ -110,9 +110,10 @@ def test_kill_9_in_the_middle_of_make_data_then_it_completes(tmp_path):
     clean = cli_data(base + [f"data.cache_dir={tmp_path / 'clean'}"])
     assert clean.returncode == 0, clean.stderr[-2000:]
     [resumed] = [p for p in cache.iterdir() if not p.name.startswith(".")]
-    [fresh] = (tmp_path / "clean").iterdir()
+    [fresh] = [p for p in (tmp_path / "clean").iterdir() if not p.name.startswith(".")]
     assert resumed.name == fresh.name and snapshot(resumed) == snapshot(fresh)
-    assert sorted(p.name for p in cache.iterdir()) == [resumed.name]  # no staging or lock left
+    # no staging left; the key's lock file stays (unlinked, two preparations could lock different files)
+    assert sorted(p.name for p in cache.iterdir()) == [f".staging-{resumed.name}.lock", resumed.name]
     assert "already prepared" in cli_data(base + [f"data.cache_dir={cache}"]).stdout
 
 

@@ -56,23 +56,35 @@ def test_conversations_that_cannot_be_answered_or_learned_are_refused():
     assert chat.missing_characters(chat.TEMPLATE, SPECIAL_TOKENS + list("用户助")) == ["手", "："]
 
 
+def paddlenlp_row(tokenizer, messages: list[dict], seq_length: int):
+    """The reference: the row from PaddleNLP's own `encode_chat_inputs` (the tokenizer loaded the same template)."""
+    system, turns = chat.conversation(messages, answered=True)
+    encoded = tokenizer.encode_chat_inputs(turns, context_data={"system": system})
+    return sft._row([encoded.get("system", [])] + [ids for turn in encoded["conversations"] for ids in turn],
+                    tokenizer.pad_token_id, seq_length)
+
+
 def test_examples_learn_the_answers_only(tokenizer_dir):
     """Inputs are ids[:-1], labels ids[1:] with -100 on the prompt (system, questions) and the padding; every answer
-    and its end token is learned; the fast batch path gives the rows PaddleNLP's encode_chat_inputs gives."""
+    and its end token is learned; the rows (core/chat.py's rendering, the fast tokenizer) equal those PaddleNLP's
+    encode_chat_inputs gives."""
     tokenizer, fast = load_tokenizer(tokenizer_dir), fast_tokenizer(tokenizer_dir)
+    template = chat.read(tokenizer_dir)
     messages = CONVERSATIONS[1][:3]  # system, question, answer 正面
-    row = sft.encode(tokenizer, messages, 32)
+    two_turns = [*CONVERSATIONS[1], {"role": "assistant", "content": "负面"}]
+    no_system = [m for m in two_turns if m["role"] != "system"]
+    rows = sft.encode_all(template, fast, tokenizer.pad_token_id, [messages, two_turns, no_system], 32)
+    row = rows[0]
     ids = tokenizer.encode("你是助手\n用户：评论：很好\n助手：正面[SEP]", add_special_tokens=False)["input_ids"]
     assert list(row[0, :len(ids) - 1]) == ids[:-1] and (row[0, len(ids) - 1:] == tokenizer.pad_token_id).all()
     learned = [int(t) for t in row[1] if t != sft.IGNORE]
     assert tokenizer.convert_ids_to_tokens(learned) == ["正", "面", "[SEP]"]
     assert list(np.flatnonzero(row[1] != sft.IGNORE)) == [len(ids) - 4, len(ids) - 3, len(ids) - 2]
-    two_turns = [*CONVERSATIONS[1], {"role": "assistant", "content": "负面"}]
-    rows = sft.encode_all(tokenizer, fast, [messages, two_turns], 32)
-    assert np.array_equal(rows[0], row) and np.array_equal(rows[1], sft.encode(tokenizer, two_turns, 32))
+    for got, messages_ in zip(rows, [messages, two_turns, no_system]):
+        assert np.array_equal(got, paddlenlp_row(tokenizer, messages_, 32))
     assert tokenizer.convert_ids_to_tokens([int(t) for t in rows[1][1] if t != sft.IGNORE]) == \
         ["正", "面", "[SEP]", "负", "面", "[SEP]"]
-    assert sft.encode(tokenizer, two_turns, 10) is None  # (longer than seq_length + 1: left out)
+    assert sft.encode_all(template, fast, 0, [two_turns], 10) == [None]  # (longer than seq_length + 1: left out)
 
 
 def test_instruction_data_shapes(tmp_path):
@@ -125,7 +137,8 @@ def test_examples_are_encoded_once_by_content_and_reused(tokenizer_dir, tmp_path
     assert (runs[0]["reused"], runs[1]["reused"]) == (False, True) and runs[0]["encoded"] == runs[1]["encoded"]
     tokenizer, fast = load_tokenizer(tokenizer_dir), fast_tokenizer(tokenizer_dir)
     for split in sft.SPLITS:
-        expected = np.stack(sft.encode_all(tokenizer, fast, [r["messages"] for r in sft.records(config)[split]], 24))
+        expected = np.stack(sft.encode_all(chat.read(tokenizer_dir), fast, tokenizer.pad_token_id,
+                                           [r["messages"] for r in sft.records(config)[split]], 24))
         for name in ("one", "two"):
             assert np.array_equal(np.load(tmp_path / name / "data" / f"sft-{split}.npy"), expected)
     train = runs[0]["train_examples"]

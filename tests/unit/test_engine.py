@@ -80,7 +80,7 @@ def test_the_cache_is_trimmed_to_what_running_sequences_need():
     s.add(Job(1, [9], GenerationSettings(max_new_tokens=10)))
     s.step()  # both prefilled (width 20); the long one finishes at once
     assert [job.id for job in s.running] == [1]
-    assert s.mask.shape[1] == 2  # its prompt and the token just fed: the 19 padding columns are gone
+    assert s.cache.mask.shape[1] == 2  # its prompt and the token just fed: the 19 padding columns are gone
     while not s.idle:
         s.step()
 
@@ -157,3 +157,29 @@ def test_a_stop_string_completed_by_the_last_allowed_token_is_cut_and_reported_a
     plain.new = free[:2]
     assert (job_result(model, plain)["text"], job_result(model, plain)["finish_reason"]) == (model.decode(free[:2]),
                                                                                            "length")
+
+
+def test_decode_steps_write_into_the_cache_and_copy_it_only_when_the_batch_changes():
+    """The scheduler owns the running batch's DecodeCache (serving/engine/kv_cache.py): a decode step writes one column
+    into its buffers; the whole cache is copied only when sequences join or leave, or the buffers fill (every GROW
+    steps). A scheduler that rebuilt the cache each step (np.concatenate, or a fresh DecodeCache) fails here."""
+    from serving.engine import kv_cache
+
+    cache = ScriptedCache()
+    s = scheduler(cache)
+    s.add(Job(0, [9, 9], GenerationSettings(max_new_tokens=60)))
+    s.add(Job(1, [7], GenerationSettings(max_new_tokens=60)))  # (neither meets the end token in 60)
+    s.step()  # prefill both (one DecodeCache: one copy) and the first decode step
+    held = s.cache
+    for _ in range(39):
+        s.step()
+    assert s.cache is held and len(cache.decode_batches) == 40
+    # 40 steps from 2 columns, room for GROW at a time: one growth, so two buffers were ever fed
+    assert held.copies == 2 and len(cache.buffers) == 2, (held.copies, len(cache.buffers))
+    s.add(Job(2, [5, 5, 5], GenerationSettings(max_new_tokens=3)))
+    s.step()  # the join: one copy
+    assert held.copies == 3 and len(cache.buffers) == 3 and cache.decode_batches[-1] == 3
+    for _ in range(3):
+        s.step()  # job 2 leaves after its third token: one copy
+    assert held.copies == 4 and len(cache.buffers) == 4 and s.cache.rows == 2
+    assert kv_cache.GROW == 32

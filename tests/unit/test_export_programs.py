@@ -9,7 +9,8 @@ from paddlenlp.transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from core import exportdir  # noqa: E402
 from export import gates, programs  # noqa: E402
-from serving.engine import runtime  # noqa: E402
+from serving.engine import kv_cache, runtime  # noqa: E402
+from serving.engine.kv_cache import DecodeCache  # noqa: E402
 
 
 def exported_gqa_model(export_dir, seed: int):
@@ -33,8 +34,9 @@ def test_cache_programs_with_grouped_query_attention_match_the_dynamic_model(tmp
     ids, positions, mask = np.array([[5, 6, 7]]), np.array([[0, 1, 2]]), np.ones((1, 3), "float32")
     _, keys, values = prefill(ids, positions, mask)
     assert keys.shape == values.shape == (2, 1, 2, 3, 8)  # [layers, batch, key/value heads, positions, head dim]
-    _, grown, _ = step(np.array([[9]]), np.array([[3]]), np.ones((1, 4), "float32"), keys, values)
-    assert grown.shape == (2, 1, 2, 4, 8) and np.array_equal(grown[:, :, :, :3], keys)
+    cache = DecodeCache(keys, values, mask, np.array([3]))
+    step(np.array([[9]]), cache)
+    assert cache.keys.shape == (2, 1, 2, 4, 8) and np.array_equal(cache.keys[:, :, :, :3], keys)
 
     # two rows, one left-padded, 12 decode steps each checked against the dynamic model's logits
     error = gates.cache_parity_error(model, prefill, step, config.vocab_size, seq_length=24)
@@ -42,39 +44,40 @@ def test_cache_programs_with_grouped_query_attention_match_the_dynamic_model(tmp
 
 
 def test_decode_steps_across_cache_growth_equal_the_dynamic_model(tmp_path, monkeypatch):
-    """The decode session's caches grow in buffers (runtime._GrowingCache); with room for 3 columns at a time, 12
-    steps cross four growths and still equal the dynamic model."""
-    monkeypatch.setattr(runtime._GrowingCache, "GROW", 3)
+    """The decode cache grows in buffers (serving/engine/kv_cache.py); with room for 3 columns at a time, 12 steps
+    cross four growths and still equal the dynamic model."""
+    monkeypatch.setattr(kv_cache, "GROW", 3)
     model, config = exported_gqa_model(tmp_path, 4)
     prefill, step = runtime.cache_session(tmp_path)
     assert gates.cache_parity_error(model, prefill, step, config.vocab_size, seq_length=24) < 1e-4
 
 
-def test_growing_cache_writes_one_column_a_step_and_copies_only_arrays_it_did_not_return():
-    cache = runtime._GrowingCache()
+def test_the_decode_cache_feeds_its_buffers_and_writes_one_column_a_step():
     rng = np.random.default_rng(0)
     keys, values = rng.standard_normal((2, 3, 2, 4, 5)), rng.standard_normal((2, 3, 2, 4, 5))
-    mask = np.array([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 1, 1, 1]], dtype="float32")
-    fed_keys, fed_values, wide = cache.hold(keys, values, mask)
-    capacity = 4 + cache.GROW
+    mask = np.array([[0, 1, 1, 1], [1, 1, 1, 1], [0, 0, 1, 1]], dtype="float32")
+    cache = DecodeCache(keys, values, mask, np.array([3, 4, 2]))
+    positions, fed_keys, fed_values, wide = cache.step_inputs()
+    capacity = 4 + kv_cache.GROW
+    assert positions.tolist() == [[3], [4], [2]]
     assert fed_keys.shape == (2, 3, 2, capacity, 5) and fed_keys.flags.c_contiguous
     assert np.array_equal(fed_keys[:, :, :, :4], keys) and not fed_keys[:, :, :, 4:].any()
-    # the free columns are masked; the new token's column (the program appends it last) keeps the caller's mask
-    assert wide.shape == (3, capacity + 1) and np.array_equal(wide[:, :4], mask[:, :4])
-    assert not wide[:, 4:capacity].any() and np.array_equal(wide[:, capacity], mask[:, 4])
+    # the free columns are masked; the new token's column (the program appends it last) is 1
+    assert wide.shape == (3, capacity + 1) and np.array_equal(wide[:, :4], mask)
+    assert not wide[:, 4:capacity].any() and (wide[:, capacity] == 1).all()
     new_k, new_v = rng.standard_normal((2, 3, 2, 1, 5)), rng.standard_normal((2, 3, 2, 1, 5))
-    grown_keys, grown_values = cache.append(new_k, new_v)
-    assert np.array_equal(grown_keys, np.concatenate([keys, new_k], axis=3))
-    assert np.array_equal(grown_values, np.concatenate([values, new_v], axis=3))
-    # passed back as returned: the same buffer, nothing copied
-    again, _, _ = cache.hold(grown_keys, grown_values, np.ones((3, 6), "float32"))
-    assert again is fed_keys
-    # rows dropped by the scheduler (a new array): copied into a new buffer
-    kept_keys, kept_values = grown_keys[:, [0, 2]], grown_values[:, [0, 2]]
-    fresh, _, _ = cache.hold(kept_keys, kept_values, np.ones((2, 6), "float32"))
-    assert fresh is not fed_keys and np.array_equal(fresh[:, :, :, :5], kept_keys)
-    # columns trimmed at the front (a view that does not start at the buffer's start): copied too
-    cache.append(new_k[:, :2], new_v[:, :2])
-    trimmed_keys, trimmed_values = cache.keys[:, :, :, 1:cache.used], cache.values[:, :, :, 1:cache.used]
-    moved, _, _ = cache.hold(trimmed_keys, trimmed_values, np.ones((2, 6), "float32"))
-    assert moved is not fresh and np.array_equal(moved[:, :, :, :5], trimmed_keys)
+    cache.append(new_k, new_v)
+    assert np.array_equal(cache.keys, np.concatenate([keys, new_k], axis=3))
+    assert np.array_equal(cache.values, np.concatenate([values, new_v], axis=3))
+    assert cache.mask[:, 4].tolist() == [1, 1, 1] and cache.lengths.tolist() == [4, 5, 3]
+    assert cache.step_inputs()[1] is fed_keys and cache.copies == 1  # (the same buffer: nothing copied)
+    # rows leave: copied once, and the leading columns no remaining row uses are gone
+    cache.keep([0, 2])
+    assert cache.copies == 2 and cache.step_inputs()[1] is not fed_keys
+    assert np.array_equal(cache.keys, np.concatenate([keys, new_k], axis=3)[:, [0, 2], :, 1:])
+    assert cache.mask.tolist() == [[1, 1, 1, 1], [0, 1, 1, 1]]
+    # rows join, the narrower left-padded with masked columns
+    other = DecodeCache(keys[:, :1, :, :2], values[:, :1, :, :2], np.ones((1, 2), "float32"), np.array([2]))
+    cache.join(other)
+    assert cache.rows == 3 and cache.mask[2].tolist() == [0, 0, 1, 1] and cache.lengths.tolist() == [4, 3, 2]
+    assert np.array_equal(cache.keys[:, 2, :, 2:], keys[:, 0, :, :2]) and not cache.keys[:, 2, :, :2].any()

@@ -85,7 +85,7 @@ class ScriptedCache:
     """prefill/decode over caches that hold the token ids; checks the positions and masks it is given."""
 
     def __init__(self):
-        self.decode_batches = []
+        self.decode_batches, self.buffers = [], set()
 
     def prefill(self, ids, positions, mask):
         for b in range(len(ids)):
@@ -95,8 +95,11 @@ class ScriptedCache:
         keys = np.where(mask == 1, ids, -1).astype("float32")[None, :, None, :, None]
         return np.stack([history_logits([int(i) for i in ids[b][mask[b] == 1]]) for b in range(len(ids))]), keys, keys
 
-    def decode(self, ids, positions, mask, keys, values):
+    def decode(self, ids, cache):
+        """As the decode programs do: the buffers and the widened mask in, the new token's column out."""
         self.decode_batches.append(len(ids))
+        self.buffers.add(cache.step_inputs()[1].ctypes.data)  # (the key buffer fed: a new one is a whole-cache copy)
+        positions, keys, values, mask = cache.step_inputs()
         keys = np.concatenate([keys, ids.astype("float32")[None, :, None, :, None]], axis=3)
         assert mask.shape == keys.shape[1:4:2] and keys.shape == values.shape[:3] + (keys.shape[3], 1)
         logits = []
@@ -104,7 +107,9 @@ class ScriptedCache:
             history = [int(k) for k, m in zip(keys[0, b, 0, :, 0], mask[b]) if m == 1]
             assert positions[b, 0] == len(history) - 1
             logits.append(history_logits(history))
-        return np.stack(logits), keys, keys
+        column = ids.astype("float32")[None, :, None, :, None]
+        cache.append(column, column)
+        return np.stack(logits)
 
 
 def batch(prompts, settings, max_length=64, cache=None):

@@ -5,7 +5,8 @@ answer tokens only, in the run directory.
                (PaddleNLP's finetune shape: strings, or lists for several turns) or {"messages": [...]} (OpenAI's
                fine-tuning shape); split train / validation by the pretraining rule (a hash of each document), so the
                built-in task's held-out reviews are the ones the pretrained base never trained on
-    encoding   PaddleNLP's `tokenizer.encode_chat_inputs` with the run's chat template (core/chat.py): the prompt
+    encoding   the run's chat template rendered into each conversation's pieces (core/chat.py training_pieces:
+               what PaddleNLP's `encode_chat_inputs` encodes, checked equal), each piece tokenized; the prompt
                tokens get label -100, each answer (and its end token) is learned; inputs are ids[:-1] and labels
                ids[1:] (PaddleNLP's Llama criterion does not shift), padded to training.seq_length with [PAD] / -100
                (padding at the end: causal attention never looks at it). An example longer than seq_length + 1
@@ -156,33 +157,16 @@ def _messages(line: str, where: str) -> list[dict]:
     return messages
 
 
-def encode_all(tokenizer, fast, conversations: list[list[dict]], seq_length: int) -> list[np.ndarray | None]:
-    """`encode` of many conversations, with the pieces' ids from the fast tokenizer in one batch (the same ids as
-    ErnieTokenizer's, ~10x faster here: tests/unit/test_chat.py)."""
-    pieces = [_pieces(tokenizer, messages) for messages in conversations]
+def encode_all(template: dict, fast, pad_id: int, conversations: list[list[dict]], seq_length: int) \
+        -> list[np.ndarray | None]:
+    """[2, seq_length] int32 (input ids, labels) of each conversation, or None when it is longer than seq_length + 1
+    tokens: its texts rendered with the chat template (core/chat.py training_pieces), each piece's ids from the fast
+    tokenizer in one batch (the same ids as ErnieTokenizer's, ~10x faster here; tests/unit/test_chat.py checks the rows
+    equal PaddleNLP's encode_chat_inputs)."""
+    pieces = [chat.training_pieces(template, *chat.conversation(messages, answered=True)) for messages in conversations]
     flat = [text for texts in pieces for text in texts]
     ids = iter(e.ids for e in fast.encode_batch(flat, add_special_tokens=False))
-    return [_row([next(ids) for _ in texts], tokenizer.pad_token_id, seq_length) for texts in pieces]
-
-
-def encode(tokenizer, messages: list[dict], seq_length: int) -> np.ndarray | None:
-    """[2, seq_length] int32 (input ids, labels) of one conversation by PaddleNLP's `encode_chat_inputs`, or None
-    when it is longer than seq_length + 1 tokens."""
-    system, turns = chat.conversation(messages, answered=True)
-    encoded = tokenizer.encode_chat_inputs(turns, context_data={"system": system})
-    return _row([encoded.get("system", [])] + [ids for turn in encoded["conversations"] for ids in turn],
-                tokenizer.pad_token_id, seq_length)
-
-
-def _pieces(tokenizer, messages: list[dict]) -> list[str]:
-    """The texts `encode_chat_inputs` encodes: the system text, then each turn's prompt and answer."""
-    system, turns = chat.conversation(messages, answered=True)
-    context = tokenizer.chat_template._init_context_data({"system": system})
-    texts = [tokenizer.chat_template.render_system(context)]
-    for index, turn in enumerate(turns):
-        context.update(is_first=index == 0, is_last=index == len(turns) - 1)
-        texts += tokenizer.chat_template.render_conversation(turn, index=index, context_data=context)
-    return texts
+    return [_row([next(ids) for _ in texts], pad_id, seq_length) for texts in pieces]
 
 
 def _row(pieces: list[list[int]], pad_id: int, seq_length: int) -> np.ndarray | None:
@@ -315,14 +299,15 @@ def _encode(config, tokenizer_dir: Path, out: Path) -> None:
 
     from core.tokenizer import fast_tokenizer, load_tokenizer
 
-    tokenizer, fast = load_tokenizer(tokenizer_dir), fast_tokenizer(tokenizer_dir)
+    tokenizer, fast, template = load_tokenizer(tokenizer_dir), fast_tokenizer(tokenizer_dir), chat.read(tokenizer_dir)
     seq = config.training.seq_length
     stats = {}
     for split, items in records(config).items():
         raw, kept, too_long, answers = out / f".{split}.raw", 0, 0, 0
         with open(raw, "wb") as sink:
             for start in range(0, len(items), CHUNK):
-                rows = encode_all(tokenizer, fast, [i["messages"] for i in items[start:start + CHUNK]], seq)
+                rows = encode_all(template, fast, tokenizer.pad_token_id,
+                                  [i["messages"] for i in items[start:start + CHUNK]], seq)
                 good = [r for r in rows if r is not None]
                 too_long += len(rows) - len(good)
                 if good:
