@@ -10,8 +10,8 @@ ratios count).
    vLLM's greedy answers against the project's on the same rows (how many are identical is reported).
 3. Batch generation: `make generate` (a subprocess, tokens/s after the model has loaded) against `LLM.generate`
    (after its engine has loaded and warmed up) on the same 256 rows of 64 greedy tokens; trials alternate.
-4. Training: the project's step (bench/training_speed.py, the default runtime settings) against PyTorch eager on the
-   same architecture and batch (LlamaForCausalLM from the HF config.json, AdamW), each in a fresh process.
+4. Training: the project's step against PyTorch eager on the same architecture and batch (bench/peer_torch.py, in
+   the same rounds: PyTorch comes with the peer's environment).
 5. Serving: this project's server, then `vllm serve` (its OpenAI server), each started in turn on the same cores,
    under 1, 8 and 32 closed-loop streaming clients on `/v1/completions` (bench/serving_load.py stream_ttft: 64 greedy
    tokens, time to first token as the client sees it); rounds alternate.
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import between_trials, spread
+from bench import between_trials, peer_torch, spread
 from core import REPO_ROOT, exportdir
 
 LOCK = REPO_ROOT / "requirements" / "peer-vllm.lock"
@@ -131,19 +131,6 @@ def theirs_generate(python: Path, hf_dir: Path, table: Path, out: Path) -> dict:
     return json.loads((out / "peer-generated.json").read_text(encoding="utf-8"))
 
 
-# -- training -------------------------------------------------------------------------------------------------------
-def ours_train(run_dir: Path, steps: int, out: Path) -> dict:
-    from bench.training_speed import SETTINGS, trial
-
-    return trial(run_dir, list(SETTINGS)[-1], steps, out / "scratch")  # (the last setting: the project's default)
-
-
-def theirs_train(python: Path, hf_dir: Path, steps: int, batch: int, seq: int, out: Path) -> dict:
-    side(python, "train", "--hf", str(hf_dir), "--steps", str(steps), "--batch", str(batch), "--seq", str(seq),
-         "--out", str(out / "peer-train.json"), log_path=out / "peer.log")
-    return json.loads((out / "peer-train.json").read_text())
-
-
 # -- serving --------------------------------------------------------------------------------------------------------
 def ours_server(export_dir: Path, out: Path):
     from bench.serving_load import server_config
@@ -155,44 +142,28 @@ def ours_server(export_dir: Path, out: Path):
 
 
 def theirs_server(python: Path, hf_dir: Path, name: str, out: Path, timeout_s: float = 600):
+    """vLLM's OpenAI server on a free loopback port, started, awaited and stopped as every server here
+    (core/processes.py: its own process group, SIGTERM then SIGKILL)."""
     import requests
 
-    from core.processes import free_ports
+    from core.processes import free_ports, start_group, stop_group, wait_ready
 
     port = free_ports(1)[0]
-    log = open(out / "peer-server.log", "a", encoding="utf-8")
-    proc = subprocess.Popen([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
-                             "--served-model-name", name, "--dtype", "float32", "--max-model-len", "256",
-                             "--host", "127.0.0.1", "--port", str(port)],
-                            env=peer_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = start_group([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
+                        "--served-model-name", name, "--dtype", "float32", "--max-model-len", "256",
+                        "--host", "127.0.0.1", "--port", str(port)], out / "peer-server.log", REPO_ROOT, peer_env())
 
     def stop() -> None:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        log.close()
+        stop_group(proc.pid, ((signal.SIGTERM, 60.0), (signal.SIGKILL, 10.0)))
+        proc.wait()
 
     base = f"http://127.0.0.1:{port}/v1"
-    deadline = time.monotonic() + timeout_s
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited ({proc.returncode}): see {out / 'peer-server.log'}")
-            try:
-                if requests.get(f"{base}/models", timeout=2).ok:
-                    return {"openai_base_url": base}, stop
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vllm serve did not answer in {timeout_s:.0f} s: see {out / 'peer-server.log'}")
-            time.sleep(1)
-    except BaseException:
+    outcome = wait_ready(proc, lambda: requests.get(f"{base}/models", timeout=2).ok, timeout_s, poll_s=1.0)
+    if outcome != "ready":
         stop()
-        raise
+        raise RuntimeError(f"vllm serve {'exited' if outcome == 'exited' else f'did not answer in {timeout_s:.0f} s'}: "
+                           f"see {out / 'peer-server.log'}")
+    return {"openai_base_url": base}, stop
 
 
 def load_points(state: dict, name: str, clients: tuple, duration_s: float) -> list[dict]:
@@ -230,8 +201,9 @@ def run(export_dir: Path, out: Path, quick: bool, log=print) -> dict:
                             else theirs_generate(python, hf_dir, table, out))
             log(f"[bench] peer round {round_ + 1} generate {who}: {gen[who][-1]['tokens_per_s']:.0f} tokens/s")
         for who in ("ours", "torch") if round_ % 2 == 0 else ("torch", "ours"):
-            train[who].append(ours_train(run_dir, steps, out) if who == "ours"
-                              else theirs_train(python, hf_dir, steps, batch, seq, out))
+            train[who].append(peer_torch.ours_train(run_dir, steps, out) if who == "ours"
+                              else peer_torch.theirs_train(lambda *a, **k: side(python, *a, **k), hf_dir, steps, batch, seq,
+                                                           out))
             log(f"[bench] peer round {round_ + 1} train {who}: {train[who][-1]['tokens_per_s']:.0f} tokens/s")
         for who in order:
             state, stop = ours_server(export_dir, out) if who == "ours" else theirs_server(python, hf_dir, name, out)
@@ -265,18 +237,7 @@ def summarise(gen: dict, serve: dict, logits_error: float, rounds: int, rows: in
         row["ratio_by_round"] = [a[i]["tokens_per_s"] / max(b[i]["tokens_per_s"], 1e-9)
                                  for a, b in zip(serve["ours"], serve["vllm"])]
         points.append(row)
-    training = {}
-    if train:
-        training = {who: spread([t["tokens_per_s"] for t in trials]) for who, trials in train.items()}
-        training["ratio"] = training["ours"]["median"] / training["torch"]["median"]
-        training["ratio_by_round"] = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(train["ours"],
-                                                                                             train["torch"])]
-        ours = train["ours"]
-        # the ceiling: every core at the fp32 matmul peak measured in the trials, at the model's FLOPs per token
-        training["flops_per_token"] = ours[0]["flops_per_token"]
-        training["matmul_peak_gflops"] = statistics.median(t["matmul_peak_gflops"] for t in ours)
-        training["mfu"] = statistics.median(t["mfu"] for t in ours)
-        training["ceiling_tokens_per_s"] = training["matmul_peak_gflops"] * 1e9 / training["flops_per_token"]
+    training = peer_torch.summarise(train) if train else {}
     return {"rows": rows, "new_tokens": new_tokens, "rounds": rounds, "logits_max_abs_diff": logits_error,
             **({"training": training} if training else {}),
             "greedy_identical": sum(a == b for a, b in zip(ours_ids, theirs_ids)), "greedy_compared": len(ours_ids),
@@ -294,7 +255,7 @@ def markdown(r: dict) -> list[str]:
              f"| batch generation, {r['rows']} rows x {r['new_tokens']} greedy tokens | tokens/s |", "|---|---|",
              f"| `make generate` | {fmt(g['ours'])} |", f"| vLLM `LLM.generate` | {fmt(g['vllm'])} |",
              f"| ratio | **{g['ratio']:.2f}x** (rounds: {_ratios(g)}) |", "",
-             *_training_lines(r.get("training")),
+             *peer_torch.markdown(r.get("training")),
              "| clients | ours tokens/s | vLLM tokens/s | ratio (rounds) | TTFT p50 ms ours / vLLM | TTFT p99 ms ours / "
              "vLLM | errors ours / vLLM |", "|---|---|---|---|---|---|---|"]
     for p in r["serving"]:
@@ -304,18 +265,6 @@ def markdown(r: dict) -> list[str]:
                      f"{o['ttft_p50_ms']:.0f} / {v['ttft_p50_ms']:.0f} | {o['ttft_p99_ms']:.0f} / "
                      f"{v['ttft_p99_ms']:.0f} | {o['errors']} / {v['errors']} |")
     return lines
-
-
-def _training_lines(t: dict | None) -> list[str]:
-    if not t:
-        return []
-    fmt = _spread_text
-    return ["| training, the default model and batch | tokens/s |", "|---|---|",
-            f"| this project's step | {fmt(t['ours'])} |", f"| PyTorch eager (same architecture, AdamW) | "
-            f"{fmt(t['torch'])} |", f"| ratio | **{t['ratio']:.2f}x** (rounds: {_ratios(t)}) |", "",
-            f"Ceiling: {t['flops_per_token'] / 1e6:.1f} MFLOP a trained token (6N + 12Lhs) against the fp32 matmul "
-            f"peak measured in the trials ({t['matmul_peak_gflops']:.0f} GFLOP/s with the trial's threads) = "
-            f"{t['ceiling_tokens_per_s']:.0f} tokens/s; this project's step is at {t['mfu']:.0%} of it.", ""]
 
 
 def _spread_text(s: dict) -> str:

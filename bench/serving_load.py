@@ -129,26 +129,23 @@ def served(export_dir: Path, out: Path, scheduler: str, clients: tuple, duration
             **{f"{name}_p50_ms": float(np.median(values) * 1000) for name, values in times.items()}}
 
 
-def load_test(url: str, clients: int, duration_s: float) -> dict:
-    """`clients` closed-loop threads for `duration_s`: each sends its next request when the last is answered."""
-    from serving.client.client import GenerationClient, ServingError
-
-    answers, errors, lock, first_error = [], [0], threading.Lock(), []
+def closed_loop(clients: int, duration_s: float, setup, ask, failures) -> tuple[list, list[str], float]:
+    """`clients` threads for `duration_s`, each sending its next request when the last is answered:
+    `ask(setup(), index, k)` is a thread's k-th request (its result kept), an exception of `failures` an error. The
+    one client harness of the serving sections: (results, errors as one line each, elapsed seconds)."""
+    results, errors, lock = [], [], threading.Lock()
     stop_at = time.perf_counter() + duration_s
 
     def worker(index: int) -> None:
-        client, k = GenerationClient(url, timeout=60), 0
+        own, k = setup(), 0
         while time.perf_counter() < stop_at:
-            t0 = time.perf_counter()
             try:
-                g = client.generate(PROMPTS[(index + k) % 5], max_new_tokens=NEW_TOKENS, temperature=1.0,
-                                    seed=index * 1000 + k)
+                result = ask(own, index, k)
                 with lock:
-                    answers.append((len(g.token_ids), time.perf_counter() - t0, g.ttft_ms, g.tpot_ms))
-            except (ServingError, OSError) as exc:
+                    results.append(result)
+            except failures as exc:
                 with lock:
-                    errors[0] += 1
-                    first_error[:] = first_error or [f"{exc.__class__.__name__}: {str(exc)[:200]}"]
+                    errors.append(f"{exc.__class__.__name__}: {str(exc)[:200]}")
             k += 1
 
     t0 = time.perf_counter()
@@ -157,13 +154,26 @@ def load_test(url: str, clients: int, duration_s: float) -> dict:
         t.start()
     for t in threads:
         t.join()
-    elapsed = time.perf_counter() - t0
+    return results, errors, time.perf_counter() - t0
+
+
+def load_test(url: str, clients: int, duration_s: float) -> dict:
+    """`clients` closed-loop clients of the Paddle Serving route (serving/client/client.py)."""
+    from serving.client.client import GenerationClient, ServingError
+
+    def ask(client, index: int, k: int) -> tuple:
+        t0 = time.perf_counter()
+        g = client.generate(PROMPTS[(index + k) % 5], max_new_tokens=NEW_TOKENS, temperature=1.0, seed=index * 1000 + k)
+        return len(g.token_ids), time.perf_counter() - t0, g.ttft_ms, g.tpot_ms
+
+    answers, errors, elapsed = closed_loop(clients, duration_s, lambda: GenerationClient(url, timeout=60), ask,
+                                           (ServingError, OSError))
     column = lambda i: np.array([a[i] for a in answers]) if answers else np.zeros(1)  # noqa: E731
-    return {"clients": clients, "requests": len(answers), "errors": errors[0],
+    return {"clients": clients, "requests": len(answers), "errors": len(errors),
             "tokens_per_s": float(column(0).sum() / elapsed), "latency_p50_ms": float(np.median(column(1)) * 1000),
             "ttft_p50_ms": float(np.percentile(column(2), 50)), "ttft_p99_ms": float(np.percentile(column(2), 99)),
             "tpot_p50_ms": float(np.percentile(column(3), 50)), "tpot_p99_ms": float(np.percentile(column(3), 99)),
-            "first_error": first_error[0] if first_error else ""}
+            "first_error": errors[0] if errors else ""}
 
 
 def stream_ttft(state: dict, model: str, clients: int, duration_s: float, max_tokens: int = NEW_TOKENS,
@@ -172,47 +182,30 @@ def stream_ttft(state: dict, model: str, clients: int, duration_s: float, max_to
     project's or a peer's): time from sending to the first chunk that carries text, as a client sees it (p50 / p99),
     and to the last; generated tokens/s from each answer's usage (`stream_options.include_usage`). Sampled with a seed
     per request, or greedy."""
-    first, total, tokens, errors, lock = [], [], [0], [0], threading.Lock()
-    stop_at = time.perf_counter() + duration_s
     url = f"{state['openai_base_url']}/completions"
 
-    def worker(index: int) -> None:
-        session, k = requests.Session(), 0
-        while time.perf_counter() < stop_at:
-            body = {"model": model, "prompt": PROMPTS[(index + k) % 5], "max_tokens": max_tokens, "stream": True,
-                    "stream_options": {"include_usage": True},
-                    **({"temperature": 0} if greedy else {"temperature": 1.0, "seed": index * 1000 + k})}
-            t0, seen, used = time.perf_counter(), None, 0
-            try:
-                with session.post(url, json=body, stream=True, timeout=60, headers=headers) as response:
-                    response.raise_for_status()
-                    for line in response.iter_lines():
-                        if not line.startswith(b"data: {"):
-                            continue
-                        if seen is None and b'"text": ""' not in line and b'"text":""' not in line \
-                                and b'"text"' in line:
-                            seen = time.perf_counter() - t0
-                        if b'"usage"' in line:
-                            used = (json.loads(line[6:]).get("usage") or {}).get("completion_tokens") or used
-                with lock:
-                    first.append(seen if seen is not None else time.perf_counter() - t0)
-                    total.append(time.perf_counter() - t0)
-                    tokens[0] += used
-            except requests.RequestException:
-                with lock:
-                    errors[0] += 1
-            k += 1
+    def ask(session, index: int, k: int) -> tuple:
+        body = {"model": model, "prompt": PROMPTS[(index + k) % 5], "max_tokens": max_tokens, "stream": True,
+                "stream_options": {"include_usage": True},
+                **({"temperature": 0} if greedy else {"temperature": 1.0, "seed": index * 1000 + k})}
+        t0, seen, used = time.perf_counter(), None, 0
+        with session.post(url, json=body, stream=True, timeout=60, headers=headers) as response:
+            response.raise_for_status()
+            for line in response.iter_lines():
+                if not line.startswith(b"data: {"):
+                    continue
+                if seen is None and b'"text": ""' not in line and b'"text":""' not in line and b'"text"' in line:
+                    seen = time.perf_counter() - t0
+                if b'"usage"' in line:
+                    used = (json.loads(line[6:]).get("usage") or {}).get("completion_tokens") or used
+        return seen if seen is not None else time.perf_counter() - t0, time.perf_counter() - t0, used
 
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - t0
+    answers, errors, elapsed = closed_loop(clients, duration_s, requests.Session, ask, requests.RequestException)
+    first, total = [a[0] for a in answers], [a[1] for a in answers]
     ms = lambda values, q: float(np.percentile(values, q) * 1000) if values else 0.0  # noqa: E731
-    return {"clients": clients, "requests": len(first), "errors": errors[0], "ttft_p50_ms": ms(first, 50),
-            "ttft_p99_ms": ms(first, 99), "latency_p50_ms": ms(total, 50), "tokens_per_s": tokens[0] / elapsed}
+    return {"clients": clients, "requests": len(first), "errors": len(errors), "ttft_p50_ms": ms(first, 50),
+            "ttft_p99_ms": ms(first, 99), "latency_p50_ms": ms(total, 50),
+            "tokens_per_s": sum(a[2] for a in answers) / elapsed}
 
 
 def _median_of(runs: list[dict]) -> dict:

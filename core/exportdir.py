@@ -66,6 +66,11 @@ def write_meta(export_dir: Path, meta: dict) -> None:
     (export_dir / META_FILE).write_text(json.dumps(meta, indent=2, ensure_ascii=False), encoding="utf-8")
 
 
+def fine_tuned(meta: dict) -> bool:
+    """Whether an export (its export.json) is a fine-tuned model: the one answer, as Config.fine_tuning for a run."""
+    return bool(meta.get("finetune_data"))
+
+
 def read_meta(export_dir: Path) -> dict:
     """export.json of an export directory; a clear error when the directory is not one."""
     path = Path(export_dir) / META_FILE

@@ -47,11 +47,11 @@ def fused_weights_gate(model, checkpoint: Path, config: Config) -> float | None:
 
 
 def lora_merge_gate(model, checkpoint: Path, config: Config) -> float | None:
-    """A LoRA checkpoint is exported merged (export/convert.py merge_lora); the merged model must compute what
+    """A LoRA checkpoint is exported merged (training/finetune/lora.py merge_lora); the merged model must compute what
     PaddleNLP's LoRAModel computes over the base with the adapters unmerged, as it trained. A wrong merge (a
     transposed adapter, a wrong alpha / r scale, a weight trained whole left out) moves the logits by far more than
     float32's rounding. None when the checkpoint is not LoRA."""
-    from export.convert import LORA_CONFIG, as_trained
+    from training.finetune.lora import LORA_CONFIG, as_trained
 
     if not (Path(checkpoint) / LORA_CONFIG).is_file():
         return None

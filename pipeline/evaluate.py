@@ -118,7 +118,7 @@ def fine_tuning_held_out(run_dir: Path, export_dir: Path) -> dict:
     task: each example's messages rendered with the export's chat template, and the expected answer."""
     from core import chat
     from core.config import load_config
-    from training.data import sft
+    from training.finetune import data as sft
 
     config = load_config(run_dir / "config.yaml")
     rows = np.load(run_dir / "data" / sft.FILE.format(split="validation"))
@@ -129,8 +129,10 @@ def fine_tuning_held_out(run_dir: Path, export_dir: Path) -> dict:
 
 
 def _fine_tuned(run_dir: Path) -> bool:
-    stats = run_dir / "data" / "stats.json"
-    return stats.is_file() and json.loads(stats.read_text()).get("kind") == "sft"
+    """The source run is a fine-tuning run (its recorded config says so: Config.fine_tuning)."""
+    from core.config import load_config
+
+    return (run_dir / "config.yaml").is_file() and load_config(run_dir / "config.yaml").fine_tuning
 
 
 def _source_run_dir(client, meta: dict) -> Path:
@@ -162,7 +164,7 @@ def token_loss(export_dir: Path, blocks: np.ndarray) -> tuple[float, int]:
 def answer_loss(export_dir: Path, rows: np.ndarray) -> tuple[float, int]:
     """Cross-entropy of the exported graph on the answer tokens of fine-tuning examples ([N, 2, L]: input ids,
     labels with -100 where nothing is learned), token-weighted: the eval_loss fine-tuning reports."""
-    from training.data.sft import IGNORE
+    from training.finetune.data import IGNORE
 
     predictor = runtime.create_predictor(export_dir)
     total, count = 0.0, 0

@@ -136,11 +136,11 @@ TASK_PROMPTS = 20  # a fine-tuned model's held-out task prompts in the token gat
 
 def fine_tuning(config: Config, checkpoint: Path) -> dict:
     """A fine-tuned model's lineage for export.json and the version's tags: its base and the adapter settings."""
-    if not config.finetune.data:
+    if not config.fine_tuning:
         return {}
     f = config.finetune
     found = {"base_model": f.base, "finetune_method": f.method, "finetune_data": f.data}
-    from export.convert import LORA_CONFIG
+    from training.finetune.lora import LORA_CONFIG
 
     if (checkpoint / LORA_CONFIG).is_file():
         found.update(lora_rank=f.lora_rank, lora_alpha=f.lora_alpha, lora_targets=",".join(f.lora_targets),
@@ -150,10 +150,10 @@ def fine_tuning(config: Config, checkpoint: Path) -> dict:
 
 def task_prompts(config: Config, tokenizer_dir: Path) -> tuple[str, ...]:
     """The first TASK_PROMPTS held-out examples of a fine-tuning run's data, rendered as the chat route renders them."""
-    if not config.finetune.data:
+    if not config.fine_tuning:
         return ()
     from core import chat
-    from training.data.sft import held_out
+    from training.finetune.data import held_out
 
     return tuple(e["prompt"] for e in held_out(config, chat.read(tokenizer_dir), TASK_PROMPTS))
 

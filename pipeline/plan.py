@@ -24,7 +24,8 @@ import dataclasses
 from pathlib import Path
 
 from core import arithmetic
-from core.config import Config, ConfigError, checked_layout
+from core.config import Config, ConfigError
+from core.config_checks import checked_layout
 from core.layout import ParallelLayout
 
 HELP = "memory and step-time estimates of every layout of a model on a cluster"

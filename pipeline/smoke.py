@@ -35,7 +35,7 @@ def smoke(config: Config) -> int:
         from core import exportdir
 
         meta = exportdir.read_meta(Path(state["model_dir"]))
-        if meta.get("finetune_data"):  # (a fine-tuned model: its task through the chat route)
+        if exportdir.fine_tuned(meta):  # (a fine-tuned model: its task through the chat route)
             print(chat_task(state, meta))
     return 1 if failures else 0
 
@@ -59,7 +59,7 @@ def chat_task(state: dict, meta: dict, shown: int = 3) -> str:
 
     from core import chat
     from core.config import load_config
-    from training.data.sft import held_out
+    from training.finetune.data import held_out
 
     run_config = load_config(Path(meta["run_dir"]) / "config.yaml")
     task = held_out(run_config, chat.read(Path(state["model_dir"]) / "tokenizer"))

@@ -238,8 +238,8 @@ class PeakMemory(TrainerCallback):
         record = {"rank": rank, "step": state.global_step, "peak_allocated_bytes": int(peak),
                   "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
         model = kwargs.get("model")
-        if model is not None:  # (this rank's part: LoRA trains its adapters alone, training/lora.py)
-            from training.lora import parameter_counts
+        if model is not None:  # (this rank's part: LoRA trains its adapters alone, training/finetune/lora.py)
+            from training.finetune.lora import parameter_counts
 
             record["trainable_parameters"], record["parameters"] = parameter_counts(model)
             print(f"trainable parameters: {record['trainable_parameters']:,} of {record['parameters']:,} "

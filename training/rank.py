@@ -244,9 +244,9 @@ def main(argv: list[str] | None = None) -> None:
 
 def datasets(config: Config, run_data: Path):
     """(training samples, validation samples, training samples per epoch): packed corpus blocks, or a fine-tuning
-    run's examples (training/data/sft.py)."""
-    if config.finetune.data:
-        from training.data import sft
+    run's examples (training/finetune/data.py)."""
+    if config.fine_tuning:
+        from training.finetune import data as sft
 
         train = sft.train_dataset(run_data)
         return train, sft.validation_dataset(run_data, config.training.max_eval_batches *
@@ -299,8 +299,8 @@ def model_and_trainer_class(config: Config, layout: ParallelLayout, train_args, 
         model = build_model(config, tokenizer, layout.tp, train_args.tensor_parallel_rank, pipeline=layout.pp > 1)
         new_trainer = functools.partial(make_trainer, device=layout.device)
     model = prepare_model(config, model)
-    if config.finetune.data and config.finetune.method == "lora":
-        from training import lora
+    if config.fine_tuning and config.finetune.method == "lora":
+        from training.finetune import lora
 
         model = lora.wrap(config, model, layout.tp)
     if config.performance.sequence_parallel:

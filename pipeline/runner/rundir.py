@@ -179,8 +179,8 @@ def _fill(config: Config, run_dir: Path) -> None:
     t0 = time.time()
     import paddlenlp  # noqa: F401  (the sample index needs it; its import resets SIGTERM to the default action,
     stop_signal_handler()  # so re-arm: a SIGTERM during data preparation still removes the half-made run)
-    if config.finetune.data:  # (a fine-tuning run: the base's tokenizer with the chat template, its examples)
-        from training.data import sft
+    if config.fine_tuning:  # (a fine-tuning run: the base's tokenizer with the chat template, its examples)
+        from training.finetune import data as sft
 
         sft.for_run(config, run_dir, Path(config.tokenizer.path), log=lambda line: print(line, flush=True))
         return

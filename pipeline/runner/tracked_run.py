@@ -94,7 +94,7 @@ class TrackedRun:
             **({"pipeline.sweep": config.tracking.sweep} if config.tracking.sweep else {}),
             # a fine-tuning run names what it starts from (lineage: runs:/<run>/..., models:/<name>/<version>)
             **({"pipeline.base": config.finetune.base, "finetune.method": config.finetune.method}
-               if config.finetune.data else {}),
+               if config.fine_tuning else {}),
         }
         self.run_id = self.client.create_run(self.experiment_id, tags=tags, run_name=run_dir.name).info.run_id
         params = {**config.flat(), **{f"layout.{k}": v for k, v in layout.as_params().items()}}
@@ -104,7 +104,7 @@ class TrackedRun:
         items = [Param(k, str(v)[:6000]) for k, v in params.items()]
         for i in range(0, len(items), 100):
             self.client.log_batch(self.run_id, params=items[i:i + 100],
-                                  tags=[RunTag("pipeline.stage", "finetune" if config.finetune.data else "train")]
+                                  tags=[RunTag("pipeline.stage", "finetune" if config.fine_tuning else "train")]
                                   if i == 0 else [])
         self._log_dataset(run_dir)
         self.client.log_artifact(self.run_id, str(run_dir / "config.yaml"))

@@ -132,10 +132,10 @@ def check_before_launch(launch: Launch) -> None:
         if problems:
             raise ConfigError("; ".join(f"{c.name}: {c.text}" for c in problems) + " (make doctor)")
     f = launch.config.finetune
-    if f.data and not launch.config.model.init_from:
+    if launch.config.fine_tuning and not launch.config.model.init_from:
         raise ConfigError("finetune.data: a fine-tuning run starts from a trained model; use make finetune (MODEL=...) "
                           "or set model.init_from")
-    if f.data and f.data != "reviews" and not Path(f.data).expanduser().is_file():
+    if launch.config.fine_tuning and f.data != "reviews" and not Path(f.data).expanduser().is_file():
         raise ConfigError(f"finetune.data={f.data}: no such file (DATA= takes reviews or a .jsonl file)")
     launch.layout.check_fits_machine()
     from training.data import check_size_early

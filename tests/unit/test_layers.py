@@ -238,3 +238,27 @@ def test_a_verb_declares_its_arguments_beside_its_main_and_only_its_module_is_lo
             "print(' '.join(sorted(m for m in sys.modules if m.startswith('pipeline.') and 'runner' not in m)))")
     loaded = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     assert loaded.stdout.split() == ["pipeline.__main__", "pipeline.stop"], loaded.stdout
+
+
+# "Is this a fine-tuning run?" is asked one way: Config.fine_tuning (a run's config), exportdir.fine_tuned (an
+# export's export.json); these are the other ways it was once asked (finetune.data's truth, export.json's
+# finetune_data, the examples' stats kind)
+FINE_TUNING_ASKED = (r"\b(if|and|not)\s+[\w.]*finetune\.data\b(?!\s*[!=]=)", r"[\w.]*finetune\.data\s+(if|else|and)\b",
+                     r"\bif\s+(not\s+)?f\.data\b(?!\s*[!=]=)", r"\bf\.data\s+and\b", r"get\(\"finetune_data\"\)",
+                     r"\"kind\"\)\s*==\s*\"sft\"")
+FINE_TUNING_OWNERS = ("core/config.py", "core/exportdir.py")
+
+
+def fine_tuning_asked_elsewhere(sources: dict[str, str]) -> list[str]:
+    return sorted(f"{name}:{n}" for name, text in sources.items() if name not in FINE_TUNING_OWNERS
+                  for n, line in enumerate(text.splitlines(), 1) if any(re.search(p, line) for p in FINE_TUNING_ASKED))
+
+
+def test_fine_tuning_is_asked_one_way():
+    sources = {p.relative_to(REPO_ROOT).as_posix(): p.read_text(encoding="utf-8") for p in modules().values()}
+    assert fine_tuning_asked_elsewhere(sources) == []
+    planted = {"a.py": "    if config.finetune.data:\n", "b.py": "x = 1 if cfg.finetune.data else 2\n",
+               "c.py": "    if meta.get(\"finetune_data\"):\n", "d.py": "    if f.data and not init:\n",
+               "e.py": "    if config.finetune.data == \"reviews\":\n", "core/config.py": "    if config.finetune.data:\n",
+               "f.py": "    return json.loads(t).get(\"kind\") == \"sft\"\n"}
+    assert fine_tuning_asked_elsewhere(planted) == ["a.py:1", "b.py:1", "c.py:1", "d.py:1", "f.py:1"]

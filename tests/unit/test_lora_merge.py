@@ -12,6 +12,7 @@ from safetensors.numpy import save_file  # noqa: E402
 
 from core.config import load_config  # noqa: E402
 from export import ExportError, convert, gates  # noqa: E402
+from training.finetune import lora  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,7 @@ def test_a_right_merge_passes_with_margin(lora_checkpoint):
 
 @pytest.mark.parametrize("fault", ["transposed adapter", "alpha instead of alpha / r", "LM head left out"])
 def test_a_wrong_merge_fails(lora_checkpoint, monkeypatch, fault):
-    read = convert.read_lora
+    read = lora.read_lora
 
     def faulty(checkpoint):
         settings, adapters = read(checkpoint)
@@ -63,8 +64,8 @@ def test_a_wrong_merge_fails(lora_checkpoint, monkeypatch, fault):
             adapters = {k: v for k, v in adapters.items() if k != "lm_head.weight"}
         return settings, adapters
 
-    monkeypatch.setattr(convert, "read_lora", faulty)
+    monkeypatch.setattr(lora, "read_lora", faulty)
     if fault == "alpha instead of alpha / r":
-        monkeypatch.setattr(convert, "lora_scaling", lambda settings: settings["lora_alpha"])
+        monkeypatch.setattr(lora, "lora_scaling", lambda settings: settings["lora_alpha"])
     with pytest.raises(ExportError, match="a wrong merge; nothing was published"):
         merged_gate(lora_checkpoint)

@@ -2,7 +2,8 @@
 import pytest
 
 from core import REPO_ROOT, arithmetic
-from core.config import checked_layout, load_config
+from core.config import load_config
+from core.config_checks import checked_layout
 from pipeline import plan
 
 # hidden 1024, 4 layers, 8 heads (= KV heads), intermediate 4096, vocabulary 1000, 128-token sequences.

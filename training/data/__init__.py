@@ -39,7 +39,7 @@ def check_size_early(config) -> None:
     data set is prepared already (else `for_run` checks once it is)."""
     from training.data.prepare import find_prepared
 
-    if config.finetune.data:  # (fine-tuning reads its own examples: training/data/sft.py)
+    if config.fine_tuning:  # (fine-tuning reads its own examples: training/finetune/data.py)
         return
     manifest = find_prepared(config)
     if manifest is not None:
