@@ -154,7 +154,7 @@ gateway-usage: $(STAMP)
 	$(PY) -m pipeline gateway-usage --config $(CONFIG) $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -n $(TEST_WORKERS) tests/unit tests/integration
+	$(PY) -m pytest -n $(TEST_WORKERS) --durations=30 tests/unit tests/integration
 
 # Opt-in: builds the GPU environment (make setup DEVICE=gpu, ~3 GB) in a temporary venv and checks that Paddle finds
 # every CUDA library inside it and that the doctor says so; needs no GPU.

@@ -106,12 +106,20 @@ def test_overload_gets_busy_fast_and_a_short_deadline_gets_the_deadline_error(ti
     assert 1 <= len([a for a in answers if a[0] == 0]) <= 3 and len(busy) >= 7, answers  # capacity 1 + 2
     assert all("server busy" in a[1] for a in busy) and max(a[2] for a in busy) < 2.0, busy
     assert not any("PipelineServingLogs" in a[1] for a in busy), busy[0]  # (the project's message, not a log path)
-    # a deadline shorter than the requests ahead of it: refused with the deadline error, at its deadline
-    with ThreadPoolExecutor(3) as pool:
-        ahead = [pool.submit(ask, state, LONG, 64, temperature=1.0, seed=i) for i in range(2)]
-        assert wait_until(lambda: in_flight(state) == 2, 30), "timed out waiting for two requests in flight"
-        late = ask(state, LONG, 64, timeout_s=0.05)
-        assert [f.result()[0] for f in ahead] == [0, 0]
+    # a deadline shorter than the requests ahead of it: refused with the deadline error, at its deadline. The worker
+    # is paused (SIGSTOP) while they queue, so the two ahead are in flight for sure (on a busy machine the first
+    # could finish before the second was sent, and two were never seen in flight at once)
+    (worker,) = worker_pids(tight["state_dir"])
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            ahead = [pool.submit(ask, state, LONG, 64, temperature=1.0, seed=i) for i in range(2)]
+            assert wait_until(lambda: in_flight(state) == 2, 30), "timed out waiting for two requests in flight"
+            late = ask(state, LONG, 64, timeout_s=0.05)
+            os.kill(worker, signal.SIGCONT)
+            assert [f.result()[0] for f in ahead] == [0, 0]
+    finally:
+        os.kill(worker, signal.SIGCONT)
     # (either deadline error: the dispatcher's "deadline exceeded", or the worker's "waited past its deadline")
     assert late[0] == 8004 and "deadline" in late[1] and late[2] < 1.5, late
     assert ask(state)[0] == 0  # and the server serves normally afterwards
