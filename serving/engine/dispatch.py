@@ -35,7 +35,6 @@ from pathlib import Path
 
 from core import REPO_ROOT
 from serving.engine.runtime import Placement
-from core.processes import child_dies_with_parent
 from core.files import atomic_write
 from serving.engine.exported import lineage
 from serving.protocol import GenerationSettings
@@ -114,8 +113,11 @@ class WorkerHandle:
                str(s.max_batch_size), "--max-batch-tokens", str(s.max_batch_tokens), "--policy", s.scheduler,
                *placement_args(d.placements[self.index % len(d.placements)])]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-        self.proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
-                                     preexec_fn=child_dies_with_parent())
+        # (no preexec_fn: the worker asks for its own parent-death signal first thing, serving/engine/worker.py. A
+        # preexec_fn makes Python fork() instead of vfork(), which runs gRPC's fork handlers in the child while the
+        # server's gRPC threads are busy: the new worker aborted (SIGABRT, "epoll_wait error: Bad file descriptor")
+        # before exec, seen in make test; vfork runs no fork handlers)
+        self.proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
         theirs.close()
         self.conn = Connection(ours.detach())
 

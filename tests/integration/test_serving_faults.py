@@ -177,16 +177,24 @@ def test_a_killed_worker_is_replaced_and_no_request_hangs(tight):
 
 def test_sigterm_drains_the_requests_in_flight_then_exits_0(exported, tmp_path):
     """Requests in flight complete; new ones are refused; the process exits 0 within the grace period."""
-    proc, state, _ = start_foreground(exported, tmp_path, *TIGHT)
-    with ThreadPoolExecutor(3) as pool:
-        flying = [pool.submit(ask, state, LONG, 64, temperature=1.0, seed=i) for i in range(3)]
-        assert wait_until(lambda: in_flight(state) == 3, 30), "timed out waiting for three requests in flight"
-        sent_at = time.monotonic()
-        os.kill(proc.pid, signal.SIGTERM)
-        assert wait_until(lambda: probe(state, "ready") != 200, 30), "timed out waiting for readiness false"
-        refused = ask(state)
-        ready = probe(state, "ready")
-        assert [f.result()[0] for f in flying] == [0, 0, 0]
+    proc, state, state_dir = start_foreground(exported, tmp_path, *TIGHT)
+    # (the worker paused while the three queue: all three are in flight for sure when SIGTERM comes; on a busy machine
+    # the first could finish before the third was sent. It goes on once the server refuses new requests)
+    (worker,) = worker_pids(state_dir)
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            flying = [pool.submit(ask, state, LONG, 64, temperature=1.0, seed=i) for i in range(3)]
+            assert wait_until(lambda: in_flight(state) == 3, 30), "timed out waiting for three requests in flight"
+            sent_at = time.monotonic()
+            os.kill(proc.pid, signal.SIGTERM)
+            assert wait_until(lambda: probe(state, "ready") != 200, 30), "timed out waiting for readiness false"
+            refused = ask(state)
+            ready = probe(state, "ready")
+            os.kill(worker, signal.SIGCONT)
+            assert [f.result()[0] for f in flying] == [0, 0, 0]
+    finally:
+        os.kill(worker, signal.SIGCONT)
     assert refused[0] != 0 and ready != 200, (refused, ready)
     assert proc.wait(timeout=30) == 0 and time.monotonic() - sent_at < 20
     output = proc.log.read_text()
