@@ -28,7 +28,7 @@ FORCE ?=
 # `make test` runs this many pytest-xdist workers: most tests wait on processes, servers and I/O part of the time
 TEST_WORKERS ?= 2
 
-.PHONY: setup doctor data train finetune evaluate promote export serve stop smoke reload generate all all-chat compare sweep bench plan test test-fast test-gpu-setup runs mlflow-ui mlflow-server mlflow-stop object-store object-store-stop gateway gateway-stop gateway-key gateway-usage clean
+.PHONY: setup doctor data train finetune evaluate promote export serve stop smoke reload generate all all-chat compare sweep bench plan test test-fast test-gpu-setup runs mlflow-ui mlflow-server mlflow-stop object-store object-store-stop gateway gateway-stop gateway-key gateway-usage visualdl visualdl-stop clean
 setup: $(STAMP)
 
 # One environment from exact pins (requirements/lock.txt, verified to install and import together) plus the Paddle
@@ -128,6 +128,15 @@ mlflow-server: $(STAMP)
 
 mlflow-stop: $(STAMP)
 	$(PY) -m pipeline mlflow-stop
+
+# VisualDL's dashboard (docs/monitoring.md) over a run's logs (RUN=<run dir or name>) or an experiment's runs
+# (RUN=<experiment>); default the newest run. On visualdl.host:visualdl.port (127.0.0.1:18040).
+RUN ?=
+visualdl: $(STAMP)
+	$(PY) -m pipeline visualdl --config $(CONFIG) $(if $(RUN),--run $(RUN)) $(ARGS)
+
+visualdl-stop: $(STAMP)
+	$(PY) -m pipeline visualdl-stop --config $(CONFIG) $(ARGS)
 
 # A local S3 endpoint (SeaweedFS from .venv) for storage.uri; credentials in runs/object-store/credentials.env.
 object-store: $(STAMP)

@@ -345,6 +345,16 @@ class GatewayConfig:
 
 
 @dataclass
+class VisualDLConfig:
+    """VisualDL, the training dashboard (docs/monitoring.md): every run writes runs/<run>/visualdl/ (the run's
+    numbers, and each pipeline stage's times); `make visualdl` serves a run or an experiment's runs."""
+
+    enabled: bool = True  # write the run's VisualDL logs (rank 0, and one writer per pipeline stage)
+    port: int = 18040  # `make visualdl`'s port
+    host: str = "127.0.0.1"  # loopback: the dashboard has no authentication
+
+
+@dataclass
 class Config:
     name: str = "tiny"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -360,6 +370,7 @@ class Config:
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    visualdl: VisualDLConfig = field(default_factory=VisualDLConfig)
 
     @property
     def fine_tuning(self) -> bool:

@@ -35,6 +35,8 @@ def validate(config: Config) -> None:
     _require(config.data.cache_dir != "store" or bool(config.storage.uri), "data.cache_dir=store: the data sets go to "
              "the object store storage.uri names; set storage.uri=s3://<bucket>[/<prefix>]")
     _validate_finetune(config)
+    _require(1 <= config.visualdl.port <= 65535, f"visualdl.port: a TCP port (1-65535), got {config.visualdl.port}")
+    _require(bool(config.visualdl.host.strip()), "visualdl.host: an address to listen on, e.g. 127.0.0.1")
     checked_layout(config)
     _validate_performance(config.performance, config.parallel)
 

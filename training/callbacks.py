@@ -102,8 +102,9 @@ class MlflowLogger(TrainerCallback):
 
     RETRY_S = 5.0
 
-    def __init__(self, client, run_id: str, seq_length: int, run_dir: Path, max_uploads: int = 2):
+    def __init__(self, client, run_id: str, seq_length: int, run_dir: Path, max_uploads: int = 2, mirror=None):
         self.client, self.run_id, self.seq_length, self.run_dir = client, run_id, seq_length, run_dir
+        self.mirror = mirror  # (metrics, step) -> None: VisualDL's writer gets the same numbers (training/monitor.py)
         self.max_uploads = max_uploads
         self.pending: list[dict] = []  # not yet handed to the sender
         self.sending: list[dict] = []  # the sender's current batch
@@ -132,12 +133,16 @@ class MlflowLogger(TrainerCallback):
         for key in ("train_runtime", "train_loss", "train_samples_per_second", "train_steps_per_second"):
             if key in logs:
                 metrics[key] = logs[key]
-        self._enqueue([tracking.metric_record(k, v, step, now) for k, v in metrics.items()
-                       if isinstance(v, (int, float))])
+        metrics = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+        self._enqueue([tracking.metric_record(k, v, step, now) for k, v in metrics.items()])
+        if self.mirror:
+            self.mirror(metrics, step)
 
     def log_metrics(self, metrics: dict, step: int) -> None:
         now = int(time.time() * 1000)
         self._enqueue([tracking.metric_record(k, v, step, now) for k, v in metrics.items()])
+        if self.mirror:
+            self.mirror(metrics, step)
 
     def log_checkpoint(self, info: dict, upload: bool) -> None:
         # The record (path + metrics, + the artifact path once uploaded) lets export find the best checkpoint from

@@ -48,6 +48,7 @@ def make_trainer(device: str = "cpu", **kwargs):
             import time
 
             self.state.checkpoint_started_at = time.time()
+            before_checkpoint(self.callback_handler.callbacks)
             result = super()._save_checkpoint(model, metrics)
             save_loss_window(self, Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}")
             return result
@@ -231,6 +232,9 @@ def main(argv: list[str] | None = None) -> None:
         data_collator=default_data_collator,  # samples are already fixed-length: no padding
         callbacks=callbacks(config, layout, run_dir, pending, graceful_stop, train_args.process_index == 0, blocks),
     )
+    for writer in trainer.callback_handler.callbacks:
+        if type(writer).__name__ == "StageWriter":  # (the stage timer exists once the Trainer wrapped the model)
+            writer.source = lambda: getattr(trainer, "stage_timer", None)
     if hasattr(trainer, "resumed_window"):
         resume_loss_window(trainer, args.resume_from)
     trainer.train(resume_from_checkpoint=args.resume_from or None)
@@ -319,13 +323,15 @@ def callbacks(config: Config, layout: ParallelLayout, run_dir: Path, pending: Pa
     from training.callbacks import FinalStepCallback, MlflowLogger, PeakMemory, PromoteConfig
     from training.checkpoint import manager
 
+    monitors = visualdl_writers(config, layout, run_dir, first_process)
     mlflow_logger = None
     run_id = os.environ.get("PIPELINE_MLFLOW_RUN_ID")
     if run_id and first_process:
         from core import tracking
 
         mlflow_logger = MlflowLogger(tracking.client(os.environ["MLFLOW_TRACKING_URI"]), run_id,
-                                     config.training.seq_length, run_dir)
+                                     config.training.seq_length, run_dir,
+                                     mirror=monitors[0].add_metrics if monitors and first_process else None)
     import paddle.distributed as dist
 
     checkpoints = manager.for_rank(config, layout, run_dir, dist.get_rank(), mlflow_logger)
@@ -333,11 +339,39 @@ def callbacks(config: Config, layout: ParallelLayout, run_dir: Path, pending: Pa
              PeakMemory(run_dir, layout.device), checkpoints]
     if mlflow_logger:
         found.append(mlflow_logger)
+    found += monitors
     if first_process:
         from training.progress import progress_callback
 
         found.append(progress_callback(run_dir, config.training.seq_length, config.training.global_batch_size,
                                        train_blocks))
+    return found
+
+
+def before_checkpoint(callbacks) -> None:
+    """As a checkpoint starts: VisualDL's writers put every step up to it on disk before it can complete (a resume from
+    it logs only the steps after it: training/monitor.py)."""
+    for writer in callbacks:
+        if hasattr(writer, "write_before_checkpoint"):
+            writer.write_before_checkpoint()
+
+
+def visualdl_writers(config: Config, layout: ParallelLayout, run_dir: Path, first_process: bool) -> list:
+    """VisualDL's writers of this rank (training/monitor.py): the run's numbers on the first process, a pipeline
+    stage's times on that stage's first replica; none with visualdl.enabled off."""
+    if not config.visualdl.enabled:
+        return []
+    from training import monitor
+
+    logdir = run_dir / monitor.LOGDIR
+    found = []
+    if first_process:
+        found.append(monitor.VisualDLWriter(logdir / "train", monitor.hparams(config),
+                                            ("train/loss", "eval/loss", "train/tokens_per_second")))
+    if layout.pp > 1 and config.parallel.mode != "semi_auto":
+        stage = monitor.stage_writer_rank()
+        if stage is not None:
+            found.append(monitor.StageWriter(logdir / f"stage-{stage}"))
     return found
 
 

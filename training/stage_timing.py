@@ -29,6 +29,8 @@ class StageTimer:
         self.totals = {"forward": 0.0, "backward": 0.0, "decoder_forward": 0.0, "pipeline": 0.0}
         self.calls = {"forward": 0, "backward": 0}
         self.decoder_layers = 0
+        self.last: dict | None = None
+        self.per_step: list[float] = []  # each timed step's forward + backward ms (the stage's compute)
         try:
             self.paddle_order = engine.get_static_scheduler()
         except TypeError:  # the F-then-B engine has no static scheduler
@@ -73,6 +75,7 @@ class StageTimer:
             finally:
                 if self.active:
                     self.totals["pipeline"] += self._now() - start
+                    self._step_done()
                 self.steps += int(self.active)
                 self.steps_seen += 1
                 self.active = False
@@ -84,6 +87,21 @@ class StageTimer:
                 self.decoder_layers += 1
                 layer.register_forward_pre_hook(self._decoder_start)
                 layer.register_forward_post_hook(self._decoder_end)
+
+    def _step_done(self) -> None:
+        """This step's own times (ms): what `take_last` hands the stage's VisualDL writer (training/monitor.py)."""
+        seen = {k: self.totals[k] for k in ("forward", "backward", "pipeline")}
+        before = getattr(self, "_seen", None) or dict.fromkeys(seen, 0.0)
+        delta = {k: 1000 * (seen[k] - before[k]) for k in seen}
+        self._seen = seen
+        self.last = {"forward_ms": delta["forward"], "backward_ms": delta["backward"], "step_ms": delta["pipeline"],
+                     "idle_ms": max(0.0, delta["pipeline"] - delta["forward"] - delta["backward"])}
+        self.per_step.append(delta["forward"] + delta["backward"])
+
+    def take_last(self) -> dict | None:
+        """The last timed step's times, once (None before the first timed step or when already taken)."""
+        last, self.last = self.last, None
+        return last
 
     def _decoder_start(self, layer, inputs):
         if self.active:

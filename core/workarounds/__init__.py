@@ -66,6 +66,9 @@ OVERRIDES = (
              "per-micro-batch timing; its methods are wrapped on the one instance", "paddlepaddle 2.6.2 fleet"),
     Override("training/checkpoint/async_write.py", ("file_save_async_or_sync",), "PaddleNLP's async_save spawns a "
              "process per file that nothing waits for or fsyncs, and is ignored on one process", "PaddleNLP 2.8.1"),
+    Override("pipeline/runner/visualdl_server.py", (), "VisualDL's page (/app/index) is a 500 for a request without "
+             "Accept-Language: its locale selector returns None and Werkzeug 3 refuses a None cookie; the server is "
+             "started with --language en", "visualdl 2.5.3, Werkzeug 3.1"),
 )
 
 # Warnings known to be harmless here, silenced where every process starts (anything else still shows):

@@ -12,6 +12,7 @@ cost and those fixed costs, `layout.balanced_split` finds the split with the sma
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from core import schedules
@@ -74,6 +75,42 @@ def _stage_costs(split: tuple, per_layer: float, first: float, last: float) -> l
     return costs
 
 
+def stage_imbalance(summary: list[dict]) -> float:
+    """The slowest stage's compute (forward + backward per step) over the stages' mean: 1.0 is even. The numbers the
+    advice uses."""
+    busy = [s["busy_ms_per_step"] for s in summary]
+    return max(busy) / max(sum(busy) / len(busy), 1e-12)
+
+
+def imbalance_by_step(run_dir: Path) -> dict[int, float]:
+    """Each step's stage imbalance from the stages' VisualDL logs (visualdl/stage-<k>/: the same timer's per-step
+    forward + backward), for the steps every stage logged; the steps not yet in visualdl/pipeline/ are written there
+    (a resumed run's report adds its own steps, never one again). {step: imbalance} of the steps written now."""
+    from core import monitor
+
+    logs = Path(run_dir) / monitor.LOGDIR
+    stages = sorted(logs.glob("stage-*"), key=lambda d: int(d.name.split("-")[1]))
+    if len(stages) < 2:
+        return {}
+    per_stage = []
+    for directory in stages:
+        scalars = monitor.read_scalars(directory)
+        forward, backward = scalars.get("stage/forward_ms", {}), scalars.get("stage/backward_ms", {})
+        per_stage.append({step: forward[step] + backward.get(step, 0.0) for step in forward})
+    done = set(monitor.read_scalars(logs / "pipeline").get(monitor.IMBALANCE_TAG, {})) \
+        if (logs / "pipeline").is_dir() else set()
+    steps = sorted(set.intersection(*(set(s) for s in per_stage)) - done)
+    found = {step: max(s[step] for s in per_stage) / max(sum(s[step] for s in per_stage) / len(per_stage), 1e-12)
+             for step in steps}
+    if found:
+        from visualdl import LogWriter
+
+        with LogWriter(logdir=str(logs / "pipeline"), file_name=monitor.new_file_name()) as writer:
+            for step, value in found.items():
+                writer.add_scalar(monitor.IMBALANCE_TAG, value, step)
+    return found
+
+
 def report(mlflow_client, run_id: str | None, run_dir: Path, layout: ParallelLayout) -> str | None:
     from training.stage_timing import read
 
@@ -104,9 +141,19 @@ def report(mlflow_client, run_id: str | None, run_dir: Path, layout: ParallelLay
               "order_matches_paddle": orders == ours, "bottleneck_stage": slowest,
               "suggested_stage_layers": list(suggestion), "timeline_idle_fraction": schedules.idle_fraction(events),
               "analytic_bubble": layout.bubble_fraction}
+    imbalance = stage_imbalance(summary)
+    stages["stage_imbalance"] = imbalance
+    message += f"\nstage imbalance (slowest stage's compute / the mean): {imbalance:.2f}"
     (out / "stages.json").write_text(json.dumps(stages, indent=1))
+    by_step = imbalance_by_step(run_dir)
     if mlflow_client and run_id:
-        metrics = {"pipeline_measured_idle_fraction": measured}
+        metrics = {"pipeline_measured_idle_fraction": measured, "stage_imbalance": imbalance}
+        from mlflow.entities import Metric
+
+        now, history = int(time.time() * 1000), list(by_step.items())  # (the same numbers as the VisualDL chart)
+        for i in range(0, len(history), 500):
+            mlflow_client.log_batch(run_id, metrics=[Metric("stage_imbalance_by_step", value, now, step)
+                                                     for step, value in history[i:i + 500]])
         for s in summary:
             for key in ("forward_ms", "backward_ms", "idle_fraction"):
                 metrics[f"stage{s['stage']}_{key}"] = s[key]
