@@ -201,9 +201,9 @@ def run(export_dir: Path, out: Path, quick: bool, log=print) -> dict:
                             else theirs_generate(python, hf_dir, table, out))
             log(f"[bench] peer round {round_ + 1} generate {who}: {gen[who][-1]['tokens_per_s']:.0f} tokens/s")
         for who in ("ours", "torch") if round_ % 2 == 0 else ("torch", "ours"):
+            run_side = lambda *a, **k: side(python, *a, **k)  # noqa: E731
             train[who].append(peer_torch.ours_train(run_dir, steps, out) if who == "ours"
-                              else peer_torch.theirs_train(lambda *a, **k: side(python, *a, **k), hf_dir, steps, batch, seq,
-                                                           out))
+                              else peer_torch.theirs_train(run_side, hf_dir, steps, batch, seq, out))
             log(f"[bench] peer round {round_ + 1} train {who}: {train[who][-1]['tokens_per_s']:.0f} tokens/s")
         for who in order:
             state, stop = ours_server(export_dir, out) if who == "ours" else theirs_server(python, hf_dir, name, out)

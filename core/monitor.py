@@ -27,28 +27,27 @@ def tag_of(metric: str) -> str:
     return f"train/{metric}"
 
 
-def read_scalars(logdir: Path) -> dict[str, dict[int, float]]:
-    """{tag: {step: value}} of one writer directory, over every file its launches wrote (`steps_in_order` shows a
-    step written twice, which the writers never do)."""
+def scalar_records(logdir: Path):
+    """(tag, step, value) of one writer directory as written: file after file (a resume's file after the launch it
+    continues; the names sort by time), each tag's records in its file's order."""
     from visualdl import LogReader
 
-    found: dict[str, dict[int, float]] = {}
     for path in sorted(Path(logdir).glob("vdlrecords.*.log")):
         reader = LogReader(file_path=str(path))
         for tag in reader.get_tags().get("scalar", []):
             for record in reader.get_data("scalar", tag):
-                found.setdefault(tag, {})[int(record.id)] = float(record.value)
+                yield tag, int(record.id), float(record.value)
+
+
+def read_scalars(logdir: Path) -> dict[str, dict[int, float]]:
+    """{tag: {step: value}} of one writer directory, over every file its launches wrote (`steps_in_order` shows a
+    step written twice, which the writers never do)."""
+    found: dict[str, dict[int, float]] = {}
+    for tag, step, value in scalar_records(logdir):
+        found.setdefault(tag, {})[step] = value
     return found
 
 
 def steps_in_order(logdir: Path, tag: str) -> list[int]:
-    """The steps of `tag` as written, file after file (a resume's file after the launch it continues): a curve that
-    went back or repeated a step shows here."""
-    from visualdl import LogReader
-
-    steps: list[int] = []
-    for path in sorted(Path(logdir).glob("vdlrecords.*.log")):
-        reader = LogReader(file_path=str(path))
-        if tag in reader.get_tags().get("scalar", []):
-            steps += [int(r.id) for r in reader.get_data("scalar", tag)]
-    return steps
+    """The steps of `tag` as written: a curve that went back or repeated a step shows here."""
+    return [step for found, step, _ in scalar_records(logdir) if found == tag]

@@ -39,7 +39,8 @@ def display_uri(uri: str) -> str:
     parts = urlsplit(uri)
     if parts.password is None:
         return uri
-    return parts._replace(netloc=f"{parts.username}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")).geturl()
+    port = f":{parts.port}" if parts.port else ""
+    return parts._replace(netloc=f"{parts.username}:***@{parts.hostname}{port}").geturl()
 
 
 def is_local(uri: str) -> bool:

@@ -7,8 +7,8 @@ fine-tuning (full or LoRA: finetune.method) of a trained model, as a training ru
              downloaded from the run's artifacts into <runs_dir>/.bases/ (kept: a resume and the export read it).
     config   CONFIG (default configs/tiny-chat.yaml) with the base's model shape, model.init_from, its tokenizer
              (the chat template is added to the run's copy), and its train/validation split rule (so held-out
-             examples are the base's held-out documents); then `make train`'s machinery (pipeline/runner/train_run.py): a new
-             MLflow run tagged with its base (pipeline.base), resumable with RESUME=<run>.
+             examples are the base's held-out documents); then `make train`'s machinery
+             (pipeline/runner/train_run.py): a new MLflow run tagged with its base (pipeline.base), resumable with RESUME=<run>.
 """
 from __future__ import annotations
 

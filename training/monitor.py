@@ -10,9 +10,10 @@
                step (slowest stage's compute / the mean), from the stage writers' own records
 
 Exactly once across a kill and a resume: a writer writes and flushes its records at each logging step's end (each
-step's call costs the loop ~2 ms on 2 busy cores, an interval's batch about the same once) and at every checkpoint
-(so all the steps a resume starts after are on disk); a resumed launch (which trains the steps after its checkpoint again, with the same numbers: resumes are exact) first reads
-what its directory holds and writes only the steps after the newest one there. So a curve never goes back, never
+step's call costs the loop ~2 ms on 2 busy cores, an interval's batch about the same once) and as every checkpoint
+starts (so all the steps a resume starts after are on disk); a resumed launch (which trains the steps after its
+checkpoint again, with the same numbers: resumes are exact) first reads what its directory holds and writes only the
+steps after the newest one there. So a curve never goes back, never
 repeats a step and has no gap, whatever killed the run and wherever.
 """
 from __future__ import annotations

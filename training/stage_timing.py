@@ -29,8 +29,8 @@ class StageTimer:
         self.totals = {"forward": 0.0, "backward": 0.0, "decoder_forward": 0.0, "pipeline": 0.0}
         self.calls = {"forward": 0, "backward": 0}
         self.decoder_layers = 0
-        self.last: dict | None = None
-        self.per_step: list[float] = []  # each timed step's forward + backward ms (the stage's compute)
+        self.last: dict | None = None  # the last timed step's own times (take_last)
+        self._seen = {"forward": 0.0, "backward": 0.0, "pipeline": 0.0}  # the totals at the end of the step before
         try:
             self.paddle_order = engine.get_static_scheduler()
         except TypeError:  # the F-then-B engine has no static scheduler
@@ -90,13 +90,11 @@ class StageTimer:
 
     def _step_done(self) -> None:
         """This step's own times (ms): what `take_last` hands the stage's VisualDL writer (training/monitor.py)."""
-        seen = {k: self.totals[k] for k in ("forward", "backward", "pipeline")}
-        before = getattr(self, "_seen", None) or dict.fromkeys(seen, 0.0)
-        delta = {k: 1000 * (seen[k] - before[k]) for k in seen}
+        seen = {k: self.totals[k] for k in self._seen}
+        delta = {k: 1000 * (seen[k] - self._seen[k]) for k in seen}
         self._seen = seen
         self.last = {"forward_ms": delta["forward"], "backward_ms": delta["backward"], "step_ms": delta["pipeline"],
                      "idle_ms": max(0.0, delta["pipeline"] - delta["forward"] - delta["backward"])}
-        self.per_step.append(delta["forward"] + delta["backward"])
 
     def take_last(self) -> dict | None:
         """The last timed step's times, once (None before the first timed step or when already taken)."""

@@ -78,7 +78,10 @@ def _stage_costs(split: tuple, per_layer: float, first: float, last: float) -> l
 def stage_imbalance(summary: list[dict]) -> float:
     """The slowest stage's compute (forward + backward per step) over the stages' mean: 1.0 is even. The numbers the
     advice uses."""
-    busy = [s["busy_ms_per_step"] for s in summary]
+    return _slowest_over_mean([s["busy_ms_per_step"] for s in summary])
+
+
+def _slowest_over_mean(busy: list[float]) -> float:
     return max(busy) / max(sum(busy) / len(busy), 1e-12)
 
 
@@ -100,8 +103,7 @@ def imbalance_by_step(run_dir: Path) -> dict[int, float]:
     done = set(monitor.read_scalars(logs / "pipeline").get(monitor.IMBALANCE_TAG, {})) \
         if (logs / "pipeline").is_dir() else set()
     steps = sorted(set.intersection(*(set(s) for s in per_stage)) - done)
-    found = {step: max(s[step] for s in per_stage) / max(sum(s[step] for s in per_stage) / len(per_stage), 1e-12)
-             for step in steps}
+    found = {step: _slowest_over_mean([s[step] for s in per_stage]) for step in steps}
     if found:
         from visualdl import LogWriter
 

@@ -61,7 +61,8 @@ def test_layout_matches_single_process(world, single, layout):
     from core import monitor
 
     shown = monitor.read_scalars(world["root"] / "runs" / layout / "visualdl" / "train")
-    assert shown["train/loss"] == pytest.approx(losses, rel=1e-6) and shown["eval/loss"] == pytest.approx(evals, rel=1e-6)
+    assert shown["train/loss"] == pytest.approx(losses, rel=1e-6)
+    assert shown["eval/loss"] == pytest.approx(evals, rel=1e-6)
     if "pp" in layout:
         assert_stage_report(world, run, layout)
     world["losses"][layout] = losses

@@ -259,6 +259,6 @@ def test_fine_tuning_is_asked_one_way():
     assert fine_tuning_asked_elsewhere(sources) == []
     planted = {"a.py": "    if config.finetune.data:\n", "b.py": "x = 1 if cfg.finetune.data else 2\n",
                "c.py": "    if meta.get(\"finetune_data\"):\n", "d.py": "    if f.data and not init:\n",
-               "e.py": "    if config.finetune.data == \"reviews\":\n", "core/config.py": "    if config.finetune.data:\n",
-               "f.py": "    return json.loads(t).get(\"kind\") == \"sft\"\n"}
+               "e.py": "    if config.finetune.data == \"reviews\":\n",
+               "core/config.py": "    if config.finetune.data:\n", "f.py": "    return json.loads(t).get(\"kind\") == \"sft\"\n"}
     assert fine_tuning_asked_elsewhere(planted) == ["a.py:1", "b.py:1", "c.py:1", "d.py:1", "f.py:1"]
