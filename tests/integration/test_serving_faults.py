@@ -279,8 +279,11 @@ def _bench(exported, out, **popen) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
 
 
-def _bench_server(out, proc, other_than: int = 0) -> dict:
-    """The state of the first server the bench started (not the one of pid `other_than`), once it answers."""
+def _bench_server(out, proc) -> dict:
+    """The state of the server this bench (`proc`, make or the bench) started, once it answers. A server.json of any
+    other server is passed over: one that drained and exited after its bench was killed leaves its state behind."""
+    from core.processes import descendants
+
     state_file = out / "serving-static" / "server.json"
 
     def up() -> bool:
@@ -288,7 +291,7 @@ def _bench_server(out, proc, other_than: int = 0) -> dict:
             state = json.loads(state_file.read_text())
         except (OSError, ValueError):
             return False
-        return "ready_after_s" in state and state["pid"] != other_than
+        return "ready_after_s" in state and state["pid"] in descendants(proc.pid)
 
     assert wait_until(up, 180, 0.1, alive=proc, context=lambda: proc.stdout.read()[-3000:]), "no server started"
     return json.loads(state_file.read_text())
@@ -316,6 +319,12 @@ def _still_serving(out) -> dict:
     return found
 
 
+def _a_dead_pid() -> int:
+    done = subprocess.Popen(["true"])
+    done.wait()
+    return done.pid
+
+
 def _kill_bench_leaving_servers(exported, out) -> dict:
     """SIGKILL to `make bench` and the bench (nothing can clean up) once its first server answers. The servers left
     running, by pid; a kill that lands between one server's stop and the next one's start leaves none: tried again."""
@@ -339,10 +348,13 @@ def test_a_killed_bench_is_cleaned_up_next_time_and_a_stopped_one_leaves_nothing
     from core.processes import group_alive
 
     out = tmp_path / "bench"
+    stale = out / "serving-static"  # what a server that drained after its bench's SIGKILL leaves: its pid is gone
+    stale.mkdir(parents=True)
+    (stale / "server.json").write_text(json.dumps({"pid": _a_dead_pid(), "ready_after_s": 1.0}))
     left = _kill_bench_leaving_servers(exported, out)
     assert all(_left(out, state) for state in left.values()), "the server should outlive a SIGKILL of the bench"
     again = _bench(exported, out)
-    state = _bench_server(out, again, other_than=next(iter(left)))
+    state = _bench_server(out, again)
     assert not any(group_alive(pid) for pid in left), "the leftover server still runs"
     again.send_signal(signal.SIGTERM)  # (make alone: it passes SIGTERM on, and its child dies with it anyway)
     output, _ = again.communicate(timeout=120)
