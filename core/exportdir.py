@@ -8,7 +8,7 @@
         decode.pdmodel/.pdiparams        outputs); absent in exports made before them (served by the full graph)
         tokenizer/                       core/tokenizer.py format
         serving_server_conf.prototxt     feed/fetch description for Paddle Serving's local_predictor
-        export.json                      lineage and parity metadata (REQUIRED_META at least)
+        export.json                      lineage and parity metadata (REQUIRED_META at least), and format_version
         reference.json                   greedy continuations of REFERENCE_PROMPTS by the dynamic model the graph
                                          was converted from, for the smoke checks of a running server
         hf/                              with export.hf=true: the same weights in Hugging Face Llama format
@@ -34,6 +34,10 @@ FEED_NAME = "input_ids"
 POSITIONS_NAME, KEY_MASK_NAME = "position_ids", "key_mask"
 PAST_KINDS = ("past_keys", "past_values")  # decode: one input per layer and kind, named past_input(kind, layer)
 META_FILE = "export.json"
+# The export format, in export.json's format_version (absent: 1). 2: the decode program runs over fused weights
+# (model/decode.py, about half the ops); its inputs and outputs are those of 1, so an export of format 1 still
+# serves (at its slower step). A directory of a newer format than this checkout reads is refused (read_meta).
+FORMAT_VERSION = 2
 REFERENCE_FILE = "reference.json"
 TOKENIZER_DIR = "tokenizer"
 SERVING_CONF = "serving_server_conf.prototxt"
@@ -83,7 +87,14 @@ def read_meta(export_dir: Path) -> dict:
     missing = [k for k in REQUIRED_META if k not in meta]
     if missing:
         raise ConfigError(f"{path} lacks {', '.join(missing)}; it was written by an older export: export again")
+    if format_version(meta) > FORMAT_VERSION:
+        raise ConfigError(f"{export_dir} is export format {format_version(meta)}; this checkout reads formats 1-"
+                          f"{FORMAT_VERSION}: update it, or re-export the run with this checkout's `make export`")
     return meta
+
+
+def format_version(meta: dict) -> int:
+    return int(meta.get("format_version", 1))
 
 
 def is_complete(export_dir: Path) -> bool:

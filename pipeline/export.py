@@ -103,6 +103,7 @@ def build(chosen: Selection, config: Config, checkpoint: Path, tokenizer_dir: Pa
                                  model.config.vocab_size)
     meta = {
         "registered_model_name": config.export.registered_model_name, "version": None,
+        "format_version": exportdir.FORMAT_VERSION, "decode_ops": programs.op_count(staging / exportdir.DECODE_PREFIX),
         "source_run_id": chosen.run_id, "source_run_name": chosen.run_name,
         "run_dir": str(Path(chosen.info["path"]).parent.parent), "checkpoint": chosen.info["path"],
         "checkpoint_step": chosen.step,

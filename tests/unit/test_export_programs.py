@@ -13,15 +13,69 @@ from serving.engine import kv_cache, runtime  # noqa: E402
 from serving.engine.kv_cache import DecodeCache  # noqa: E402
 
 
+def random_model(seed: int, **sizes):
+    """A random Llama whose norm weights are not all 1 (the decode program folds them into its matmuls)."""
+    paddle.seed(seed)
+    config = LlamaConfig(**sizes)
+    model = LlamaForCausalLM(config)
+    for norm in [model.llama.norm, *(n for layer in model.llama.layers
+                                     for n in (layer.input_layernorm, layer.post_attention_layernorm))]:
+        norm.weight.set_value(paddle.rand(norm.weight.shape) + 0.5)
+    model.eval()
+    return model, config
+
+
 def exported_gqa_model(export_dir, seed: int):
     """A small random Llama with grouped-query attention, its cache programs saved in `export_dir`."""
-    paddle.seed(seed)
-    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    model = LlamaForCausalLM(config)
-    model.eval()
+    model, config = random_model(seed, vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     programs.save_programs(model, export_dir)
     return model, config
+
+
+def test_the_decode_program_of_the_default_model_runs_at_most_140_ops(tmp_path):
+    """Export format 2's decode step (model/decode.py) on the default model's shape (configs/tiny.yaml, a smaller
+    vocabulary): q/k/v and gate/up each one matmul, no expand_as and no casts, and the same logits and keys as the
+    layer-by-layer step (CachedLlamaStep) it replaced, which ran 267 ops."""
+    from collections import Counter
+
+    from paddle.base.proto import framework_pb2
+
+    from core.config import DEFAULT_CONFIG, load_config
+    from model.llama import CachedLlamaStep
+
+    m = load_config(DEFAULT_CONFIG).model
+    model, config = random_model(5, vocab_size=512, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+                                 num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+                                 num_key_value_heads=m.num_key_value_heads,
+                                 max_position_embeddings=m.max_position_embeddings)
+    programs.save_programs(model, tmp_path)
+    prefix = tmp_path / exportdir.DECODE_PREFIX
+    program = framework_pb2.ProgramDesc.FromString(prefix.with_suffix(".pdmodel").read_bytes())
+    ops = Counter(op.type for op in program.blocks[0].ops if op.type not in ("feed", "fetch"))
+    assert programs.op_count(prefix) == sum(ops.values()) <= 140, ops
+    assert "expand_as_v2" not in ops and "cast" not in ops, ops
+    # per layer: the fused q/k/v and gate/up matmuls and two attention matmuls, o and down as addmm (with the norms'
+    # means); the last matmul is the head
+    assert ops["matmul_v2"] == 5 * m.num_layers + 1 and ops["addmm"] == 4 * m.num_layers + 1, ops
+
+    rng = np.random.default_rng(0)
+    batch, past, layers = 3, 7, m.num_layers
+    d = m.hidden_size // m.num_attention_heads
+    ids, positions = rng.integers(0, 512, (batch, 1)), np.array([[7], [6], [5]])
+    mask = np.ones((batch, past + 1), "float32")
+    mask[1, :1], mask[2, :2] = 0, 0  # (left padding)
+    caches = [rng.standard_normal((batch, m.num_key_value_heads, past, d)).astype("float32")
+              for _ in range(2 * layers)]
+    ours = runtime.run(runtime.create_predictor(tmp_path, prefix=exportdir.DECODE_PREFIX), ids, positions, mask,
+                       *caches)
+    step = CachedLlamaStep(model, with_past=True)
+    with paddle.no_grad():
+        theirs = step(*(paddle.to_tensor(x) for x in (ids, positions, mask)),
+                      [paddle.to_tensor(c) for c in caches[:layers]], [paddle.to_tensor(c) for c in caches[layers:]])
+    for a, b in zip(ours, theirs):
+        b = b.numpy()
+        assert a.shape == b.shape and np.abs(a - b).max() < 1e-5 * np.abs(b).max(), (a.shape, np.abs(a - b).max())
 
 
 def test_cache_programs_with_grouped_query_attention_match_the_dynamic_model(tmp_path):

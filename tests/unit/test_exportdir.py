@@ -58,3 +58,16 @@ def test_reading_what_is_not_an_export_says_so(tmp_path):
         exportdir.read_meta(tmp_path)
     with pytest.raises(ValueError, match="missing"):
         exportdir.write_meta(tmp_path, {"version": 1})
+
+
+def test_an_export_of_a_newer_format_is_refused_and_an_older_one_read(tmp_path):
+    """Format 1 (no format_version: exports made before the fused decode program) is read; a format this checkout
+    does not know is refused in one line naming the re-export."""
+    root = fake_export(tmp_path / "e")
+    assert exportdir.format_version(exportdir.read_meta(root)) == 1
+    exportdir.write_meta(root, {**META, "format_version": exportdir.FORMAT_VERSION})
+    assert exportdir.format_version(exportdir.read_meta(root)) == exportdir.FORMAT_VERSION == 2
+    exportdir.write_meta(root, {**META, "format_version": exportdir.FORMAT_VERSION + 1})
+    with pytest.raises(ConfigError, match=r"is export format 3; this checkout reads formats 1-2: update it, or "
+                                          r"re-export the run with this checkout's `make export`"):
+        exportdir.read_meta(root)

@@ -1,0 +1,110 @@
+"""The decode program of export format 2: one token per sequence, over weights fused at export.
+
+Same inputs and outputs as CachedLlamaStep(with_past=True) (export/programs.py lists them), about half its ops: at
+batch 1 a decode step is Paddle Inference running the program, ~6 us an op on CPU, so the op count sets the time per
+token. What changes against the layer-by-layer step (the tiny model: 267 ops -> 140, 3 of them the
+identity scales paddle.jit.save appends to each output):
+- q, k and v are one matmul, the gate and up projections one (their weights concatenated at export);
+- each RMSNorm's weight is folded into the matmul after it, and 1/sqrt(head_dim) into the query columns;
+- the fused q/k/v columns are ordered by key/value head (its n query heads, its key, its value), so one reshape and
+  one split give the query in attention's grouped layout and the key and value in the cache's layout;
+- rotary runs once on all of q/k/v: its table holds cos 1 / sin 0 for the value rows, broadcast over the heads (no
+  expand_as), looked up once per step (cos and sin in one row);
+- the mean of squares is a matmul with 1/H that adds eps (addmm), the residual adds are the o/down matmuls' addmm;
+- no float32 -> float32 casts; the hidden state is [B, H] (T = 1), gathered from the embedding at once.
+The arithmetic is the same up to rounding; export's parity gates compare the program with the dynamic model.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+import core  # noqa: F401  (zlib before paddle)
+import paddle  # noqa: E402
+
+from model.llama import MASKED, signed_sin  # noqa: E402
+
+
+def _weight(layer) -> np.ndarray:
+    return layer.weight.numpy()
+
+
+class FusedDecodeStep(paddle.nn.Layer):
+    """decode (input_ids [B,1], position_ids [B,1], key_mask [B,P+1], past_keys_0..L-1, past_values_0..L-1) ->
+    logits [B,V], new_keys [L,B,Hkv,1,D], new_values [L,B,Hkv,1,D], as CachedLlamaStep(model, with_past=True)."""
+
+    def __init__(self, model):
+        super().__init__()
+        cfg = model.config
+        llama = model.llama
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.group = self.heads // self.kv_heads  # query heads per key/value head
+        self.head_dim = d = cfg.hidden_size // cfg.num_attention_heads
+        self.hidden = h = cfg.hidden_size
+        self.intermediate = cfg.intermediate_size
+        self.layers = len(llama.layers)
+
+        def param(name: str, value: np.ndarray):
+            tensor = self.create_parameter(list(value.shape), dtype="float32",
+                                           default_initializer=paddle.nn.initializer.Assign(value.astype("float32")))
+            self.add_parameter(name, tensor)
+            return tensor
+
+        self.embedding = param("embedding", _weight(llama.embed_tokens))
+        self.mean_weight = param("mean_weight", np.full([h, 1], 1.0 / h, "float32"))
+        self.eps = param("eps", np.full([1], cfg.rms_norm_eps, "float32"))
+        self.qkv, self.o, self.gate_up, self.down = [], [], [], []
+        for index, layer in enumerate(llama.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            norm = layer.input_layernorm.weight.numpy()[:, None]
+            q = (norm * _weight(attn.q_proj) / math.sqrt(d)).reshape(h, self.kv_heads, self.group, d)
+            k = (norm * _weight(attn.k_proj)).reshape(h, self.kv_heads, 1, d)
+            v = (norm * _weight(attn.v_proj)).reshape(h, self.kv_heads, 1, d)
+            self.qkv.append(param(f"qkv_{index}", np.concatenate([q, k, v], axis=2).reshape(h, -1)))
+            self.o.append(param(f"o_{index}", _weight(attn.o_proj)))
+            norm = layer.post_attention_layernorm.weight.numpy()[:, None]
+            self.gate_up.append(param(f"gate_up_{index}",
+                                      norm * np.concatenate([_weight(mlp.gate_proj), _weight(mlp.up_proj)], axis=1)))
+            self.down.append(param(f"down_{index}", _weight(mlp.down_proj)))
+        head = _weight(model.lm_head)
+        head = head if head.shape[0] == h else head.T  # ([hidden, vocab]; a transposed head stores [vocab, hidden])
+        self.lm_head = param("lm_head", llama.norm.weight.numpy()[:, None] * head)
+        # rotary (the tables of CachedLlamaStep): per position, one row per slot of a key/value head's group
+        # (n query heads, the key: rotated; the value: cos 1, sin 0)
+        inv_freq = 1.0 / (10000 ** (np.arange(0, d, 2, dtype="float32") / d))
+        freqs = np.arange(cfg.max_position_embeddings, dtype="float32")[:, None] * inv_freq[None, :]
+        emb = paddle.to_tensor(np.concatenate([freqs, freqs], axis=-1))
+        cos, sin = emb.cos().numpy(), signed_sin(emb.sin()).numpy()
+        rotated = self.group + 1
+        rows = len(cos)
+        self.rotary_table = param("rotary_table", np.concatenate([  # [position, (cos | sin) x slot x D]
+            np.concatenate([np.repeat(cos[:, None], rotated, 1), np.ones_like(cos)[:, None]], axis=1),
+            np.concatenate([np.repeat(sin[:, None], rotated, 1), np.zeros_like(sin)[:, None]], axis=1)],
+            axis=1).reshape(rows, -1))
+
+    def _normalise(self, x):
+        """x * rsqrt(mean(x^2) + eps), the RMSNorm without its weight (folded into the next matmul)."""
+        return paddle.rsqrt(paddle.addmm(self.eps, paddle.square(x), self.mean_weight)) * x
+
+    def forward(self, input_ids, position_ids, key_mask, past_keys, past_values):
+        slots, d = self.group + 2, self.head_dim
+        hidden = paddle.gather(self.embedding, input_ids)  # [B, H] (ids [B, 1])
+        cos, sin = paddle.split(paddle.gather(self.rotary_table, position_ids).reshape([-1, 2, slots, d]), 2, axis=1)
+        bias = paddle.scale(key_mask, -MASKED, MASKED).unsqueeze([1, 2])  # [B, 1, 1, P+1]: 0 real, MASKED pad
+        keys_out, values_out = [], []
+        for index in range(self.layers):
+            qkv = paddle.matmul(self._normalise(hidden), self.qkv[index]).reshape([-1, self.kv_heads, slots, d])
+            qkv = qkv * cos + paddle.roll(qkv, d // 2, axis=-1) * sin
+            q, k, v = paddle.split(qkv, [self.group, 1, 1], axis=2)  # [B, Hkv, n, D], [B, Hkv, 1, D] x 2
+            keys_out.append(k)
+            values_out.append(v)
+            scores = paddle.concat([paddle.matmul(q, past_keys[index], transpose_y=True),
+                                    paddle.matmul(q, k, transpose_y=True)], axis=-1)  # [B, Hkv, n, P+1]
+            past, new = paddle.split(paddle.nn.functional.softmax(scores + bias, axis=-1), [-1, 1], axis=-1)
+            context = (paddle.matmul(past, past_values[index]) + new * v).reshape([-1, self.heads * d])
+            hidden = paddle.addmm(hidden, context, self.o[index])
+            gate, up = paddle.split(paddle.matmul(self._normalise(hidden), self.gate_up[index]), 2, axis=-1)
+            hidden = paddle.addmm(hidden, paddle.nn.functional.silu(gate) * up, self.down[index])
+        logits = paddle.matmul(self._normalise(hidden), self.lm_head)
+        return logits, paddle.stack(keys_out), paddle.stack(values_out)
