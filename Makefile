@@ -121,7 +121,7 @@ doctor: $(STAMP)
 	$(PY) -m pipeline doctor --config $(CONFIG) $(ARGS)
 
 bench: $(STAMP)
-	$(PY) -m bench $(if $(PEERS),--peers $(PEERS)) $(if $(MODEL),--export $(MODEL)) $(ARGS)
+	$(PY) -m bench $(if $(FULL),--full) $(if $(PEERS),--peers $(PEERS)) $(if $(MODEL),--export $(MODEL)) $(ARGS)
 
 mlflow-server: $(STAMP)
 	$(PY) -m pipeline mlflow-server

@@ -1,5 +1,6 @@
-"""`python -m bench [--quick] [--out DIR] [--sections ...] [--export DIR]` (`make bench`): the benchmark suite,
-bench/suite.py.
+"""`python -m bench [--quick] [--full] [--out DIR] [--sections ...] [--export DIR]` (`make bench`, `make bench
+FULL=1`): the benchmark suite, bench/suite.py. Without --full (or --sections) the sections a person runs in 15 minutes
+or less; each section says how long it takes before it starts.
 
 A stopped bench leaves nothing behind: SIGTERM or SIGINT (a scheduler's time limit, Ctrl-C) unwinds it, so every
 server it started is stopped and every child process it waits on is killed; when `make` itself is killed, this
@@ -35,11 +36,16 @@ def stop_leftovers(out) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bench import suite
+
     p = argparse.ArgumentParser(prog="python -m bench", description="benchmark suite (reports/bench/bench.{json,md}, "
                                                                     "MLflow experiment bench)")
     p.add_argument("--quick", action="store_true", help="tiny settings: checks the harness, not the machine")
     p.add_argument("--out", default="", help="output directory (default reports/bench)")
-    p.add_argument("--sections", default="", help="comma-separated subset of: runtime, scaling, serving, generate, data, gateway")
+    p.add_argument("--sections", default="", help="comma-separated subset of: " + ", ".join(suite.SECTIONS))
+    p.add_argument("--full", action="store_true", help="every section (the layouts' training, runtime settings, data, "
+                                                       "gateway too: ~40 min); without it " + ", ".join(suite.DEFAULT_SECTIONS)
+                                                       + " (~15 min)")
     p.add_argument("--export", default="", help="serve and generate with this export directory (or models:/<name>/"
                                                 "<version|@alias>) instead of training and exporting one (the serving "
                                                 "and generate sections, and the peers)")
@@ -47,10 +53,10 @@ def main(argv: list[str] | None = None) -> int:
                                                "(opt-in, each in its own environment): vllm")
     args = p.parse_args(argv)
     from core.processes import die_with_parent
-    from bench import suite
 
     # (peers alone, unless sections are named: `make bench PEERS=vllm` is the comparison, not the whole suite)
-    sections = tuple(s for s in args.sections.split(",") if s) or (() if args.peers else suite.SECTIONS)
+    sections = tuple(s for s in args.sections.split(",") if s) or (
+        suite.SECTIONS if args.full else () if args.peers else suite.DEFAULT_SECTIONS)
     unknown = set(sections) - set(suite.SECTIONS)
     if unknown:
         p.error(f"unknown section(s) {', '.join(sorted(unknown))}; choose from {', '.join(suite.SECTIONS)}")

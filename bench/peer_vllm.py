@@ -64,7 +64,7 @@ def ensure_env(lock: Path = LOCK, log=print) -> Path:
     shutil.rmtree(root, ignore_errors=True)
     log(f"[bench] building the vLLM peer's environment in {root} (once; a few minutes)")
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
-    subprocess.run([str(python), "-m", "ensurepip", "-q"], check=True)
+    subprocess.run([str(python), "-m", "ensurepip"], check=True, stdout=subprocess.DEVNULL)  # (it has no -q)
     subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "-r", str(lock)], check=True)
     subprocess.run([str(python), "-c", "import vllm; from transformers import LlamaForCausalLM"], check=True)
     (root / "READY").write_text(lock.read_text())

@@ -202,9 +202,11 @@ def stream_ttft(state: dict, model: str, clients: int, duration_s: float, max_to
 
     answers, errors, elapsed = closed_loop(clients, duration_s, requests.Session, ask, requests.RequestException)
     first, total = [a[0] for a in answers], [a[1] for a in answers]
+    # inter-token latency as the client sees it: after the first token, the answer's time per further token
+    itl = [(a[1] - a[0]) / (a[2] - 1) for a in answers if a[2] > 1]
     ms = lambda values, q: float(np.percentile(values, q) * 1000) if values else 0.0  # noqa: E731
     return {"clients": clients, "requests": len(first), "errors": len(errors), "ttft_p50_ms": ms(first, 50),
-            "ttft_p99_ms": ms(first, 99), "latency_p50_ms": ms(total, 50),
+            "ttft_p99_ms": ms(first, 99), "latency_p50_ms": ms(total, 50), "itl_p50_ms": ms(itl, 50),
             "tokens_per_s": sum(a[2] for a in answers) / elapsed}
 
 
@@ -254,10 +256,10 @@ def markdown(sv: dict) -> list[str]:
              f"{s['openai_overhead_p50_ms']:.1f})."]
     if c.get("streaming"):
         lines += ["", "Streaming on the OpenAI route (`stream: true`, closed-loop clients, time to the first chunk "
-                      "with text as the client sees it):", "", "| clients | TTFT p50 / p99 ms | latency p50 ms | "
-                      "errors |", "|---|---|---|---|"]
-        lines += [f"| {r['clients']} | {r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f} | {r['latency_p50_ms']:.1f} | "
-                  f"{r['errors']} |" for r in c["streaming"]]
+                      "with text as the client sees it; inter-token: the time per token after the first):", "",
+                  "| clients | TTFT p50 / p99 ms | inter-token p50 ms | latency p50 ms | errors |", "|---|---|---|---|---|"]
+        lines += [f"| {r['clients']} | {r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f} | {r.get('itl_p50_ms', 0):.2f} | "
+                  f"{r['latency_p50_ms']:.1f} | {r['errors']} |" for r in c["streaming"]]
     lines += ["", "| clients | continuous tokens/s (vs 1 client) | static tokens/s | TTFT p50 / p99 ms (cont.) | "
                   "per-token p50 / p99 ms (cont.) | TTFT p50 / p99 ms (static) | errors cont. / static |",
               "|---|---|---|---|---|---|---|"]

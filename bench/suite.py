@@ -125,7 +125,20 @@ print("BARE", json.dumps(out.metrics))
     return json.loads(line[5:])["train_runtime"] / steps
 
 
-SECTIONS = ("runtime", "scaling", "serving", "generate", "data", "gateway")  # (serving and generate serve the scaling run's export)
+SECTIONS = ("runtime", "scaling", "decode", "sizes", "serving", "generate", "data", "gateway")
+# `make bench` without FULL=1: the figures a person asks of this machine, in 15 minutes or less; serving and generate
+# serve the default model's latest registered version, or a single run trained and exported for them
+DEFAULT_SECTIONS = ("decode", "sizes", "serving", "generate")
+# Minutes each section took here (2 cores, `make bench` and FULL=1; the layouts' training is `scaling`), announced
+# before it starts: "training + export" is the single run the serving sections need when no model is registered.
+MINUTES = {"runtime": 9, "scaling": 12, "training + export": 1.5, "decode": 1, "sizes": 4.5, "serving": 4,
+           "generate": 2, "data": 3, "gateway": 3, "vllm peer": 10}
+
+
+def announce(section: str, quick: bool) -> None:
+    """One line before a section starts, saying how long it takes (quick: the harness check, under a minute)."""
+    took = "under a minute (--quick)" if quick else f"about {MINUTES[section]:g} min"
+    print(f"[bench] {section}: {took}", flush=True)
 
 
 def out_dir(out: str | Path | None) -> Path:
@@ -142,10 +155,23 @@ def run(quick: bool = False, out: Path | None = None, sections: tuple[str, ...] 
     results: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "quick": quick,
                      "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}"}
     if "runtime" in sections:
+        announce("runtime", quick)
         results["runtime"] = runtime_trials(out, repeats=1 if quick else 3, steps=6 if quick else 16, quick=quick)
         for name, v in results["runtime"]["settings"].items():
             print(f"[bench] {name}: {v['tokens_per_s']['median']:.0f} tok/s ({v['speedup_vs_before']:.2f}x before), "
                   f"MFU {v['mfu']['median']:.1%}, peak {v['matmul_peak_gflops']['median']:.0f} GFLOP/s", flush=True)
+    if "decode" in sections:
+        from bench import decode_step
+
+        announce("decode", quick)
+        results["decode"] = decode_step.run(quick)
+    if "sizes" in sections:
+        from bench import size_sweep
+
+        announce("sizes", quick)
+        results["sizes"] = size_sweep.run(out, quick, _peer_python(peers))
+    if not export and "scaling" not in sections:
+        export = _registered_default()
     if export or (peers and not {"scaling", "serving", "generate", "gateway"} & set(sections)):
         # (an export given -- a directory or models:/..., as make serve takes -- or only the peers, against the
         # default model's latest registered version: serve and generate with it, nothing trained)
@@ -158,6 +184,8 @@ def run(quick: bool = False, out: Path | None = None, sections: tuple[str, ...] 
         _scaling_and_export(results, out, uri, quick, sections, peers)
     if "data" in sections:
         from bench import data_prep
+
+        announce("data", quick)
         results["data"] = data_prep.run(out, uri, quick)
     results.pop("runs", None)
     (out / "bench.json").write_text(json.dumps(results, indent=2))
@@ -167,25 +195,49 @@ def run(quick: bool = False, out: Path | None = None, sections: tuple[str, ...] 
     return results
 
 
+def _peer_python(peers: tuple[str, ...]) -> Path | None:
+    if "vllm" not in peers:
+        return None
+    from bench.peer_vllm import ensure_env
+
+    return ensure_env()
+
+
+def _registered_default() -> str:
+    """The default model's latest registered version (what `make serve` serves), or "" when there is none."""
+    from core import registry
+    from core.config import load_config
+    from core.errors import ConfigError
+
+    try:
+        return str(registry.resolve(load_config(DEFAULT_CONFIG), ""))
+    except ConfigError:
+        return ""
+
+
 def _scaling_and_export(results: dict, out: Path, uri: str, quick: bool, sections: tuple[str, ...],
                         peers: tuple[str, ...] = ()) -> None:
-    """The layouts' runs, the plan against them, the step against a bare Trainer, checkpoint stalls; then the single
-    run's export, served (serving) and generated over a table (generate)."""
+    """The layouts' runs (only the single one when `scaling` is not asked for), the plan against them, the step
+    against a bare Trainer, checkpoint stalls; then the single run's export, served (serving) and generated over a
+    table (generate)."""
     steps = 6 if quick else 40
     stamp = time.strftime("%H%M%S")
-    scaling = _scaling(out, uri, steps, stamp, quick)
+    announce("scaling" if "scaling" in sections else "training + export", quick)
+    scaling = _scaling(out, uri, steps, stamp, quick, only_single="scaling" not in sections)
     results.update(scaling)
     if "runtime" in results:
         peak = list(results["runtime"]["settings"].values())[-1]["matmul_peak_gflops"]["median"]
         results["plan_vs_measured"] = plan_vs_measured(scaling["runs"], peak)
     single = scaling["runs"]["single"]
-    if not quick:  # (the runtime trials already compare the project's step with a bare loop)
+    if "scaling" not in sections:
+        results.pop("scaling")
+    if not quick and "scaling" in sections:  # (the runtime trials already compare the project's step with a bare loop)
         bare = bare_trainer_step_time(Path(single["run_dir"]), steps)
         ours = single["train_runtime_s"] / steps
         results["pipeline_overhead"] = {"ours_step_s": ours, "bare_trainer_step_s": bare, "ratio": ours / bare,
                                         "ours_includes": "eval + checkpoint at the last step, MLflow logging"}
         print(f"[bench] step: ours {ours * 1000:.1f} ms vs bare Trainer {bare * 1000:.1f} ms", flush=True)
-    if not quick:  # (tests/integration/test_resume.py asserts the async pause; this measures it against sync)
+    if not quick and "scaling" in sections:  # (tests/integration/test_resume.py asserts the async pause; this measures it against sync)
         results["checkpoints"] = checkpoint_stall(out, uri, stamp)
     t0 = time.perf_counter()
     meta = _export(single["run_id"], uri)
@@ -199,23 +251,27 @@ def _serve_and_generate(results: dict, export_dir: Path, out: Path, quick: bool,
     from bench import batch_generate, serving_load
 
     if "serving" in sections:
+        announce("serving", quick)
         results["serving"] = serving_load.run(export_dir, out, quick)
     if "generate" in sections:
+        announce("generate", quick)
         results["generate"] = batch_generate.run(export_dir, out, quick)
     if "gateway" in sections:
         from bench import gateway_load
 
+        announce("gateway", quick)
         results["gateway"] = gateway_load.run(export_dir, out, quick)
     if "vllm" in peers:  # (opt-in: its own environment, bench/peer_vllm.py)
         from bench import peer_vllm
 
+        announce("vllm peer", quick)
         results["peer_vllm"] = peer_vllm.run(export_dir, out, quick)
 
 
-def _scaling(out: Path, uri: str, steps: int, stamp: str, quick: bool) -> dict:
+def _scaling(out: Path, uri: str, steps: int, stamp: str, quick: bool, only_single: bool = False) -> dict:
     """Tokens/s of every CPU layout against single on the same global batch (8); per pipeline schedule the measured
     idle fraction next to the analytic bubble; semi-automatic next to manual parallel (tokens/s, peak memory)."""
-    layouts = {k: LAYOUTS[k] for k in ("single", "dp2")} if quick else LAYOUTS
+    layouts = {k: LAYOUTS[k] for k in (("single",) if only_single else ("single", "dp2") if quick else LAYOUTS)}
     runs = {}
     for name, overrides in layouts.items():
         runs[name] = train_run(f"{name}-{stamp}", [*overrides, f"training.max_steps={steps}",
@@ -471,7 +527,10 @@ def _stage_sections(r: dict) -> list[str]:
     """The serving and data sections, as their own modules write them."""
     from bench import batch_generate, data_prep, serving_load
 
-    lines = serving_load.markdown(r["serving"]) if "serving" in r else []
+    from bench import decode_step, size_sweep
+
+    lines = decode_step.markdown(r.get("decode")) + size_sweep.markdown(r.get("sizes"))
+    lines += serving_load.markdown(r["serving"]) if "serving" in r else []
     if "generate" in r:
         lines += [""] + batch_generate.markdown(r["generate"])
     if "data" in r:

@@ -35,14 +35,15 @@ SETTINGS = {
 }
 
 
-def prepared_run(out: Path, overrides: list[str]):
-    """(config, run directory) of the default config with `overrides`, its data prepared, for trials to read."""
+def prepared_run(out: Path, overrides: list[str], name: str = "runtime-run"):
+    """(config, run directory `out/name`) of the default config with `overrides`, its data prepared, for trials to
+    read."""
     import shutil
 
     from core.config import DEFAULT_CONFIG, load_config
     from training.data import for_run
 
-    run_dir = out / "runtime-run"
+    run_dir = out / name
     shutil.rmtree(run_dir, ignore_errors=True)
     config = load_config(DEFAULT_CONFIG, overrides)
     run_dir.mkdir(parents=True)

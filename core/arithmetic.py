@@ -60,6 +60,14 @@ def flops_per_token(config, vocab_size: int | None = None) -> float:
     return 6 * weights + 12 * m.num_layers * m.hidden_size * config.training.seq_length
 
 
+def decode_flops_per_token(config, vocab_size: int | None, past: int) -> float:
+    """FLOPs of generating one token over `past` cached positions: 2 N' (a multiply-add per weight, N' without the
+    input embedding) + 4 L h P (the scores and the weighted values)."""
+    m = config.model
+    weights = parameters(config, vocab_size) - embedding_parameters(config, vocab_size)
+    return 2 * weights + 4 * m.num_layers * m.hidden_size * past
+
+
 def recompute_flops_per_token(config, layout) -> float:
     """The extra forward recompute costs per trained token: full = the whole forward (2N), full_attn = the
     attention weights' forward (2 N_attn) and scores (4 L s h), core_attn = the scores only (4 L s h)."""

@@ -33,20 +33,64 @@ def save_full_sequence(model, export_dir: Path) -> None:
 
 def save_programs(model, export_dir: Path) -> None:
     """prefill.pdmodel / decode.pdmodel (+ .pdiparams) next to the full-sequence graph."""
-    cfg = model.config
-    layers, kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
+    ids, positions, mask, cache = _specs(model.config)
+    _save(CachedLlamaStep(model, False), [ids, positions, mask], export_dir / exportdir.PREFILL_PREFIX)
+    save_decode(model, export_dir / exportdir.DECODE_PREFIX)
+
+
+def save_decode(model, prefix: Path, fused: bool = True) -> None:
+    """The decode program at `prefix`: export format 2's fused step, or (fused=False, the bench's before) format
+    1's layer-by-layer CachedLlamaStep with the same inputs and outputs."""
+    _, _, mask, cache = _specs(model.config)
+    one = [paddle.static.InputSpec([None, 1], "int64", name) for name in (exportdir.FEED_NAME, exportdir.POSITIONS_NAME)]
+    _save(FusedDecodeStep(model) if fused else CachedLlamaStep(model, True), [*one, mask, *cache], prefix)
+    if fused:
+        drop_identity_outputs(prefix)
+
+
+def drop_identity_outputs(prefix: Path) -> int:
+    """Remove the `scale(x, 1.0)` paddle.static.save_inference_model appends to every output
+    (`save_infer_model/scale_<i>`, so that pruning keeps an activation's output: paddle/static/io.py, whose TODO asks
+    for "an IR pass to remove 1-scale op"). Pruning is over once the program is saved; the fetch then reads the
+    op's input. Three ops of a decode step that copy the logits and the new keys and values; returns how many went."""
+    from paddle.base.proto import framework_pb2
+
+    path = Path(f"{prefix}.pdmodel")
+    program = framework_pb2.ProgramDesc.FromString(path.read_bytes())
+    ops = program.blocks[0].ops
+    source = {}
+    for op in ops:
+        attrs = {a.name: a for a in op.attrs}
+        outputs = [name for o in op.outputs for name in o.arguments]
+        if (op.type == "scale" and len(outputs) == 1 and outputs[0].startswith("save_infer_model/scale_")
+                and attrs["scale"].f == 1.0 and attrs["bias"].f == 0.0):
+            source[outputs[0]] = next(name for i in op.inputs if i.parameter == "X" for name in i.arguments)
+    for op in ops:
+        if op.type == "fetch":
+            for i in op.inputs:
+                i.arguments[:] = [source.get(name, name) for name in i.arguments]
+    kept = [op for op in ops if not (op.type == "scale" and any(name in source for o in op.outputs
+                                                                  for name in o.arguments))]
+    del ops[:]
+    ops.extend(kept)
+    path.write_bytes(program.SerializeToString())
+    return len(source)
+
+
+def _specs(cfg) -> tuple:
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     ids = paddle.static.InputSpec([None, None], "int64", exportdir.FEED_NAME)
     positions = paddle.static.InputSpec([None, None], "int64", exportdir.POSITIONS_NAME)
     mask = paddle.static.InputSpec([None, None], "float32", exportdir.KEY_MASK_NAME)
-    cache = [[paddle.static.InputSpec([None, kv_heads, None, head_dim], "float32", exportdir.past_input(kind, layer))
-              for layer in range(layers)] for kind in exportdir.PAST_KINDS]
-    one = [paddle.static.InputSpec([None, 1], "int64", name) for name in (exportdir.FEED_NAME, exportdir.POSITIONS_NAME)]
-    for prefix, step, spec in ((exportdir.PREFILL_PREFIX, CachedLlamaStep(model, False), [ids, positions, mask]),
-                               (exportdir.DECODE_PREFIX, FusedDecodeStep(model), [*one, mask, *cache])):
-        step.eval()
-        static = paddle.jit.to_static(step, input_spec=spec, full_graph=True)
-        paddle.jit.save(static, str(export_dir / prefix))
+    cache = [[paddle.static.InputSpec([None, cfg.num_key_value_heads, None, head_dim], "float32",
+                                      exportdir.past_input(kind, layer)) for layer in range(cfg.num_hidden_layers)]
+             for kind in exportdir.PAST_KINDS]
+    return ids, positions, mask, cache
+
+
+def _save(step, spec: list, prefix: Path) -> None:
+    step.eval()
+    paddle.jit.save(paddle.jit.to_static(step, input_spec=spec, full_graph=True), str(prefix))
 
 
 def op_count(prefix: Path) -> int:

@@ -2,14 +2,14 @@
 
 Same inputs and outputs as CachedLlamaStep(with_past=True) (export/programs.py lists them), about half its ops: at
 batch 1 a decode step is Paddle Inference running the program, ~6 us an op on CPU, so the op count sets the time per
-token. What changes against the layer-by-layer step (the tiny model: 267 ops -> 140, 3 of them the
-identity scales paddle.jit.save appends to each output):
+token. What changes against the layer-by-layer step (the tiny model: 267 ops -> 139; export/programs.py also
+drops the identity scale paddle.jit.save appends to each output):
 - q, k and v are one matmul, the gate and up projections one (their weights concatenated at export);
 - each RMSNorm's weight is folded into the matmul after it, and 1/sqrt(head_dim) into the query columns;
 - the fused q/k/v columns are ordered by key/value head (its n query heads, its key, its value), so one reshape and
   one split give the query in attention's grouped layout and the key and value in the cache's layout;
-- rotary runs once on all of q/k/v: its table holds cos 1 / sin 0 for the value rows, broadcast over the heads (no
-  expand_as), looked up once per step (cos and sin in one row);
+- rotary runs once on all of q/k/v: its table holds cos 1 / sin 0 for the value rows, looked up (cos and sin in one
+  row) and expanded over the heads once a step, not per layer;
 - the mean of squares is a matmul with 1/H that adds eps (addmm), the residual adds are the o/down matmuls' addmm;
 - no float32 -> float32 casts; the hidden state is [B, H] (T = 1), gathered from the embedding at once.
 The arithmetic is the same up to rounding; export's parity gates compare the program with the dynamic model.
@@ -95,6 +95,8 @@ class FusedDecodeStep(paddle.nn.Layer):
         keys_out, values_out = [], []
         for index in range(self.layers):
             qkv = paddle.matmul(self._normalise(hidden), self.qkv[index]).reshape([-1, self.kv_heads, slots, d])
+            if index == 0:  # (once a step: same-shape multiplies after; broadcasting over the heads, a middle axis,
+                cos, sin = cos.expand_as(qkv), sin.expand_as(qkv)  # takes Paddle's generic loop, 15% at batch 256)
             qkv = qkv * cos + paddle.roll(qkv, d // 2, axis=-1) * sin
             q, k, v = paddle.split(qkv, [self.group, 1, 1], axis=2)  # [B, Hkv, n, D], [B, Hkv, 1, D] x 2
             keys_out.append(k)
