@@ -232,6 +232,7 @@ def summarise(gen: dict, serve: dict, logits_error: float, rounds: int, rows: in
             row[who] = {"tokens_per_s": spread([t["tokens_per_s"] for t in trials]),
                         "ttft_p50_ms": statistics.median(t["ttft_p50_ms"] for t in trials),
                         "ttft_p99_ms": statistics.median(t["ttft_p99_ms"] for t in trials),
+                        "itl_p50_ms": statistics.median(t.get("itl_p50_ms", 0.0) for t in trials),
                         "errors": sum(t["errors"] for t in trials), "requests": sum(t["requests"] for t in trials)}
         row["ratio"] = row["ours"]["tokens_per_s"]["median"] / max(row["vllm"]["tokens_per_s"]["median"], 1e-9)
         row["ratio_by_round"] = [a[i]["tokens_per_s"] / max(b[i]["tokens_per_s"], 1e-9)
@@ -257,13 +258,14 @@ def markdown(r: dict) -> list[str]:
              f"| ratio | **{g['ratio']:.2f}x** (rounds: {_ratios(g)}) |", "",
              *peer_torch.markdown(r.get("training")),
              "| clients | ours tokens/s | vLLM tokens/s | ratio (rounds) | TTFT p50 ms ours / vLLM | TTFT p99 ms ours / "
-             "vLLM | errors ours / vLLM |", "|---|---|---|---|---|---|---|"]
+             "vLLM | inter-token p50 ms ours / vLLM | errors ours / vLLM |", "|---|---|---|---|---|---|---|---|"]
     for p in r["serving"]:
         o, v = p["ours"], p["vllm"]
         lines.append(f"| {p['clients']} | {fmt(o['tokens_per_s'])} | {fmt(v['tokens_per_s'])} | **{p['ratio']:.2f}x** "
                      f"({_ratios(p)}) | "
                      f"{o['ttft_p50_ms']:.0f} / {v['ttft_p50_ms']:.0f} | {o['ttft_p99_ms']:.0f} / "
-                     f"{v['ttft_p99_ms']:.0f} | {o['errors']} / {v['errors']} |")
+                     f"{v['ttft_p99_ms']:.0f} | {o.get('itl_p50_ms', 0):.2f} / {v.get('itl_p50_ms', 0):.2f} | "
+                     f"{o['errors']} / {v['errors']} |")
     return lines
 
 
