@@ -65,9 +65,11 @@ def test_checkpoints_outlive_the_store_failing_and_the_disk(s3, tmp_path, monkey
         run.wait(timeout=60)
     steps = _complete(store)
     assert max(steps) < MAX_STEPS, "the run ended before the node was lost: nothing left to resume"
-    # a checkpoint complete in the store holds every file of the local one (the newest that this disk still keeps:
-    # local retention may have removed an older one once it was uploaded)
-    both = max(s for s in steps if (run_dir / "checkpoints" / f"checkpoint-{s}").is_dir())
+    # a checkpoint complete in the store holds every file of the local one (the newest that this disk still keeps
+    # whole: local retention may have removed an older one once it was uploaded, and the node may have been killed
+    # while retention was removing one -- it unlinks the completion marker first, so a half-removed directory has
+    # none: CI once compared the store with the two files left of one)
+    both = max(s for s in steps if (run_dir / "checkpoints" / f"checkpoint-{s}" / "checkpoint_complete.json").is_file())
     local = {p.relative_to(run_dir / "checkpoints" / f"checkpoint-{both}").as_posix()
              for p in (run_dir / "checkpoints" / f"checkpoint-{both}").rglob("*") if p.is_file()}
     prefix = f"{checkpoint_store.checkpoints_prefix(store, 'cut')}/checkpoint-{both}/"
