@@ -142,7 +142,11 @@ class Store:
         try:
             self.client.head_bucket(Bucket=self.bucket)
         except ClientError:
-            self.client.create_bucket(Bucket=self.bucket)
+            try:
+                self.client.create_bucket(Bucket=self.bucket)
+            except ClientError as exc:  # (two nodes starting at once: the other one's create came first)
+                if exc.response.get("Error", {}).get("Code") != "BucketAlreadyOwnedByYou":
+                    raise
 
     def upload_file(self, local: Path, key: str) -> None:
         self.client.upload_file(str(local), self.bucket, key)

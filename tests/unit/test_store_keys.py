@@ -22,3 +22,30 @@ def test_a_store_signs_with_the_credentials_of_its_time(monkeypatch):
     store = Store("s3://bucket")
     assert store.client._request_signer._credentials.access_key == "second"
     assert store.client.meta.endpoint_url == "http://127.0.0.1:9"
+
+
+def test_two_nodes_creating_the_bucket_at_once_both_go_on_and_other_errors_still_fail():
+    """Two nodes of one run start together: both find no bucket and both create it; the second create is answered
+    BucketAlreadyOwnedByYou (SeaweedFS did, and the node ended with exit code 2: a clean-clone CI failure). Any other
+    refusal is still an error."""
+    import pytest
+    from botocore.exceptions import ClientError
+
+    class Client:
+        def __init__(self, code):
+            self.code, self.created = code, 0
+
+        def head_bucket(self, Bucket):
+            raise ClientError({"Error": {"Code": "404"}}, "HeadBucket")
+
+        def create_bucket(self, Bucket):
+            self.created += 1
+            raise ClientError({"Error": {"Code": self.code}}, "CreateBucket")
+
+    store = Store("s3://pipeline/apart")
+    store.client = Client("BucketAlreadyOwnedByYou")
+    store.ensure_bucket()
+    assert store.client.created == 1
+    store.client = Client("AccessDenied")
+    with pytest.raises(ClientError, match="AccessDenied"):
+        store.ensure_bucket()
