@@ -16,7 +16,7 @@ from bench import between_trials, spread
 
 BATCHES = (1, 8, 64, 256)
 PAST = 64
-DEFAULT_VOCAB = 4608  # (the default corpus's vocabulary, as `make all` builds it; the served export's when there is one)
+DEFAULT_VOCAB = 4608  # (the default corpus's vocabulary as `make all` builds it; not read from the served export)
 
 
 def random_model(hidden: int, layers: int, heads: int, intermediate: int, vocab: int, max_positions: int,
