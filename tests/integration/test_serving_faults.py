@@ -279,9 +279,10 @@ def _bench(exported, out, **popen) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
 
 
-def _bench_server(out, proc) -> dict:
-    """The state of the server this bench (`proc`, make or the bench) started, once it answers. A server.json of any
-    other server is passed over: one that drained and exited after its bench was killed leaves its state behind."""
+def _bench_server(out, proc, ready: bool = True) -> dict:
+    """The state of the server this bench (`proc`, make or the bench) started, once it answers (`ready`), or once it
+    is started. A server.json of any other server is passed over: one that drained and exited after its bench was
+    killed leaves its state behind."""
     from core.processes import descendants
 
     state_file = out / "serving-static" / "server.json"
@@ -291,7 +292,7 @@ def _bench_server(out, proc) -> dict:
             state = json.loads(state_file.read_text())
         except (OSError, ValueError):
             return False
-        return "ready_after_s" in state and state["pid"] in descendants(proc.pid)
+        return ("ready_after_s" in state or not ready) and state["pid"] in descendants(proc.pid)
 
     assert wait_until(up, 180, 0.1, alive=proc, context=lambda: proc.stdout.read()[-3000:]), "no server started"
     return json.loads(state_file.read_text())
@@ -305,17 +306,27 @@ def _left(out, state) -> list:
         state[k] for k in ("http_port", "rpc_port", "api_port", "metrics_port") if port_in_use(state[k])]
 
 
-def _still_serving(out) -> dict:
+def _log_sizes(out) -> dict:
+    return {log: log.stat().st_size for log in out.glob("serving-*/server.log")}
+
+
+def _still_serving(out, since: dict) -> dict:
     """The bench's servers that run and were not asked to stop (a SIGKILL can land while the bench stops one: that
-    one drains and exits by itself), by pid."""
+    one drains and exits by itself), by pid. `since`: each server.log's size before this bench began; the servers of
+    a state directory share its log, so only what this bench's servers wrote counts (an earlier, drained server's
+    "SIGTERM: draining" is not this one's: CI once lost all three tries to the first try's line)."""
     from serving import controller
 
     found = {}
     for state_dir in out.glob("serving-*"):
         state = controller.running(state_dir)
         log = state_dir / "server.log"
-        if state and "SIGTERM: draining" not in (log.read_text(errors="replace") if log.exists() else ""):
-            found[state["pid"]] = state
+        if not state or not log.exists():
+            continue
+        with open(log, "rb") as f:
+            f.seek(since.get(log, 0))
+            if b"SIGTERM: draining" not in f.read():
+                found[state["pid"]] = state
     return found
 
 
@@ -326,16 +337,18 @@ def _a_dead_pid() -> int:
 
 
 def _kill_bench_leaving_servers(exported, out) -> dict:
-    """SIGKILL to `make bench` and the bench (nothing can clean up) once its first server answers. The servers left
-    running, by pid; a kill that lands between one server's stop and the next one's start leaves none: tried again."""
+    """SIGKILL to `make bench` and the bench (nothing can clean up) once its first server has started: the window is
+    the server's start-up and its trials (in --quick, ~2 s of trials once it answers). The servers left running, by
+    pid; a kill that lands after the bench began to stop its server leaves none: tried again."""
     from core.processes import descendants, signal_pids
 
     for _ in range(3):
+        since = _log_sizes(out)
         proc = _bench(exported, out, start_new_session=True)
-        _bench_server(out, proc)
+        _bench_server(out, proc, ready=False)
         signal_pids([proc.pid, *descendants(proc.pid)][:2], signal.SIGKILL)  # (make and the bench: not the server)
         proc.wait(timeout=30)
-        left = _still_serving(out)
+        left = _still_serving(out, since)
         if left:
             return left
     raise AssertionError("three SIGKILLs of the bench left no server running")
@@ -351,6 +364,8 @@ def test_a_killed_bench_is_cleaned_up_next_time_and_a_stopped_one_leaves_nothing
     stale = out / "serving-static"  # what a server that drained after its bench's SIGKILL leaves: its pid is gone
     stale.mkdir(parents=True)
     (stale / "server.json").write_text(json.dumps({"pid": _a_dead_pid(), "ready_after_s": 1.0}))
+    (stale / "server.log").write_text("SIGTERM: draining 0 request(s) in flight (up to 20s)\n"
+                                      "drained: all requests in flight were answered\n")  # (and its log's last lines)
     left = _kill_bench_leaving_servers(exported, out)
     assert all(_left(out, state) for state in left.values()), "the server should outlive a SIGKILL of the bench"
     again = _bench(exported, out)
