@@ -20,7 +20,9 @@ DEFAULT_VOCAB = 4608  # (the default corpus's vocabulary as `make all` builds it
 
 
 def random_model(hidden: int, layers: int, heads: int, intermediate: int, vocab: int, max_positions: int,
-                 kv_heads: int = 0, seed: int = 0):
+                 kv_heads: int = 0, seed: int = 0, varied_norms: bool = False):
+    """A random Llama of this shape; `varied_norms`: its norm weights drawn from [0.5, 1.5) instead of all 1 (the
+    decode program folds them into its matmuls: tests/unit/test_export_programs.py checks that)."""
     import core  # noqa: F401  (zlib before paddle)
     import paddle
     from paddlenlp.transformers import LlamaConfig, LlamaForCausalLM
@@ -29,6 +31,10 @@ def random_model(hidden: int, layers: int, heads: int, intermediate: int, vocab:
     model = LlamaForCausalLM(LlamaConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads or heads, max_position_embeddings=max_positions))
+    if varied_norms:
+        for norm in [model.llama.norm, *(n for layer in model.llama.layers
+                                         for n in (layer.input_layernorm, layer.post_attention_layernorm))]:
+            norm.weight.set_value(paddle.rand(norm.weight.shape) + 0.5)
     model.eval()
     return model
 

@@ -5,30 +5,27 @@ import numpy as np
 
 import core  # noqa: F401  (zlib before paddle)
 import paddle  # noqa: E402
-from paddlenlp.transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from bench import decode_step  # noqa: E402
 from core import exportdir  # noqa: E402
 from export import gates, programs  # noqa: E402
 from serving.engine import kv_cache, runtime  # noqa: E402
 from serving.engine.kv_cache import DecodeCache  # noqa: E402
 
 
-def random_model(seed: int, **sizes):
-    """A random Llama whose norm weights are not all 1 (the decode program folds them into its matmuls)."""
-    paddle.seed(seed)
-    config = LlamaConfig(**sizes)
-    model = LlamaForCausalLM(config)
-    for norm in [model.llama.norm, *(n for layer in model.llama.layers
-                                     for n in (layer.input_layernorm, layer.post_attention_layernorm))]:
-        norm.weight.set_value(paddle.rand(norm.weight.shape) + 0.5)
-    model.eval()
-    return model, config
+def random_model(seed: int, vocab: int, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
+                 max_positions: int):
+    """A random Llama whose norm weights are not all 1 (the decode program folds them into its matmuls), and its
+    config."""
+    model = decode_step.random_model(hidden, layers, heads, intermediate, vocab, max_positions, kv_heads, seed,
+                                     varied_norms=True)
+    return model, model.config
 
 
 def exported_gqa_model(export_dir, seed: int):
     """A small random Llama with grouped-query attention, its cache programs saved in `export_dir`."""
-    model, config = random_model(seed, vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model, config = random_model(seed, vocab=96, hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2,
+                                 max_positions=64)
     programs.save_programs(model, export_dir)
     return model, config
 
@@ -45,10 +42,9 @@ def test_the_decode_program_of_the_default_model_runs_at_most_140_ops(tmp_path):
     from model.llama import CachedLlamaStep
 
     m = load_config(DEFAULT_CONFIG).model
-    model, config = random_model(5, vocab_size=512, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-                                 num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
-                                 num_key_value_heads=m.num_key_value_heads,
-                                 max_position_embeddings=m.max_position_embeddings)
+    model, config = random_model(5, vocab=512, hidden=m.hidden_size, intermediate=m.intermediate_size,
+                                 layers=m.num_layers, heads=m.num_attention_heads, kv_heads=m.num_key_value_heads,
+                                 max_positions=m.max_position_embeddings)
     programs.save_programs(model, tmp_path)
     prefix = tmp_path / exportdir.DECODE_PREFIX
     program = framework_pb2.ProgramDesc.FromString(prefix.with_suffix(".pdmodel").read_bytes())
