@@ -39,6 +39,11 @@ def endpoint() -> str | None:
     return os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("MLFLOW_S3_ENDPOINT_URL") or None
 
 
+def error_code(exc) -> str:
+    """The S3 error code of a botocore ClientError ("NoSuchKey", "PreconditionFailed", "404" ...), "" if none."""
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
 def describe(exc: BaseException) -> tuple[str, str]:
     """(kind, one line) for a failure of a store call. An HTTP 403 without a code (HEAD requests carry no body) is
     read as refused credentials only by the caller that knows; here it is `permission`."""
@@ -52,9 +57,8 @@ def describe(exc: BaseException) -> tuple[str, str]:
     if isinstance(exc, be.NoCredentialsError):
         return "auth", "no credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
     if isinstance(exc, be.ClientError):
-        error = exc.response.get("Error", {})
-        code, status = str(error.get("Code", "")), exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        text = f"{code}: {error.get('Message', '')}".rstrip(": ")
+        code, status = error_code(exc), exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        text = f"{code}: {exc.response.get('Error', {}).get('Message', '')}".rstrip(": ")
         if code in AUTH:
             return "auth", f"the credentials were refused ({text}); check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
         if code in PERMISSION or code == "403" or status == 403:
@@ -145,7 +149,7 @@ class Store:
             try:
                 self.client.create_bucket(Bucket=self.bucket)
             except ClientError as exc:  # (two nodes starting at once: the other one's create came first)
-                if exc.response.get("Error", {}).get("Code") != "BucketAlreadyOwnedByYou":
+                if error_code(exc) != "BucketAlreadyOwnedByYou":
                     raise
 
     def upload_file(self, local: Path, key: str) -> None:
@@ -176,7 +180,7 @@ class Store:
         try:
             return self.client.put_object(Bucket=self.bucket, Key=key, Body=data, **condition)["ETag"]
         except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in PRECONDITION:
+            if error_code(exc) in PRECONDITION:
                 return None
             raise
 
@@ -188,7 +192,7 @@ class Store:
             self.client.delete_object(Bucket=self.bucket, Key=key, IfMatch=etag)
             return True
         except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in (*PRECONDITION, *ABSENT):
+            if error_code(exc) in (*PRECONDITION, *ABSENT):
                 return False
             raise
 
@@ -204,7 +208,7 @@ class Store:
             answer = self.client.get_object(Bucket=self.bucket, Key=key)
             return answer["Body"].read(), answer["ETag"]
         except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in ABSENT:
+            if error_code(exc) in ABSENT:
                 return None
             raise
 
@@ -217,7 +221,7 @@ class Store:
                 page = self.client.list_objects_v2(Bucket=self.bucket, Prefix=prefix.rstrip("/") + "/",
                                                    **({"ContinuationToken": token} if token else {}))
             except ClientError as exc:
-                if exc.response.get("Error", {}).get("Code") == "NoSuchBucket":
+                if error_code(exc) == "NoSuchBucket":
                     return []
                 raise
             out += [item["Key"] for item in page.get("Contents", [])]
