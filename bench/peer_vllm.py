@@ -232,7 +232,7 @@ def summarise(gen: dict, serve: dict, logits_error: float, rounds: int, rows: in
             row[who] = {"tokens_per_s": spread([t["tokens_per_s"] for t in trials]),
                         "ttft_p50_ms": statistics.median(t["ttft_p50_ms"] for t in trials),
                         "ttft_p99_ms": statistics.median(t["ttft_p99_ms"] for t in trials),
-                        "itl_p50_ms": statistics.median(t.get("itl_p50_ms", 0.0) for t in trials),
+                        "itl_p50_ms": statistics.median(t["itl_p50_ms"] for t in trials),
                         "errors": sum(t["errors"] for t in trials), "requests": sum(t["requests"] for t in trials)}
         row["ratio"] = row["ours"]["tokens_per_s"]["median"] / max(row["vllm"]["tokens_per_s"]["median"], 1e-9)
         row["ratio_by_round"] = [a[i]["tokens_per_s"] / max(b[i]["tokens_per_s"], 1e-9)
@@ -264,7 +264,7 @@ def markdown(r: dict) -> list[str]:
         lines.append(f"| {p['clients']} | {fmt(o['tokens_per_s'])} | {fmt(v['tokens_per_s'])} | **{p['ratio']:.2f}x** "
                      f"({_ratios(p)}) | "
                      f"{o['ttft_p50_ms']:.0f} / {v['ttft_p50_ms']:.0f} | {o['ttft_p99_ms']:.0f} / "
-                     f"{v['ttft_p99_ms']:.0f} | {o.get('itl_p50_ms', 0):.2f} / {v.get('itl_p50_ms', 0):.2f} | "
+                     f"{v['ttft_p99_ms']:.0f} | {o['itl_p50_ms']:.2f} / {v['itl_p50_ms']:.2f} | "
                      f"{o['errors']} / {v['errors']} |")
     return lines
 

@@ -59,7 +59,7 @@ def test_rows_are_greedy_with_the_same_token_budget(tmp_path):
 
 def test_the_summary_takes_medians_over_rounds_and_same_run_ratios():
     point = lambda n, tps, ttft: {"clients": n, "tokens_per_s": tps, "ttft_p50_ms": ttft, "ttft_p99_ms": 2 * ttft,  # noqa: E731
-                                  "errors": 0, "requests": 10}
+                                  "itl_p50_ms": ttft / 10, "errors": 0, "requests": 10}
     gen = {"ours": [{"tokens_per_s": 900, "token_ids": [[1, 2], [3, 4], [5]]}, {"tokens_per_s": 1100},
                     {"tokens_per_s": 1000}],
            "vllm": [{"tokens_per_s": 500, "load_s": 40, "token_ids": [[1, 2], [3, 9], [5]]},
@@ -78,3 +78,5 @@ def test_the_summary_takes_medians_over_rounds_and_same_run_ratios():
     assert eight["ratio_by_round"] == [1.2, 1.0]
     assert "**2.00x** (rounds: 1.80 / 2.75 / 1.67)" in text
     assert "| 8 | 1100 [1000-1200] | 1000 [1000-1000] | **1.10x** (1.20 / 1.00) |" in text
+    assert one["ours"]["itl_p50_ms"] == 1.1 and eight["vllm"]["itl_p50_ms"] == 3.0  # (medians of 1.0/1.2, 2.5/3.5)
+    assert "| 25 / 30 | 50 / 60 | 2.50 / 3.00 | 0 / 0 |" in text
