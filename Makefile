@@ -6,7 +6,11 @@ VENV := .venv
 INSTALLED_DEVICE := $(patsubst $(VENV)/.installed-%,%,$(firstword $(wildcard $(VENV)/.installed-*)))
 DEVICE ?= $(or $(INSTALLED_DEVICE),cpu)
 CONFIG ?= configs/tiny.yaml
+# ARGS reaches the verbs through the environment, as one argument (--args "$ARGS"): the shell never splits, globs
+# or brace-expands it, so a value with spaces (gateway.split={a: 90, b: 10}) arrives whole; the CLI splits it
+# into words as a shell would and joins back the pieces of a value (pipeline/runner/cli.py)
 ARGS ?=
+export ARGS
 RESUME ?=
 DRY_RUN ?=
 PY := $(VENV)/bin/python
@@ -28,7 +32,7 @@ FORCE ?=
 # `make test` runs this many pytest-xdist workers: most tests wait on processes, servers and I/O part of the time
 TEST_WORKERS ?= 2
 
-.PHONY: setup doctor data train finetune evaluate promote export serve stop smoke reload generate all all-chat compare sweep bench plan test test-fast test-gpu-setup runs mlflow-ui mlflow-server mlflow-stop object-store object-store-stop gateway gateway-stop gateway-key gateway-usage visualdl visualdl-stop clean
+.PHONY: setup doctor data train finetune evaluate promote export serve stop smoke reload generate all all-chat compare sweep bench plan test test-fast test-packages test-gpu-setup runs mlflow-ui mlflow-server mlflow-stop object-store object-store-stop gateway gateway-stop gateway-key gateway-usage visualdl visualdl-stop clean
 setup: $(STAMP)
 
 # One environment from exact pins (requirements/lock.txt, verified to install and import together) plus the Paddle
@@ -42,32 +46,32 @@ $(STAMP): requirements/lock.txt requirements/paddle-$(DEVICE).txt $(if $(filter 
 
 # Prepare the corpus as token shards (reused by every run with the same corpus and settings; train runs it too).
 data: $(STAMP)
-	$(PY) -m pipeline data --config $(CONFIG) $(ARGS)
+	$(PY) -m pipeline data --config $(CONFIG) --args "$$ARGS"
 
 train: $(STAMP)
-	$(PY) -m pipeline train --config $(CONFIG) $(if $(RESUME),--resume $(RESUME)) $(if $(DRY_RUN),--dry-run) $(ARGS)
+	$(PY) -m pipeline train --config $(CONFIG) $(if $(RESUME),--resume $(RESUME)) $(if $(DRY_RUN),--dry-run) --args "$$ARGS"
 
 # Supervised fine-tuning (docs/finetune.md): make finetune [MODEL=<run id|checkpoint dir|models:/...>] [DATA=<file.jsonl>]
 # (default: LoRA on the built-in review task, from the best run of tiny-zh-llama); RESUME=<run> continues one.
 FINETUNE_CONFIG := $(if $(filter command line environment,$(origin CONFIG)),$(CONFIG),configs/tiny-chat.yaml)
 finetune: $(STAMP)
-	$(PY) -m pipeline finetune --config $(FINETUNE_CONFIG) $(if $(MODEL),--model $(MODEL)) $(if $(DATA),--data $(DATA)) $(if $(RESUME),--resume $(RESUME)) $(if $(DRY_RUN),--dry-run) $(ARGS)
+	$(PY) -m pipeline finetune --config $(FINETUNE_CONFIG) $(if $(MODEL),--model $(MODEL)) $(if $(DATA),--data $(DATA)) $(if $(RESUME),--resume $(RESUME)) $(if $(DRY_RUN),--dry-run) --args "$$ARGS"
 
 export: $(STAMP)
-	$(PY) -m pipeline export --config $(CONFIG) $(if $(RUN_ID),--run-id $(RUN_ID)) $(if $(METRIC),--metric $(METRIC)) $(if $(EXPERIMENT),--experiment $(EXPERIMENT)) $(ARGS)
+	$(PY) -m pipeline export --config $(CONFIG) $(if $(RUN_ID),--run-id $(RUN_ID)) $(if $(METRIC),--metric $(METRIC)) $(if $(EXPERIMENT),--experiment $(EXPERIMENT)) --args "$$ARGS"
 
 serve: $(STAMP)
-	$(PY) -m pipeline serve --config $(CONFIG) $(if $(MODEL),--model $(MODEL)) $(ARGS)
+	$(PY) -m pipeline serve --config $(CONFIG) $(if $(MODEL),--model $(MODEL)) --args "$$ARGS"
 
 stop: $(STAMP)
-	$(PY) -m pipeline stop --config $(CONFIG) $(ARGS)
+	$(PY) -m pipeline stop --config $(CONFIG) --args "$$ARGS"
 
 smoke: $(STAMP)
-	$(PY) -m pipeline smoke --config $(CONFIG) $(ARGS)
+	$(PY) -m pipeline smoke --config $(CONFIG) --args "$$ARGS"
 
 # A server started with MODEL=models:/<name>@<alias> checks the alias now (it also does every serving.follow_interval_s).
 reload: $(STAMP)
-	$(PY) -m pipeline reload --config $(CONFIG) $(ARGS)
+	$(PY) -m pipeline reload --config $(CONFIG) --args "$$ARGS"
 
 # The main job on the embedded defaults: train -> export -> serve -> smoke -> stop (stop runs even if smoke fails).
 all: $(STAMP)
@@ -91,7 +95,7 @@ compare: $(STAMP)
 # A grid of overrides, N at a time, then compared: make sweep ARGS="training.learning_rate=1e-3,3e-3 model.num_layers=2,4"
 # SWEEP=<id> continues an interrupted sweep (finished runs are not retrained).
 sweep: $(STAMP)
-	$(PY) -m pipeline sweep --config $(CONFIG) $(if $(SWEEP),--id $(SWEEP)) $(if $(PARALLEL),--parallel $(PARALLEL)) $(ARGS)
+	$(PY) -m pipeline sweep --config $(CONFIG) $(if $(SWEEP),--id $(SWEEP)) $(if $(PARALLEL),--parallel $(PARALLEL)) --args "$$ARGS"
 
 # RUNNING runs of the experiment, alive / dead / stale; REAP=1 marks the dead and stale ones FAILED.
 runs: $(STAMP)
@@ -99,26 +103,26 @@ runs: $(STAMP)
 
 # Memory and step-time estimates of every layout of CONFIG on a cluster: make plan CONFIG=... ARGS="cluster.gpus=512"
 plan: $(STAMP)
-	$(PY) -m pipeline plan --config $(CONFIG) $(ARGS)
+	$(PY) -m pipeline plan --config $(CONFIG) --args "$$ARGS"
 
 # Batch generation over a table, resumable: make generate MODEL=models:/<name>@champion INPUT=prompts.jsonl OUTPUT=out.jsonl
 INPUT ?=
 OUTPUT ?=
 ENGINE ?= local
 generate: $(STAMP)
-	$(PY) -m pipeline generate --config $(CONFIG) $(if $(MODEL),--model $(MODEL)) --input "$(INPUT)" --output "$(OUTPUT)" --engine $(ENGINE) $(ARGS)
+	$(PY) -m pipeline generate --config $(CONFIG) $(if $(MODEL),--model $(MODEL)) --input "$(INPUT)" --output "$(OUTPUT)" --engine $(ENGINE) --args "$$ARGS"
 
 # A registered version on a fixed held-out set (the source run's validation split, or DATA=<corpus>) and prompt set.
 evaluate: $(STAMP)
-	$(PY) -m pipeline evaluate --config $(CONFIG) $(if $(MODEL),--model $(MODEL)) $(if $(DATA),--data $(DATA)) $(ARGS)
+	$(PY) -m pipeline evaluate --config $(CONFIG) $(if $(MODEL),--model $(MODEL)) $(if $(DATA),--data $(DATA)) --args "$$ARGS"
 
 # Move ALIAS (champion) to MODEL=models:/<name>/<version> if its evaluation is at least as good (FORCE=1: anyway).
 promote: $(STAMP)
-	$(PY) -m pipeline promote --config $(CONFIG) $(if $(MODEL),--model $(MODEL)) $(if $(ALIAS),--alias $(ALIAS)) $(if $(METRIC),--metric $(METRIC)) $(if $(FORCE),--force) $(ARGS)
+	$(PY) -m pipeline promote --config $(CONFIG) $(if $(MODEL),--model $(MODEL)) $(if $(ALIAS),--alias $(ALIAS)) $(if $(METRIC),--metric $(METRIC)) $(if $(FORCE),--force) --args "$$ARGS"
 
 # What this machine can run (Paddle's build, CUDA libraries, driver, GPUs, the config's layout); exit 1 on a problem.
 doctor: $(STAMP)
-	$(PY) -m pipeline doctor --config $(CONFIG) $(ARGS)
+	$(PY) -m pipeline doctor --config $(CONFIG) --args "$$ARGS"
 
 bench: $(STAMP)
 	$(PY) -m bench $(if $(FULL),--full) $(if $(PEERS),--peers $(PEERS)) $(if $(MODEL),--export $(MODEL)) $(ARGS)
@@ -133,10 +137,10 @@ mlflow-stop: $(STAMP)
 # (RUN=<experiment>); default the newest run. On visualdl.host:visualdl.port (127.0.0.1:18040).
 RUN ?=
 visualdl: $(STAMP)
-	$(PY) -m pipeline visualdl --config $(CONFIG) $(if $(RUN),--run $(RUN)) $(ARGS)
+	$(PY) -m pipeline visualdl --config $(CONFIG) $(if $(RUN),--run $(RUN)) --args "$$ARGS"
 
 visualdl-stop: $(STAMP)
-	$(PY) -m pipeline visualdl-stop --config $(CONFIG) $(ARGS)
+	$(PY) -m pipeline visualdl-stop --config $(CONFIG) --args "$$ARGS"
 
 # A local S3 endpoint (SeaweedFS from .venv) for storage.uri; credentials in runs/object-store/credentials.env.
 object-store: $(STAMP)
@@ -151,18 +155,22 @@ RPM ?=
 TPM ?=
 REVOKE ?=
 gateway: $(STAMP)
-	$(PY) -m pipeline gateway --config $(CONFIG) $(ARGS)
+	$(PY) -m pipeline gateway --config $(CONFIG) --args "$$ARGS"
 
 gateway-stop: $(STAMP)
-	$(PY) -m pipeline gateway-stop --config $(CONFIG) $(ARGS)
+	$(PY) -m pipeline gateway-stop --config $(CONFIG) --args "$$ARGS"
 
 gateway-key: $(STAMP)
-	$(PY) -m pipeline gateway-key --config $(CONFIG) $(if $(NAME),--name $(NAME)) $(if $(RPM),--rpm $(RPM)) $(if $(TPM),--tpm $(TPM)) $(if $(REVOKE),--revoke $(REVOKE)) $(ARGS)
+	$(PY) -m pipeline gateway-key --config $(CONFIG) $(if $(NAME),--name $(NAME)) $(if $(RPM),--rpm $(RPM)) $(if $(TPM),--tpm $(TPM)) $(if $(REVOKE),--revoke $(REVOKE)) --args "$$ARGS"
 
 gateway-usage: $(STAMP)
-	$(PY) -m pipeline gateway-usage --config $(CONFIG) $(ARGS)
+	$(PY) -m pipeline gateway-usage --config $(CONFIG) --args "$$ARGS"
 
-test: $(STAMP)
+# The Debian packages the suite uses (nginx + njs, Chromium): installed when this machine can, else the command to run
+test-packages:
+	@tests/system-packages.sh
+
+test: $(STAMP) test-packages
 	$(PY) -m pytest -n $(TEST_WORKERS) --durations=30 tests/unit tests/integration
 
 # Opt-in: builds the GPU environment (make setup DEVICE=gpu, ~3 GB) in a temporary venv and checks that Paddle finds
@@ -171,7 +179,7 @@ test-gpu-setup: $(STAMP)
 	$(PY) -m pytest -s tests/gpu
 
 # The unit layer only (no training, no servers): under a minute.
-test-fast: $(STAMP)
+test-fast: $(STAMP) test-packages
 	$(PY) -m pytest -n $(TEST_WORKERS) tests/unit
 
 mlflow-ui: $(STAMP)

@@ -35,7 +35,8 @@ def stop_leftovers(out) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, tuple[str, ...], tuple[str, ...]]:
+    """The command line -> (arguments, sections, peers); an unknown section or peer ends it in one line."""
     from bench import suite
 
     p = argparse.ArgumentParser(prog="python -m bench", description="benchmark suite (reports/bench/bench.{json,md}, "
@@ -52,7 +53,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peers", default="", help="comma-separated peers measured side by side on the same weights "
                                                "(opt-in, each in its own environment): vllm")
     args = p.parse_args(argv)
-    from core.processes import die_with_parent
 
     # (peers alone, unless sections are named: `make bench PEERS=vllm` is the comparison, not the whole suite)
     sections = tuple(s for s in args.sections.split(",") if s) or (
@@ -63,6 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     peers = tuple(s for s in args.peers.split(",") if s)
     if set(peers) - {"vllm"}:
         p.error(f"unknown peer(s) {', '.join(sorted(set(peers) - {'vllm'}))}; choose from vllm")
+    return args, sections, peers
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench import suite
+
+    args, sections, peers = parse(argv)
+    from core.processes import die_with_parent
     import paddlenlp  # noqa: F401  (its import resets SIGTERM to the default action: the handlers go after it)
 
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -233,14 +233,14 @@ def _validate_gateway(g: GatewayConfig, s: ServingConfig) -> None:
              f"gateway.port: {g.port} is one of the server's own ports")
     _positive("gateway.fail_timeout_s", g.fail_timeout_s)
     pools = g.backends if isinstance(g.backends, dict) else {"default": g.backends}
-    url = re.compile(r"https?://[^\s/]+(:\d+)?/?")
+    url = re.compile(r"https?://[^\s/]+(:\d+)?(/v1)?/?")  # (/v1: the base-URL form OpenAI clients' settings use)
     for pool, urls in pools.items():
         _require(isinstance(pool, str) and re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]*", pool) is not None,
                  f"gateway.backends: pool names are words (letters, digits, _ and -), got {pool!r}")
         _require(isinstance(urls, list) and all(isinstance(u, str) and url.fullmatch(u) for u in urls)
                  and (urls or pool == "default"),
                  f"gateway.backends{'' if pool == 'default' else '.' + pool}: a list of base URLs "
-                 f"(http://host:port), got {urls!r}")
+                 f"(http://host:port or http://host:port/v1), got {urls!r}")
     _require(isinstance(g.paddle_backends, list) and all(isinstance(u, str) and url.fullmatch(u)
                                                          for u in g.paddle_backends),
              f"gateway.paddle_backends: a list of base URLs (http://host:port), got {g.paddle_backends!r}")

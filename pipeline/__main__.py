@@ -13,6 +13,7 @@ import sys
 
 import core  # noqa: F401  (zlib before paddle)
 from core.config import DEFAULT_CONFIG, Config, ConfigError, load_config
+from pipeline.runner import cli
 
 # verb -> its module in pipeline/; the run machinery the verbs share is in pipeline/runner/, never a verb
 VERBS = {verb: verb.replace("-", "_") for verb in (
@@ -22,17 +23,24 @@ VERBS = {verb: verb.replace("-", "_") for verb in (
 
 
 def main(argv: list[str] | None = None) -> int:
-    given = sys.argv[1:] if argv is None else argv
-    verb = next((a for a in given if not a.startswith("-")), None)
-    args = parser(verb if verb in VERBS else None).parse_args(given)
     try:
-        return run_verb(args.verb, verb_config(args), args) or 0
+        args, config = parse(sys.argv[1:] if argv is None else argv)
+        return run_verb(args.verb, config, args) or 0
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # before training started (data preparation, MLflow set-up): nothing was kept
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, Config]:
+    """A command line (the Makefile's `--args "$ARGS"` included) -> its verb's arguments and config; nothing runs.
+    tests/unit/test_documented_commands.py sends every documented `make` command through it."""
+    given = cli.words(argv)
+    verb = next((a for a in given if not a.startswith("-")), None)
+    args = parser(verb if verb in VERBS else None).parse_args(given)
+    return args, verb_config(args)
 
 
 def verb_config(args) -> Config:

@@ -76,7 +76,8 @@ def paddle_backends(config) -> list[str]:
 
 
 def _address(url: str) -> str:
-    return url.split("://", 1)[1].rstrip("/")
+    """host:port of a base URL (http://host:port, or the OpenAI clients' form http://host:port/v1)."""
+    return url.split("://", 1)[1].rstrip("/").removesuffix("/v1")
 
 
 CONF = """# Rendered by `make gateway` from the settings (serving/gateway/nginx.py); edits are overwritten.
