@@ -1,11 +1,11 @@
-"""`make gateway-usage`: one row per consumer: requests answered and refused (429) from the gateway's access log,
-prompt and completion tokens from the replicas' metrics (the answers' `usage`, counted by consumer)."""
+"""`make gateway-usage`: one row per consumer and model version: requests answered and refused (429), prompt and
+completion tokens (the answers' `usage`), all from the gateway's access log (serving/gateway/usage.py)."""
 from __future__ import annotations
 
 from core.config import Config
 from serving.gateway import nginx, usage
 
-HELP = "requests, tokens and 429s per consumer through the gateway"
+HELP = "requests, tokens and 429s per consumer and model through the gateway"
 
 
 def arguments(p) -> None:
@@ -16,8 +16,5 @@ def arguments(p) -> None:
 
 
 def main(config: Config, args) -> int:
-    rows, unreachable = usage.table(nginx.state_dir(config), [u for urls in nginx.pools(config).values() for u in urls])
-    print(usage.format_table(rows))
-    for url in unreachable:
-        print(f"(replica {url} did not answer: its tokens are not in the table)")
+    print(usage.format_table(usage.table(nginx.state_dir(config))))
     return 0

@@ -32,6 +32,10 @@ KINDS = {"bad_request": (8001, 400), "internal": (8002, 500), "busy": (8003, 429
 # The gateway (serving/gateway/) names each request's consumer and its tokens-per-minute budget in these headers;
 # nginx sets them, overwriting whatever a client sent, and the replicas listen where only the gateway reaches them
 CONSUMER_HEADER, TPM_HEADER = "X-Pipeline-Consumer", "X-Pipeline-Consumer-Tpm"
+# A gateway's request's `usage` for the gateway's own log (serving/gateway/usage.py: what a consumer is billed, kept
+# where a replica's crash cannot lose it): "<prompt tokens> <completion tokens>" in this header of a whole answer, and
+# in a stream as the SSE comment line USAGE_COMMENT (clients ignore comment lines) before `data: [DONE]`
+USAGE_HEADER, USAGE_COMMENT = "X-Pipeline-Usage", ": usage"
 # the model name the gateway routed a request by (gateway.models): an alias the replica itself cannot resolve
 ROUTED_MODEL_HEADER = "X-Pipeline-Routed-Model"
 # Each answer says which model version produced it (a canary split sends requests to replicas of two versions)

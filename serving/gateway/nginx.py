@@ -17,9 +17,12 @@ What the rendered configuration does, for every /v1/ request:
     paddle     Paddle Serving's HTTP route (POST /<service>/prediction) to gateway.paddle_backends, with the same
                keys, limits and consumer header
     failover   a replica that refuses, times out or answers 502/503 is skipped for gateway.fail_timeout_s and the
-               request is sent to the next one (POSTs too: `non_idempotent`: a generation has no side effect);
+               request is sent to the next one (POSTs too: `non_idempotent`: a generation has no side effect); a
+               split pool whose replicas are all down has its share taken by the other split pools (`fallbacks`);
                streams are passed through unbuffered, and one cut short by a dying replica ends (never hangs)
-    log        one JSON line per request (consumer, status, pool, replica) in access.log: the usage table's requests
+    log        one JSON line per request (consumer, status, pool, replica, the model version that answered and its
+               `usage`: the replica's X-Pipeline-Usage header, or a stream's last comment line) in access.log: the
+               usage table (usage.py), written by nginx as each answer ends, so no replica's crash loses it
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ from pathlib import Path
 from core.errors import ConfigError
 from core.files import atomic_write
 from core.processes import group_alive, log_tail, port_in_use, start_group, stop_recorded, wait_ready
-from serving.protocol import CONSUMER_HEADER, ROUTED_MODEL_HEADER, TPM_HEADER
+from serving.protocol import CONSUMER_HEADER, ROUTED_MODEL_HEADER, TPM_HEADER, USAGE_HEADER
 
 STATE_FILE, CONF_FILE, LIMITS_FILE, ROUTE_FILE = "gateway.json", "nginx.conf", "limits.conf", "route.js"
 INSTALL = ("nginx is not installed: `apt-get install nginx-light libnginx-mod-http-js` (Debian/Ubuntu; root), or "
@@ -114,6 +117,11 @@ http {{
     map $body_model $route_pool {{
 {routes}
     }}
+    map $route_pool $gateway_pool {{  # (X-Gateway-Pool: the pool chosen, pool_<name> either way)
+        default $route_pool;
+        ~^only_(?<alone>.+)$ pool_$alone;
+    }}
+    js_var $stream_usage;  # (a stream's usage, read from its last comment line by route.js usage)
     include {directory}/{limits_file};
     log_format usage escape=json {log};
     access_log {directory}/access.log usage;
@@ -139,7 +147,7 @@ http {{
         proxy_read_timeout {read_timeout}s;
         proxy_next_upstream error timeout http_502 http_503 non_idempotent;
         proxy_next_upstream_tries {tries};
-        add_header X-Gateway-Pool $route_pool always;
+        add_header X-Gateway-Pool $gateway_pool always;
 
         location = /gateway/health {{
             return 200 '{{"gateway": "ok"}}';
@@ -156,6 +164,8 @@ http {{
         }}
         location @route {{
             proxy_pass http://$route_pool;
+            proxy_hide_header {usage_header};
+            js_body_filter gw.usage buffer_type=buffer;
         }}
         location ~ ^/[A-Za-z0-9_.-]+/prediction$ {{
             if ($consumer = "") {{
@@ -190,7 +200,8 @@ def render(config, directory: Path, keys_directory: Path, consumers: dict) -> tu
     (directory / "limits.d").mkdir(parents=True, exist_ok=True)
     atomic_write(directory / "limits.d" / "requests.conf", request_limits)
     upstreams, choose = _pools(config)
-    tries = max(len(urls) for urls in [*by_pool.values(), paddle_backends(config)])
+    backups = fallbacks(config)
+    tries = max([len(urls) + len(backups.get(p, [])) for p, urls in by_pool.items()] + [len(paddle_backends(config))])
     unauthorized = json.dumps({"error": {"message": "missing or unknown API key: send `Authorization: Bearer <key>` "
                                          "(make gateway-key)", "type": "invalid_request_error", "param": None,
                                          "code": "invalid_api_key"}})
@@ -200,13 +211,15 @@ def render(config, directory: Path, keys_directory: Path, consumers: dict) -> tu
                                       "type": "invalid_request_error", "param": None, "code": "bad_request"}})
     log = ("'{\"time\":\"$time_iso8601\",\"consumer\":\"$consumer\",\"method\":\"$request_method\",\"uri\":\"$uri\","
            "\"status\":$status,\"pool\":\"$route_pool\",\"upstream\":\"$upstream_addr\","
-           "\"upstream_status\":\"$upstream_status\",\"request_time\":$request_time}'")
+           "\"upstream_status\":\"$upstream_status\",\"request_time\":$request_time,"
+           "\"model\":\"$upstream_http_x_model_name\",\"version\":\"$upstream_http_x_model_version\","
+           "\"usage\":\"$upstream_http_x_pipeline_usage$stream_usage\"}'")
     no_paddle = json.dumps({"error": {"message": "no Paddle Serving HTTP backends at this gateway "
                                       "(gateway.paddle_backends)", "type": "invalid_request_error", "param": None,
                                       "code": "not_found"}})
     conf = CONF.format(directory=directory, keys_directory=keys_directory, limits_file=LIMITS_FILE, log=log,
                        upstreams=upstreams, choose=choose, host=g.host, port=g.port, max_bytes=s.max_request_bytes,
-                       consumer_header=CONSUMER_HEADER, tpm_header=TPM_HEADER, routed_header=ROUTED_MODEL_HEADER,
+                       consumer_header=CONSUMER_HEADER, tpm_header=TPM_HEADER, usage_header=USAGE_HEADER, routed_header=ROUTED_MODEL_HEADER,
                        routed_value="$body_model" if g.models else '""', js_module=JS_MODULE, route_file=ROUTE_FILE,
                        max_new_tokens=s.max_new_tokens_limit, routed_models=", ".join(g.models) or "any",
                        routes=_routes(config), models_location=_models_location(config, unauthorized),
@@ -223,8 +236,10 @@ def _routes(config) -> str:
     g = config.gateway
     if not g.models:
         return "        default $pool;"
+    alone = set(fallbacks(config))
     return "        default \"\";\n" + "\n".join(
-        f'        "{model}" {"pool_" + pools[0] if len(pools) == 1 else "$pool"};' for model, pools in g.models.items())
+        f'        "{model}" {("only_" if pools[0] in alone else "pool_") + pools[0] if len(pools) == 1 else "$pool"};'
+        for model, pools in g.models.items())
 
 
 def _models_location(config, unauthorized: str) -> str:
@@ -248,9 +263,10 @@ def _limits(config, consumers: dict) -> tuple[str, str]:
     # (a pool outside the split serves models of its own: all of their requests)
     shares = {p: (g.split.get(p, 0) if g.split and p in g.split else 100) / 100 / len(urls)
               for p, urls in by_pool.items()}
+    upstreams = [(f"pool_{p}", p) for p in by_pool] + [(f"only_{p}", p) for p in fallbacks(config)]
     limits.append('map "$route_pool $consumer" $consumer_tpm {\n    default 0;\n' + "".join(
-        f'    "pool_{p} {n}" {math.ceil(consumers[n]["tpm"] * shares[p]) if consumers[n].get("tpm") else 0};\n'
-        for p in by_pool for n in names) + "}")
+        f'    "{u} {n}" {math.ceil(consumers[n]["tpm"] * shares[p]) if consumers[n].get("tpm") else 0};\n'
+        for u, p in upstreams for n in names) + "}")
     limits.append("map $consumer $retry_after {\n    default 60;\n" + "".join(
         f'    "{n}" {max(1, -(-60 // int(consumers[n]["rpm"])))};\n' for n in names) + "}")
     zone = {n: "rpm_" + n.encode().hex() for n in names}  # (a consumer's zone keeps its name across reloads)
@@ -263,13 +279,30 @@ def _limits(config, consumers: dict) -> tuple[str, str]:
     return "\n".join(limits) + "\n", request_limits
 
 
-def _pools(config) -> tuple[str, str]:
-    """(the upstream blocks, one per pool; how $pool is chosen: split_clients by weight, or the one pool)."""
+def fallbacks(config) -> dict[str, list[str]]:
+    """{pool of the split: the other split pools' replicas}: when every replica of a pool is down, the pools that
+    serve the same model take its share (as Envoy's and Istio's outlier detection would), and it gets its share back
+    once it answers again (after gateway.fail_timeout_s). Pools outside the split serve models of their own."""
     g, by_pool = config.gateway, pools(config)
-    upstreams = "\n".join(
-        f"    upstream pool_{name} {{\n" + "".join(
-            f"        server {_address(u)} max_fails=1 fail_timeout={g.fail_timeout_s}s;\n" for u in urls) +
-        "        keepalive 32;\n    }" for name, urls in by_pool.items())
+    split = [p for p in by_pool if g.split.get(p, 0) > 0] if g.split else []
+    return {p: [u for other in split if other != p for u in by_pool[other]] for p in split}
+
+
+def _upstream(name: str, urls: list[str], backups: list[str], fail_timeout_s: float) -> str:
+    return (f"    upstream {name} {{\n" + "".join(
+        f"        server {_address(u)} max_fails=1 fail_timeout={fail_timeout_s}s;\n" for u in urls) + "".join(
+        f"        server {_address(u)} max_fails=1 fail_timeout={fail_timeout_s}s backup;\n" for u in backups) +
+        "        keepalive 32;\n    }")
+
+
+def _pools(config) -> tuple[str, str]:
+    """(the upstream blocks: pool_<name> for each pool, the other split pools' replicas its backups; only_<name>, the
+    pool alone, for a name routed to that one pool (an alias asked for by name is never answered by another
+    version); how $pool is chosen: split_clients by weight, or the one pool)."""
+    g, by_pool, backups = config.gateway, pools(config), fallbacks(config)
+    upstreams = "\n".join(_upstream(f"pool_{name}", urls, backups.get(name, []), g.fail_timeout_s)
+                           for name, urls in by_pool.items())
+    upstreams += "".join("\n" + _upstream(f"only_{name}", by_pool[name], [], g.fail_timeout_s) for name in backups)
     if paddle_backends(config):
         upstreams += "\n    upstream paddle_http {\n" + "".join(
             f"        server {_address(u)} max_fails=1 fail_timeout={g.fail_timeout_s}s;\n"

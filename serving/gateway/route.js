@@ -4,6 +4,8 @@
 //             max_completion_tokens) over $max_new_tokens is a 400; a model the gateway does not route is a 404;
 //             else the request goes on to @route, which proxies it to $route_pool (nginx.conf's map of $body_model)
 //   model(r)  $body_model: the body's "model" (js_set: read once the body is in memory, that is after check)
+//   usage(r)  the body filter of @route: a stream's usage, its comment line ": usage <prompt> <completion>"
+//             (serving/protocol.py USAGE_COMMENT), into $stream_usage for the access log; the bytes pass unchanged
 // Errors are OpenAI's shape, as the replicas' own. Written for njs 0.7 (Debian 12's): ES5 and a few ES6 forms.
 
 function parsed(r) {
@@ -62,4 +64,16 @@ function model(r) {
     return (body && typeof body.model === "string") ? body.model : "";
 }
 
-export default {check, model};
+var tail = "";  // (the end of the previous chunk: a line may span two; each request has its own njs VM)
+
+function usage(r, data, flags) {
+    var text = tail + data.toString();
+    var found = /(^|\n): usage (\d+) (\d+)\n/.exec(text);
+    if (found) {
+        r.variables.stream_usage = found[2] + " " + found[3];
+    }
+    tail = text.slice(-48);
+    r.sendBuffer(data, flags);
+}
+
+export default {check, model, usage};

@@ -187,25 +187,39 @@ def test_usage_per_consumer_equals_the_answers_usage_and_the_header_cannot_be_fo
         last = [json.loads(line[6:]) for line in events.iter_lines(decode_unicode=True)
                 if line.startswith("data: {")][-1]
         sums["team-b"].update(last["usage"])
-    proc = cli(["gateway-usage", "--config", str(gateway["config"]), *gateway["settings"]], gateway["uri"])
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = {line.split()[0]: [int(x) for x in line.split()[1:]] for line in proc.stdout.splitlines()[1:]
-            if line.split() and line.split()[0] in keys}
+    rows = usage_rows(gateway)
     assert rows["team-a"] == [6, sums["team-a"]["prompt_tokens"], sums["team-a"]["completion_tokens"], 0]
     assert rows["team-b"] == [12, sums["team-b"]["prompt_tokens"], sums["team-b"]["completion_tokens"], 0]
 
 
-def test_a_replica_killed_under_load_loses_no_request_and_comes_back(gateway):
-    key = new_key(gateway, "load", 100000)
+def usage_rows(gw) -> dict[str, list[int]]:
+    """make gateway-usage: {consumer: [requests, prompt_tokens, completion_tokens, 429s]} over its models."""
+    proc = cli(["gateway-usage", "--config", str(gw["config"]), *gw["settings"]], gw["uri"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows: dict[str, list[int]] = {}
+    for line in proc.stdout.splitlines()[1:]:
+        if line.startswith("("):  # ("no requests through the gateway yet")
+            continue
+        name, _model, *numbers = line.split()
+        rows[name] = [a + int(b) for a, b in zip(rows.get(name, [0, 0, 0, 0]), numbers)]
+    return rows
+
+
+def test_a_replica_killed_under_load_loses_no_request_and_no_usage_and_comes_back(gateway):
+    """8 clients, one of two replicas SIGKILLed: no request fails, and make gateway-usage equals the sum of the
+    answers' `usage` exactly (the dead replica's share included), also after the gateway itself is restarted."""
+    key, streamer = new_key(gateway, "load", 100000), new_key(gateway, "load-stream", 100000)
     victim = gateway["replicas"][0]
-    failures, answered, stop = [], Counter(), threading.Event()
+    failures, answered, used, lock, stop = [], Counter(), Counter(), threading.Lock(), threading.Event()
 
     def client():
         while not stop.is_set():
             try:
                 reply = ask(gateway, key, max_tokens=8)
                 if reply.status_code == 200:
-                    answered["ok"] += 1
+                    with lock:
+                        answered["ok"] += 1
+                        used.update(reply.json()["usage"])
                 else:
                     failures.append(reply.status_code)
             except requests.RequestException as exc:
@@ -216,7 +230,7 @@ def test_a_replica_killed_under_load_loses_no_request_and_comes_back(gateway):
         t.start()
     time.sleep(2)
     stream = requests.post(f"{gateway['url']}/v1/completions", stream=True, timeout=30, headers={
-        "Authorization": f"Bearer {key}"}, json={"model": MODEL, "prompt": "好", "max_tokens": 64, "stream": True})
+        "Authorization": f"Bearer {streamer}"}, json={"model": MODEL, "prompt": "好", "max_tokens": 64, "stream": True})
     pid = victim["state"]["pid"]
     signal_pids([*reversed(descendants(pid)), pid], signal.SIGKILL)
     started = time.monotonic()
@@ -230,6 +244,12 @@ def test_a_replica_killed_under_load_loses_no_request_and_comes_back(gateway):
     for t in threads:
         t.join(60)
     assert not group_alive(pid) and failures == [] and answered["ok"] > 20, (failures, answered)
+    expected = [answered["ok"], used["prompt_tokens"], used["completion_tokens"], 0]
+    assert wait_until(lambda: usage_rows(gateway).get("load") == expected, 10), (usage_rows(gateway), expected)
+    stopped = cli(["gateway-stop", "--config", str(gateway["config"]), *gateway["settings"]], gateway["uri"])
+    restarted = cli(["gateway", "--config", str(gateway["config"]), *gateway["settings"]], gateway["uri"])
+    assert "gateway stopped" in stopped.stdout and restarted.returncode == 0, restarted.stderr[-2000:]
+    assert usage_rows(gateway)["load"] == expected
     # back: make serve again on the same ports; the gateway sends it requests again without a restart
     back = start_replica_again(gateway, victim)
     time.sleep(2.5)  # (gateway.fail_timeout_s)
@@ -309,12 +329,14 @@ def test_models_are_routed_by_name_and_alias_and_bodies_checked_at_the_gateway(g
     assert answer["through"]["token_ids"] == answer["direct"]["token_ids"] and answer["direct"]["text"], answer
 
 
-def test_a_weighted_split_between_pools(gateway):
-    """gateway.split 90/10 between two pools (one replica each) over 1,000 requests: within 3 points."""
+def test_a_weighted_split_between_pools_and_a_dead_canary_pool_fails_over(gateway):
+    """gateway.split 90/10 between two pools (one replica each) over 1,000 requests: within 3 points. The
+    challenger's only replica SIGKILLed under 6 clients: no request fails (the champion takes its share); served
+    again, it gets its share back without touching the gateway."""
     a, b = (r["url"] for r in gateway["replicas"])
     settings = [f"gateway.port={free_port()}", f"gateway.state_dir={gateway['root'] / 'split'}",
-                f"gateway.keys_dir={gateway['root'] / 'keys'}",
-                f"gateway.backends={{champion: [{a}], challenger: [{b}]}}",
+                f"gateway.keys_dir={gateway['root'] / 'keys'}", "gateway.fail_timeout_s=2",
+                f"gateway.backends={{champion: [{a}], challenger: [{b}/v1]}}",
                 "gateway.split={champion: 90, challenger: 10}"]
     key = new_key(gateway, "split", 100000)  # (in the shared keys directory, before this gateway starts)
     proc = cli(["gateway", "--config", str(gateway["config"]), *settings], gateway["uri"])
@@ -329,5 +351,45 @@ def test_a_weighted_split_between_pools(gateway):
             assert reply.status_code == 200
             pools[reply.headers["X-Gateway-Pool"]] += 1
         assert abs(pools["pool_champion"] / 1000 - 0.9) <= 0.03, pools
+        canary_dies_and_comes_back(gateway, url, key, gateway["root"] / "split" / "access.log")
     finally:
         cli(["gateway-stop", "--config", str(gateway["config"]), *settings], gateway["uri"])
+
+
+def canary_dies_and_comes_back(gw, url, key, log):
+    victim = gw["replicas"][1]
+    failures, answered, stop = [], Counter(), threading.Event()
+
+    def client():
+        session = requests.Session()
+        while not stop.is_set():
+            try:
+                reply = session.post(f"{url}/v1/completions", timeout=30, headers={"Authorization": f"Bearer {key}"},
+                                     json={"model": MODEL, "prompt": "好", "max_tokens": 4})
+                answered[reply.status_code] += 1
+                if reply.status_code != 200:
+                    failures.append(reply.status_code)
+            except requests.RequestException as exc:
+                failures.append(repr(exc))
+
+    threads = [threading.Thread(target=client) for _ in range(6)]
+    for t in threads:
+        t.start()
+    time.sleep(1.5)
+    pid = victim["state"]["pid"]
+    signal_pids([*reversed(descendants(pid)), pid], signal.SIGKILL)
+    time.sleep(5)  # (longer than gateway.fail_timeout_s: the dead pool is tried again, and falls back again)
+    stop.set()
+    for t in threads:
+        t.join(60)
+    assert not group_alive(pid) and failures == [] and answered[200] > 30, (failures, answered)
+    gw["replicas"][1] = start_replica_again(gw, victim)
+    time.sleep(2.5)  # (gateway.fail_timeout_s)
+    before = len(log.read_text().splitlines())
+    session = requests.Session()
+    assert all(session.post(f"{url}/v1/completions", timeout=30, headers={"Authorization": f"Bearer {key}"},
+                            json={"model": MODEL, "prompt": "好", "max_tokens": 1}).status_code == 200
+               for _ in range(200))
+    port = victim["url"].rsplit(":", 1)[1]
+    served = Counter(json.loads(line)["upstream"].endswith(f":{port}") for line in log.read_text().splitlines()[before:])
+    assert 5 <= served[True] <= 40, served  # (its 10% share of 200, back)

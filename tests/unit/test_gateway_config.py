@@ -28,9 +28,15 @@ def test_the_rendered_configuration_follows_the_settings(tmp_path):
     pools = dict(re.findall(r"upstream (pool_\w+) \{(.*?)\}", conf, re.S))
     assert re.findall(r"server (\S+) max_fails=1 fail_timeout=7s;", pools["pool_champion"]) == \
         ["127.0.0.1:1001", "127.0.0.1:1002"]
-    assert re.findall(r"server (\S+) ", pools["pool_challenger"]) == ["10.0.0.5:1003"]
+    assert re.findall(r"server (\S+) max_fails=1 fail_timeout=7s;", pools["pool_challenger"]) == ["10.0.0.5:1003"]
+    # a pool whose replicas are all down: the other split pool's replicas take its share (backup servers)
+    assert re.findall(r"server (\S+) .* backup;", pools["pool_challenger"]) == ["127.0.0.1:1001", "127.0.0.1:1002"]
+    assert re.findall(r"server (\S+) .* backup;", pools["pool_champion"]) == ["10.0.0.5:1003"]
     assert re.search(r"split_clients \"\$\{request_id\}\" \$pool \{\s+80% pool_champion;\s+\* pool_challenger;", conf)
-    assert "proxy_next_upstream_tries 2;" in conf and "non_idempotent" in conf
+    assert "proxy_next_upstream_tries 3;" in conf and "non_idempotent" in conf  # (2 replicas + 1 backup)
+    # the usage of each answer into the access log (the replica's header, or the stream's comment line via njs)
+    assert '"usage":"$upstream_http_x_pipeline_usage$stream_usage"' in conf and "js_body_filter gw.usage" in conf
+    assert "proxy_hide_header X-Pipeline-Usage;" in conf
     # the consumer header is nginx's: set from the key map, never the client's
     assert "proxy_set_header X-Pipeline-Consumer $consumer;" in conf and 'proxy_set_header Authorization "";' in conf
     assert f"include {tmp_path / 'keys'}/keys.map;" in conf
@@ -47,6 +53,10 @@ def test_the_rendered_configuration_follows_the_settings(tmp_path):
 def test_one_pool_by_default_and_bad_settings_refused(tmp_path):
     config, conf, _, requests = rendered(tmp_path, "serving.api_port=19182")
     assert re.search(r"upstream pool_default \{\s+server 127.0.0.1:19182 ", conf) and requests == ""
+    assert "backup" not in conf and "only_" not in conf.split("map $route_pool $gateway_pool")[0]
+    # the OpenAI clients' base-URL form is taken too
+    _, conf, _, _ = rendered(tmp_path, "gateway.backends=[http://127.0.0.1:1001/v1, http://127.0.0.1:1002/v1/]")
+    assert re.findall(r"server (\S+) max_fails", conf) == ["127.0.0.1:1001", "127.0.0.1:1002"]
     assert "listen 0.0.0.0:18190;" in conf
     for overrides, message in [
         (["gateway.split={a: 90, b: 10}"], "one weight for each pool"),
@@ -67,7 +77,11 @@ def test_models_route_to_their_pools_and_paddle_servings_route_has_its_backends(
         "gateway.models={m: [a, b], m@b: [b], m-chat: [chat]}", consumers={"t": {"rpm": 5, "tpm": 1000}})
     routes = dict(re.findall(r'^\s+"([^"]+)" (\S+);$', re.search(r"map \$body_model \$route_pool \{(.*?)\}", conf,
                                                                   re.S).group(1), re.M))
-    assert routes == {"m": "$pool", "m@b": "pool_b", "m-chat": "pool_chat"}
+    assert routes == {"m": "$pool", "m@b": "only_b", "m-chat": "pool_chat"}
+    upstreams = dict(re.findall(r"upstream (\w+) \{(.*?)\}", conf, re.S))
+    # m@b asked by name is b's alone (never another version's answer); the split's pool_b falls back on a
+    assert "backup" not in upstreams["only_b"] and "127.0.0.1:1001" in upstreams["pool_b"]
+    assert "backup" not in upstreams["pool_chat"] and "127.0.0.1:1003" not in upstreams["pool_a"]
     assert re.search(r"map \$body_model \$route_pool \{\s+default \"\";", conf)  # (other names: 404 in route.js)
     assert re.search(r"split_clients \"\$\{request_id\}\" \$pool \{\s+90% pool_a;\s+\* pool_b;", conf)
     assert "proxy_set_header X-Pipeline-Routed-Model $body_model;" in conf and "default 77;" in conf
@@ -76,6 +90,7 @@ def test_models_route_to_their_pools_and_paddle_servings_route_has_its_backends(
         ["127.0.0.1:2001", "127.0.0.1:2002"]
     # the TPM share: 90% / 10% of the budget in the split's pools, all of it in a pool of its own
     assert '"pool_a t" 900;' in limits and '"pool_b t" 100;' in limits and '"pool_chat t" 1000;' in limits
+    assert '"only_b t" 100;' in limits
     assert (tmp_path / "gw" / nginx.ROUTE_FILE).read_text() == (Path(nginx.__file__).parent / "route.js").read_text()
     # without models: every name to the split (or the one pool), no routed-name header, no model list
     _, plain, _, _ = rendered(tmp_path, "gateway.backends=[http://127.0.0.1:1001]")

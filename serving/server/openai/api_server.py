@@ -25,8 +25,8 @@ import time
 
 from fastapi import Request as HttpRequest  # (module level: FastAPI resolves the routes' annotations here)
 
-from serving.protocol import ROUTED_MODEL_HEADER, VERSION_HEADERS, Limits, RequestError, bad
-from serving.server.consumers import TokenBudgets, consumer_of
+from serving.protocol import ROUTED_MODEL_HEADER, USAGE_HEADER, VERSION_HEADERS, Limits, RequestError, bad
+from serving.server.consumers import DIRECT, TokenBudgets, consumer_of
 from serving.server.openai.protocol import completion_body, error_body, usage_of
 from serving.server.openai.serving_chat import chat_template, parse_chat
 from serving.server.openai.serving_completion import parse_completion
@@ -34,7 +34,7 @@ from serving.server.openai.streaming import Generation, sse_events
 
 LIVE, READY, MODELS, COMPLETIONS, CHAT = ("/health/live", "/health/ready", "/v1/models", "/v1/completions",
                                           "/v1/chat/completions")
-METRICS = "/metrics"  # the metrics port's page here too: the gateway's usage table reads it through the replica's URL
+METRICS = "/metrics"  # the metrics port's page here too: scrapers that reach only the replica's API port
 RELOAD = "/admin/reload"  # follow the registry now (serving/server/follow.py)
 ROUTES = {"GET": (LIVE, READY, MODELS, METRICS), "POST": (COMPLETIONS, CHAT, RELOAD)}
 
@@ -202,14 +202,18 @@ class ApiServer:
             if self.metrics:
                 self.metrics.consumed(consumer, model, usage)
 
+        gateway = consumer != DIRECT  # (a request through the gateway: its log gets the usage, USAGE_HEADER)
         if request.stream:
-            return StreamingResponse(sse_events(run, chat, arrived, self.metrics, spend),
+            return StreamingResponse(sse_events(run, chat, arrived, self.metrics, spend, usage_comment=gateway),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
         results = await run.all()
         for result in results:
             if self.metrics:
                 self.metrics.answered("openai", arrived, result)
-        spend(usage_of(request, results))
+        usage = usage_of(request, results)
+        spend(usage)
+        if gateway:
+            headers = {**headers, USAGE_HEADER: f"{usage['prompt_tokens']} {usage['completion_tokens']}"}
         return JSONResponse(completion_body(request, results, chat), headers=headers)
 
 

@@ -7,7 +7,7 @@ import json
 import time
 import uuid
 
-from serving.protocol import Request, RequestError
+from serving.protocol import USAGE_COMMENT, Request, RequestError
 from serving.server.openai.protocol import chat_logprobs, error_body, fingerprint, usage_of
 
 
@@ -76,9 +76,11 @@ def _rest(result: dict) -> dict | None:
     return {key: values[start:] for key, values in result["logprobs"].items()}
 
 
-async def sse_events(run: "Generation", chat: bool, arrived: float, metrics=None, spend=None):
+async def sse_events(run: "Generation", chat: bool, arrived: float, metrics=None, spend=None,
+                     usage_comment: bool = False):
     """OpenAI's chunks as the worker's text arrives; cancels the sequences if the client goes away. `spend` gets the
-    finished stream's `usage` (whether or not the client asked to be sent it)."""
+    finished stream's `usage` (whether or not the client asked to be sent it); `usage_comment`: it is also the
+    stream's last comment line, for the gateway's log (serving/protocol.py USAGE_COMMENT)."""
     request = run.request
     ident, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
@@ -126,4 +128,6 @@ async def sse_events(run: "Generation", chat: bool, arrived: float, metrics=None
         spend(usage)
     if request.extra["include_usage"]:
         yield f"data: {json.dumps({'id': ident, 'object': kind, 'created': created, 'model': request.extra['model'], 'choices': [], 'usage': usage})}\n\n"  # noqa: E501
+    if usage_comment:
+        yield f"{USAGE_COMMENT} {usage['prompt_tokens']} {usage['completion_tokens']}\n\n"
     yield "data: [DONE]\n\n"
