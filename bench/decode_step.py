@@ -20,7 +20,8 @@ DEFAULT_VOCAB = 4608  # (the default corpus's vocabulary as `make all` builds it
 
 
 def random_model(hidden: int, layers: int, heads: int, intermediate: int, vocab: int, max_positions: int,
-                 kv_heads: int = 0, seed: int = 0, varied_norms: bool = False):
+                 kv_heads: int = 0, seed: int = 0, varied_norms: bool = False, rope_theta: float = 10000.0,
+                 rope_scaling_factor: float = 1.0):
     """A random Llama of this shape; `varied_norms`: its norm weights drawn from [0.5, 1.5) instead of all 1 (the
     decode program folds them into its matmuls: tests/unit/test_export_programs.py checks that)."""
     import core  # noqa: F401  (zlib before paddle)
@@ -30,7 +31,9 @@ def random_model(hidden: int, layers: int, heads: int, intermediate: int, vocab:
     paddle.seed(seed)
     model = LlamaForCausalLM(LlamaConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads or heads, max_position_embeddings=max_positions))
+        num_attention_heads=heads, num_key_value_heads=kv_heads or heads, max_position_embeddings=max_positions,
+        rope_theta=rope_theta, rope_scaling_factor=rope_scaling_factor,
+        rope_scaling_type="linear" if rope_scaling_factor != 1.0 else None))
     if varied_norms:
         for norm in [model.llama.norm, *(n for layer in model.llama.layers
                                          for n in (layer.input_layernorm, layer.post_attention_layernorm))]:

@@ -34,8 +34,12 @@ class ModelConfig:
     num_key_value_heads: int = 4
     max_position_embeddings: int = 256
     rms_norm_eps: float = 1e-6
-    # A directory with PaddleNLP weights (`save_pretrained` / unified-checkpoint layout) to start from instead of a
-    # random init; it must match the shapes above and the tokenizer's vocabulary.
+    rope_theta: float = 10000.0  # the rotary base (Llama 3: 500000)
+    rope_scaling_factor: float = 1.0  # linear rope scaling: positions divided by this (1 = none)
+    vocab_size: int = 0  # rows of the embedding; 0 = the tokenizer's vocabulary, padded to a multiple of 128
+    # A directory to start from instead of a random init: PaddleNLP weights (`save_pretrained` / unified-checkpoint
+    # layout; it must match the shapes above and the tokenizer's vocabulary), or a Hugging Face checkpoint
+    # (config.json + safetensors, core/hf_checkpoint.py), whose config.json then sets every setting above
     init_from: str = ""
 
 
@@ -76,7 +80,10 @@ class TokenizerConfig:
 
     min_frequency: int = 2
     max_vocab_size: int = 8000
-    path: str = ""  # a directory with vocab.txt (+ tokenizer_config.json): used as is, no vocabulary is built
+    # a directory with vocab.txt (+ tokenizer_config.json), or a Hugging Face model's tokenizer.json (+
+    # tokenizer_config.json): used as is, no vocabulary is built; "" with model.init_from naming a Hugging Face
+    # checkpoint that has a tokenizer.json = that checkpoint's own tokenizer
+    path: str = ""
 
 
 @dataclass
@@ -460,6 +467,21 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return path, value
 
 
+def _shape_of_checkpoint(data: dict) -> None:
+    """model.init_from naming a Hugging Face checkpoint: its config.json sets the model's shape (checked here, before
+    any launch: an unsupported architecture, rope scaling or missing weights is one line)."""
+    model = data.get("model")
+    if isinstance(model, dict) and isinstance(model.get("init_from"), str) and model["init_from"]:
+        from core import hf_checkpoint
+
+        if hf_checkpoint.is_hf_checkpoint(model["init_from"]):
+            model.update(hf_checkpoint.model_settings(hf_checkpoint.read_config(model["init_from"])))
+            tokenizer = data.setdefault("tokenizer", {})
+            if isinstance(tokenizer, dict) and not tokenizer.get("path") and \
+                    (Path(model["init_from"]).expanduser() / "tokenizer.json").is_file():
+                tokenizer["path"] = model["init_from"]  # (the model's own tokenizer)
+
+
 def _apply_override(data: dict, path: list[str], value: Any) -> None:
     node = data
     for part in path[:-1]:
@@ -521,6 +543,7 @@ def with_overrides(config: Config, overrides: list[str] | tuple[str, ...]) -> Co
 def _from_data(data: dict, overrides) -> Config:
     for text in overrides:
         _apply_override(data, *parse_override(text))
+    _shape_of_checkpoint(data)
     config = _build(Config, data, "")
     from core.config_checks import validate  # (the value checks: core/config_checks.py)
 

@@ -115,6 +115,9 @@ def _validate_model(m: ModelConfig) -> None:
     _require((m.hidden_size // m.num_attention_heads) % 2 == 0,
              "model.hidden_size / model.num_attention_heads must be even (rotary embeddings)")
     _positive("model.rms_norm_eps", m.rms_norm_eps)
+    _positive("model.rope_theta", m.rope_theta)
+    _require(m.rope_scaling_factor >= 1.0, f"model.rope_scaling_factor: 1 (none) or more, got {m.rope_scaling_factor}")
+    _require(m.vocab_size >= 0, f"model.vocab_size: 0 (the tokenizer's) or the embedding's rows, got {m.vocab_size}")
 
 
 CORPUS_SUFFIXES = tuple(k + c for k in (".txt", ".jsonl") for c in ("", ".gz", ".zst"))

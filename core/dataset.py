@@ -129,9 +129,14 @@ def check(directory: Path | str) -> dict:
             if len(sizes) != shard["items"] or int(sizes.astype(np.int64).sum()) != shard["tokens"]:
                 raise _damaged(Path(f"{prefix}.idx"), f"{len(sizes)} items / {int(sizes.sum())} tokens, the "
                                                       f"manifest says {shard['items']} / {shard['tokens']}")
-    if not (Path(directory) / TOKENIZER_DIR / "vocab.txt").is_file():
+    if not has_tokenizer(directory):
         raise _damaged(Path(directory) / TOKENIZER_DIR / "vocab.txt", "missing")
     return manifest
+
+
+def has_tokenizer(directory: Path) -> bool:
+    """A data set's tokenizer is there: this project's vocabulary (vocab.txt) or a model's own (tokenizer.json)."""
+    return any((Path(directory) / TOKENIZER_DIR / name).is_file() for name in ("vocab.txt", "tokenizer.json"))
 
 
 def publish(staging: Path, final: Path) -> None:

@@ -1,9 +1,14 @@
-"""The tokenizer format shared by training (which builds it), export and serving (which read it): a character
-vocabulary (`vocab.txt`) wrapped as PaddleNLP's ErnieTokenizer and saved with `save_pretrained`, in `tokenizer/` of
-a run directory, of a prepared data set and of an export directory.
+"""The tokenizer format shared by training (which builds it), export and serving (which read it), in `tokenizer/` of
+a run directory, of a prepared data set and of an export directory. Two kinds:
 
-Two readers of one format: PaddleNLP's ErnieTokenizer (training, export, serving) and, for preparing data at corpus
-scale, a fast tokenizer (HF `tokenizers`, Rust) configured to give the same ids (`fast_tokenizer`).
+- this project's own: a character vocabulary (`vocab.txt`) wrapped as PaddleNLP's ErnieTokenizer and saved with
+  `save_pretrained`; two readers of the one format: ErnieTokenizer (training, export, serving) and, for preparing
+  data at corpus scale, a fast tokenizer (HF `tokenizers`, Rust) configured to give the same ids (`fast_tokenizer`);
+- a model's own (a Hugging Face checkpoint's `tokenizer.json` + `tokenizer_config.json`: byte-level BPE as Qwen2 and
+  Llama 3 ship, or SentencePiece-style with byte fallback as Llama 2): `HFTokenizer`, the part of PaddleNLP's
+  tokenizer interface this project uses over `tokenizers`. Its tokens are bytes, not text: a token may end inside a
+  UTF-8 character, so `pieces` gives bytes and `decode` holds an unfinished character back (streaming never shows
+  half of one).
 """
 from __future__ import annotations
 
@@ -17,7 +22,19 @@ EOS_TOKEN = "[SEP]"
 VOCAB_MULTIPLE = 128
 
 
+TOKENIZER_JSON, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
+HF_FILES = (TOKENIZER_JSON, TOKENIZER_CONFIG, "special_tokens_map.json")
+
+
+def is_hf_tokenizer(directory: Path | str) -> bool:
+    """A model's own tokenizer (tokenizer.json), not this project's character vocabulary (vocab.txt)."""
+    directory = Path(directory)
+    return (directory / TOKENIZER_JSON).is_file() and not (directory / "vocab.txt").is_file()
+
+
 def load_tokenizer(directory: Path | str):
+    if is_hf_tokenizer(directory):
+        return HFTokenizer(directory)
     from paddlenlp.transformers import ErnieTokenizer
 
     return ErnieTokenizer.from_pretrained(str(directory))
@@ -29,15 +46,117 @@ def model_vocab_size(tokenizer) -> int:
 
 
 def decode(tokenizer, ids: list[int]) -> str:
-    """Character-level decode: join the tokens without the spaces ErnieTokenizer would put between them."""
+    """Character-level decode: join the tokens without the spaces ErnieTokenizer would put between them. A model's
+    own tokenizer: its tokens' bytes joined, an unfinished character at the end held back (`text_of`)."""
+    if isinstance(tokenizer, HFTokenizer):
+        table = tokenizer.token_bytes()
+        return text_of(b"".join(table[i] for i in ids if i < len(table)))
     tokens = tokenizer.convert_ids_to_tokens([i for i in ids if i < len(tokenizer)])
     return "".join(t[2:] if t.startswith("##") else t for t in tokens if t not in SPECIAL_TOKENS)
 
 
-def pieces(tokenizer) -> list[str]:
+def pieces(tokenizer) -> list[str] | list[bytes]:
     """Each id's text as `decode` writes it ("" for special tokens), so that decoding is a join over a table: decode
-    is token by token, so decode(ids) == "".join(pieces[i] for i in ids) for every id below len(tokenizer)."""
+    is token by token, so decode(ids) == "".join(pieces[i] for i in ids) for every id below len(tokenizer). A model's
+    own tokenizer: each id's bytes (b"" for special tokens), and decode(ids) == text_of(b"".join(...))."""
+    if isinstance(tokenizer, HFTokenizer):
+        return tokenizer.token_bytes()
     return [decode(tokenizer, [i]) for i in range(len(tokenizer))]
+
+
+def text_of(raw: bytes) -> str:
+    """UTF-8 bytes as text, without an unfinished character at the end (a byte-level token may stop inside one: it
+    is held until the next token completes it, so a stream never shows U+FFFD for it); invalid bytes elsewhere are
+    U+FFFD."""
+    end = len(raw)
+    for back in range(1, min(4, end) + 1):  # (the last lead byte, and whether its sequence is complete)
+        byte = raw[end - back]
+        if byte & 0xC0 != 0x80:
+            needed = 2 if byte & 0xE0 == 0xC0 else 3 if byte & 0xF0 == 0xE0 else 4 if byte & 0xF8 == 0xF0 else 1
+            if needed > back:
+                end -= back
+            break
+    return raw[:end].decode("utf-8", errors="replace")
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the printable character each byte is written as -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    codes, extra = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            codes.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, codes)}
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer directory as this project uses a tokenizer: `len`, `tok(text, add_special_tokens=
+    False)["input_ids"]`, the bos / eos / pad / unk ids (named as ErnieTokenizer's: cls, sep), `save_pretrained`,
+    `chat_template` (tokenizer_config.json's jinja, or None) and `token_bytes` (each id's bytes, for `decode`)."""
+
+    def __init__(self, directory: Path | str):
+        from tokenizers import Tokenizer
+
+        self.directory = Path(directory)
+        self.fast = Tokenizer.from_file(str(self.directory / TOKENIZER_JSON))
+        path = self.directory / TOKENIZER_CONFIG
+        self.settings = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        self.cls_token_id = self.bos_token_id = self._id("bos_token")
+        self.sep_token_id = self.eos_token_id = self._id("eos_token")
+        if self.eos_token_id is None:
+            from core.errors import ConfigError
+
+            raise ConfigError(f"{self.directory}: {TOKENIZER_CONFIG} names no eos_token that {TOKENIZER_JSON} has "
+                              "(documents end with it; generation stops at it)")
+        self.pad_token_id = self._id("pad_token")
+        if self.pad_token_id is None:
+            self.pad_token_id = self.eos_token_id
+        self.unk_token_id, self.mask_token_id = self._id("unk_token"), None
+        self.chat_template = self.settings.get("chat_template")
+        self._bytes: list[bytes] | None = None
+
+    def _id(self, key: str) -> int | None:
+        token = self.settings.get(key)
+        token = token.get("content") if isinstance(token, dict) else token
+        return self.fast.token_to_id(token) if isinstance(token, str) else None
+
+    def __len__(self) -> int:
+        return self.fast.get_vocab_size(with_added_tokens=True)
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+        return {"input_ids": self.fast.encode(text, add_special_tokens=add_special_tokens).ids}
+
+    def save_pretrained(self, target: Path | str) -> None:
+        target = Path(target)
+        target.mkdir(parents=True, exist_ok=True)
+        for name in HF_FILES:
+            if (self.directory / name).is_file():
+                (target / name).write_bytes((self.directory / name).read_bytes())
+
+    def token_bytes(self) -> list[bytes]:
+        """Each id's bytes: byte-level tokens through GPT-2's alphabet, `<0xNN>` byte-fallback tokens as their byte,
+        SentencePiece's "▁" as a space; special (added) tokens b""."""
+        if self._bytes is None:
+            decoder = json.dumps(json.loads(self.fast.to_str()).get("decoder"))
+            added = self.fast.get_added_tokens_decoder()  # (written as text, not in the byte alphabet)
+            table = _byte_decoder() if "ByteLevel" in decoder else None
+            out = []
+            for i in range(len(self)):
+                token = self.fast.id_to_token(i)
+                if token is None or (i in added and added[i].special):
+                    out.append(b"")
+                elif i in added:
+                    out.append(added[i].content.encode("utf-8"))
+                elif table is not None:
+                    out.append(bytes(table[c] for c in token if c in table))
+                elif len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+                    out.append(bytes([int(token[3:5], 16)]))
+                else:
+                    out.append(token.replace("\u2581", " ").encode("utf-8"))
+            self._bytes = out
+        return self._bytes
 
 
 # What ErnieTokenizer.save_pretrained writes beside vocab.txt (PaddleNLP 2.8.1), written here without importing it.
@@ -112,8 +231,11 @@ def chunks(text: str, max_chars: int = CHUNK_CHARS):
 def fast_tokenizer(directory: Path | str):
     """A `tokenizers.Tokenizer` over the same vocabulary giving the same ids as `load_tokenizer`'s ErnieTokenizer
     (tests check the whole default corpus and edge cases), ~3x faster. Like it, special tokens written in the text
-    ("[SEP]", "[UNK]", ...) are matched as those tokens."""
+    ("[SEP]", "[UNK]", ...) are matched as those tokens. A model's own tokenizer: its tokenizer.json as it is."""
     from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
+
+    if is_hf_tokenizer(directory):
+        return Tokenizer.from_file(str(Path(directory) / TOKENIZER_JSON))
 
     vocab = {token: i for i, token in enumerate(read_vocab(directory))}
     lower = lower_case(directory)
@@ -124,3 +246,26 @@ def fast_tokenizer(directory: Path | str):
         pre_tokenizers.Split(Regex(_PADDLENLP_SYMBOLS), "isolated"), pre_tokenizers.BertPreTokenizer()])
     tok.add_special_tokens([t for t in SPECIAL_TOKENS if t in vocab])
     return tok
+
+
+BPE_SPECIAL = {"eos_token": "<|endoftext|>", "pad_token": "<|pad|>"}
+
+
+def train_bpe(texts, vocab_size: int, directory: Path | str) -> HFTokenizer:
+    """A byte-level BPE (GPT-2's and Qwen2's kind: every byte is a token, so nothing is unknown) trained on `texts`
+    with the `tokenizers` library, saved as a Hugging Face tokenizer directory: tokenizer.json and
+    tokenizer_config.json with its end-of-text and padding tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(BPE_SPECIAL.values()),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    tok.save(str(directory / TOKENIZER_JSON))
+    (directory / TOKENIZER_CONFIG).write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", **BPE_SPECIAL}, indent=1), encoding="utf-8")
+    return HFTokenizer(directory)

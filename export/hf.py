@@ -2,10 +2,11 @@
 `config.json`, `model.safetensors`, `tokenizer.json` and `tokenizer_config.json`, so the weights can go to vLLM, TGI
 or llama.cpp's converters.
 
-The mapping (checked against transformers' LlamaForCausalLM: logits within 6.2e-6 and 64 identical greedy tokens,
-docs/platform-notes.md "vLLM on CPU"): PaddleNLP's `llama.*` names are HF's `model.*`; every Linear weight is
-transposed (Paddle stores [in, out], torch [out, in]), the LM head too ([hidden, vocab] -> [vocab, hidden]; it is not
-tied to the embedding); PaddleNLP's rotary embedding is HF's rotate-half form, so q/k need no permutation. The
+The mapping is core/hf_checkpoint.py's, the one `model.init_from=<HF directory>` reads with (checked against
+transformers' LlamaForCausalLM: logits within 6.2e-6 and 64 identical greedy tokens, docs/platform-notes.md "vLLM on
+CPU"): PaddleNLP's `llama.*` names are HF's `model.*`; every Linear weight is transposed (Paddle stores [in, out],
+torch [out, in]), the LM head too; a head still equal to the embedding's transpose is written tied (an imported tied
+checkpoint comes back as it came). The
 tokenizer is core/tokenizer.py's fast tokenizer (the same ids as ErnieTokenizer) with a decoder that joins tokens
 without spaces, as this project decodes; a chat template, when the model has one, goes into tokenizer_config.json as
 the jinja over `messages` that renders core/chat.py's template.
@@ -20,27 +21,29 @@ import numpy as np
 HF_DIR = "hf"
 
 
-def hf_state(state: dict) -> dict[str, np.ndarray]:
-    """PaddleNLP LlamaForCausalLM state (name -> numpy) -> HF LlamaForCausalLM state."""
-    out = {}
-    for name, value in state.items():
-        value = np.asarray(value, dtype=np.float32)
-        if name == "lm_head.weight" or (name.endswith(".weight") and value.ndim == 2 and "embed_tokens" not in name):
-            value = np.ascontiguousarray(value.T)
-        out["model." + name[len("llama."):] if name.startswith("llama.") else name] = value
-    return out
+def hf_state(state: dict) -> tuple[dict[str, np.ndarray], bool]:
+    """PaddleNLP LlamaForCausalLM state (name -> numpy) -> (HF LlamaForCausalLM state, tied): a head that is still
+    exactly the embedding's transpose (an imported tied checkpoint, untouched) is written tied, as it came."""
+    from core.hf_checkpoint import to_hf
+
+    head, embedding = state.get("lm_head.weight"), state.get("llama.embed_tokens.weight")
+    tied = head is not None and embedding is not None and head.shape == embedding.T.shape and \
+        np.array_equal(np.asarray(head), np.asarray(embedding).T)
+    return to_hf(state, tie=tied), tied
 
 
-def hf_config(model_config) -> dict:
+def hf_config(model_config, tied: bool = False) -> dict:
     c = model_config
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+    scaling = ({"rope_scaling": {"rope_type": "linear", "type": "linear", "factor": float(c.rope_scaling_factor)}}
+               if getattr(c, "rope_scaling_type", None) == "linear" else {})
+    return {**scaling, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
             "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
             "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
             "num_key_value_heads": c.num_key_value_heads or c.num_attention_heads,
             "max_position_embeddings": c.max_position_embeddings, "rms_norm_eps": c.rms_norm_eps,
             "rope_theta": float(getattr(c, "rope_theta", 10000.0)), "vocab_size": c.vocab_size,
             "bos_token_id": c.bos_token_id, "eos_token_id": c.eos_token_id, "pad_token_id": c.pad_token_id,
-            "tie_word_embeddings": False, "attention_bias": False, "torch_dtype": "float32"}
+            "tie_word_embeddings": tied, "attention_bias": False, "torch_dtype": "float32"}
 
 
 def hf_tokenizer(tokenizer_dir: Path):
@@ -70,13 +73,16 @@ def write(model, tokenizer_dir: Path, target: Path) -> Path:
     from safetensors.numpy import save_file
 
     from core import chat
-    from core.tokenizer import SPECIAL_TOKENS
+    from core.tokenizer import SPECIAL_TOKENS, HFTokenizer, is_hf_tokenizer
 
     out = Path(target) / HF_DIR
     out.mkdir(parents=True, exist_ok=True)
-    save_file(hf_state({k: v.numpy() for k, v in model.state_dict().items()}), str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf_config(model.config), indent=1))
+    state, tied = hf_state({k: v.numpy() for k, v in model.state_dict().items()})
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_config(model.config, tied), indent=1))
+    if is_hf_tokenizer(tokenizer_dir):  # (a model's own tokenizer: its files as they came)
+        HFTokenizer(tokenizer_dir).save_pretrained(out)
+        return out
     hf_tokenizer(tokenizer_dir).save(str(out / "tokenizer.json"))
     settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.config.max_position_embeddings,
                 "bos_token": "[CLS]", "eos_token": "[SEP]", "pad_token": "[PAD]", "unk_token": "[UNK]",

@@ -23,7 +23,7 @@ import numpy as np
 import core  # noqa: F401  (zlib before paddle)
 import paddle  # noqa: E402
 
-from model.llama import MASKED, signed_sin  # noqa: E402
+from model.llama import MASKED, rotary_tables  # noqa: E402
 
 
 def _weight(layer) -> np.ndarray:
@@ -72,10 +72,7 @@ class FusedDecodeStep(paddle.nn.Layer):
         self.lm_head = param("lm_head", llama.norm.weight.numpy()[:, None] * head)
         # rotary (the tables of CachedLlamaStep): per position, one row per slot of a key/value head's group
         # (n query heads, the key: rotated; the value: cos 1, sin 0)
-        inv_freq = 1.0 / (10000 ** (np.arange(0, d, 2, dtype="float32") / d))
-        freqs = np.arange(cfg.max_position_embeddings, dtype="float32")[:, None] * inv_freq[None, :]
-        emb = paddle.to_tensor(np.concatenate([freqs, freqs], axis=-1))
-        cos, sin = emb.cos().numpy(), signed_sin(emb.sin()).numpy()
+        cos, sin = (table.numpy() for table in rotary_tables(cfg))
         rotated = self.group + 1
         rows = len(cos)
         self.rotary_table = param("rotary_table", np.concatenate([  # [position, (cos | sin) x slot x D]

@@ -54,8 +54,15 @@ def llama_config(config: Config, tokenizer, tensor_parallel_degree: int = 1, ten
     from core.tokenizer import model_vocab_size
 
     m = config.model
+    vocab_size = m.vocab_size or model_vocab_size(tokenizer)
+    if len(tokenizer) > vocab_size:
+        from core.errors import ConfigError
+
+        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens and the model's embedding {vocab_size} rows "
+                          f"(model.vocab_size{', from ' + m.init_from if m.init_from else ''}): use the model's own "
+                          "tokenizer")
     model_config = LlamaConfig(
-        vocab_size=model_vocab_size(tokenizer),
+        vocab_size=vocab_size,
         hidden_size=m.hidden_size,
         intermediate_size=m.intermediate_size,
         num_hidden_layers=m.num_layers,
@@ -64,6 +71,9 @@ def llama_config(config: Config, tokenizer, tensor_parallel_degree: int = 1, ten
         max_position_embeddings=m.max_position_embeddings,
         seq_length=config.training.seq_length,
         rms_norm_eps=m.rms_norm_eps,
+        rope_theta=m.rope_theta,
+        rope_scaling_type="linear" if m.rope_scaling_factor != 1.0 else None,
+        rope_scaling_factor=m.rope_scaling_factor,
         bos_token_id=tokenizer.cls_token_id,
         eos_token_id=tokenizer.sep_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -122,8 +132,34 @@ def build_model(config: Config, tokenizer, tensor_parallel_degree: int, tensor_p
         model_config.virtual_pp_degree = layout.virtual_stages
         model_config.stage_boundaries = None if layout.uniform_split else layout.stage_boundaries()
     if config.model.init_from:
-        return cls.from_pretrained(config.model.init_from, config=model_config)
+        return cls.from_pretrained(str(weights_dir(config.model.init_from)), config=model_config)
     return cls(model_config)
+
+
+def weights_dir(init_from: str):
+    """The directory PaddleNLP loads for model.init_from: it as it is, or a Hugging Face checkpoint's conversion
+    (core/hf_checkpoint.py; made once per content key in the user cache, `models/`)."""
+    from pathlib import Path
+
+    from core import hf_checkpoint
+    from core.files import user_cache
+
+    if hf_checkpoint.is_hf_checkpoint(init_from):
+        return hf_checkpoint.converted(init_from, user_cache("models"))
+    return Path(init_from)
+
+
+def rotary_tables(cfg):
+    """(cos, signed sin) [max positions, head_dim] of LlamaRotaryEmbedding: base cfg.rope_theta, halves concatenated;
+    with linear rope scaling (PaddleNLP's LinearScalingRotaryEmbedding) the positions divided by the factor."""
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    inv_freq = 1.0 / (float(getattr(cfg, "rope_theta", 10000.0))
+                      ** (paddle.arange(0, head_dim, 2).astype("float32") / head_dim))
+    positions = paddle.arange(cfg.max_position_embeddings, dtype="float32")
+    if getattr(cfg, "rope_scaling_type", None) == "linear":
+        positions = positions / float(cfg.rope_scaling_factor)
+    emb = paddle.concat([paddle.einsum("i,j->ij", positions, inv_freq)] * 2, axis=-1)
+    return emb.cos(), signed_sin(emb.sin())
 
 
 # The plain model every export and evaluation loads: no GPU kernels, unfused q/k/v and gate/up weights (PaddleNLP
@@ -134,13 +170,15 @@ PORTABLE = {**KERNELS_OFF, "fuse_attention_qkv": False, "fuse_attention_ffn": Fa
 
 
 def load_merged(checkpoint_dir, dtype: str = "float32", portable: bool = True):
-    """A single-device model from a unified (merged, full-tensor) checkpoint, whatever layout wrote it: the
-    portable model, or (portable=False) with the weight layout the checkpoint was trained with."""
+    """A single-device model from a unified (merged, full-tensor) checkpoint, whatever layout wrote it, or from a
+    Hugging Face checkpoint (a LoRA run's base): the portable model, or (portable=False) with the weight layout the
+    checkpoint was trained with."""
     from paddlenlp.transformers import LlamaForCausalLM
 
     apply_cpu_ops()  # (export and evaluation run on CPU)
     overrides = PORTABLE if portable else KERNELS_OFF
-    return LlamaForCausalLM.from_pretrained(str(checkpoint_dir), tensor_parallel_degree=1, tensor_parallel_rank=0,
+    return LlamaForCausalLM.from_pretrained(str(weights_dir(checkpoint_dir)), tensor_parallel_degree=1,
+                                            tensor_parallel_rank=0,
                                             tensor_parallel_output=False, dtype=dtype, **overrides)
 
 
@@ -289,12 +327,9 @@ class CachedLlamaStep(paddle.nn.Layer):
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
-        # the same rotary table as LlamaRotaryEmbedding (base 10000, [max_pos, head_dim], halves concatenated)
-        inv_freq = 1.0 / (10000 ** (paddle.arange(0, self.head_dim, 2).astype("float32") / self.head_dim))
-        freqs = paddle.einsum("i,j->ij", paddle.arange(cfg.max_position_embeddings, dtype="float32"), inv_freq)
-        emb = paddle.concat([freqs, freqs], axis=-1)
-        self.register_buffer("cos_table", emb.cos())
-        self.register_buffer("signed_sin_table", signed_sin(emb.sin()))
+        cos, sin = rotary_tables(cfg)  # (the rotary table of LlamaRotaryEmbedding)
+        self.register_buffer("cos_table", cos)
+        self.register_buffer("signed_sin_table", sin)
 
     def forward(self, input_ids, position_ids, key_mask, past_keys=None, past_values=None):
         llama = self.model.llama

@@ -58,12 +58,22 @@ def finetune_config(config: Config, base: Base, data: str = "") -> Config:
               f"model.num_key_value_heads={shape.get('num_key_value_heads') or shape['num_attention_heads']}",
               f"model.max_position_embeddings={shape['max_position_embeddings']}",
               f"model.rms_norm_eps={shape.get('rms_norm_eps', config.model.rms_norm_eps)}",
+              f"model.rope_theta={shape.get('rope_theta', 10000.0)}", f"model.vocab_size={shape['vocab_size']}",
+              f"model.rope_scaling_factor={_linear_scaling(shape)}",
               f"model.init_from={base.checkpoint}", f"tokenizer.path={base.tokenizer}",
               f"finetune.base={base.uri}", f"finetune.data={data or config.finetune.data or 'reviews'}"]
     if base.config is not None:  # (the same held-out documents as the base's pretraining)
         values += [f"data.split_seed={base.config.data.split_seed}",
                    f"data.validation_fraction={base.config.data.validation_fraction}"]
     return with_overrides(config, values)
+
+
+def _linear_scaling(shape: dict) -> float:
+    """The linear rope scaling factor of a PaddleNLP config.json (rope_scaling_type) or an HF one (rope_scaling)."""
+    if shape.get("rope_scaling_type") == "linear":
+        return float(shape.get("rope_scaling_factor", 1.0))
+    scaling = shape.get("rope_scaling") or {}
+    return float(scaling.get("factor", 1.0)) if scaling.get("rope_type", scaling.get("type")) == "linear" else 1.0
 
 
 def resolve_base(config: Config, model: str) -> Base:
@@ -74,21 +84,24 @@ def resolve_base(config: Config, model: str) -> Base:
     if model:
         return _from_run(config, model)
     if config.model.init_from:
-        return _from_directory(Path(config.model.init_from).expanduser().resolve())
+        return _from_directory(Path(config.model.init_from).expanduser().resolve(), config.tokenizer.path)
     return _from_run(config, "")
 
 
-def _from_directory(path: Path) -> Base:
-    """PaddleNLP weights (config.json + model_state / safetensors), with its tokenizer in it, in tokenizer/, or
-    (a run's checkpoint) in the run directory's tokenizer/."""
+def _from_directory(path: Path, tokenizer_path: str = "") -> Base:
+    """PaddleNLP weights (config.json + model_state / safetensors) or a Hugging Face checkpoint (core/
+    hf_checkpoint.py), with its tokenizer: tokenizer.path, else in it, in tokenizer/, beside it (an export's hf/ and
+    tokenizer/), or (a run's checkpoint) in the run directory's tokenizer/."""
     if not (path / "config.json").is_file():
         raise ConfigError(f"MODEL={path}: not a model directory (no config.json: PaddleNLP weights saved with "
-                          "save_pretrained, or a run's checkpoint-<step>)")
-    for tokenizer in (path, path / "tokenizer", path.parent.parent / "tokenizer"):
-        if (tokenizer / "vocab.txt").is_file():
+                          "save_pretrained, a Hugging Face checkpoint, or a run's checkpoint-<step>)")
+    given = [Path(tokenizer_path).expanduser().resolve()] if tokenizer_path else []
+    for tokenizer in (*given, path, path / "tokenizer", path.parent / "tokenizer", path.parent.parent / "tokenizer"):
+        if (tokenizer / "vocab.txt").is_file() or (tokenizer / "tokenizer.json").is_file():
             recorded = path.parent.parent / "config.yaml"
             return Base(path, tokenizer, str(path), load_config(recorded) if recorded.is_file() else None)
-    raise ConfigError(f"MODEL={path}: no tokenizer (vocab.txt) in it, in its tokenizer/, or in its run directory")
+    raise ConfigError(f"MODEL={path}: no tokenizer (vocab.txt or tokenizer.json) in it, in its tokenizer/, beside it "
+                      "or in its run directory (or set tokenizer.path)")
 
 
 def _from_run(config: Config, run_id: str, step: int | None = None, uri: str = "") -> Base:

@@ -7,7 +7,7 @@ from pathlib import Path
 import serving  # noqa: F401  (zlib first)
 from core import exportdir
 from serving.engine import runtime
-from core.tokenizer import load_tokenizer, pieces
+from core.tokenizer import load_tokenizer, pieces, text_of
 from serving.protocol import GenerationSettings
 from serving.engine.generation import generate, generate_batch
 from serving.protocol import RequestError, bad  # noqa: F401  (RequestError: what encode raises)
@@ -26,12 +26,14 @@ class ExportedModel:
         self.tokenizer = load_tokenizer(exportdir.tokenizer_dir(self.dir))
         tok = self.tokenizer
         self.eos_id = int(self.meta["eos_token_id"])
-        self.banned_ids = [tok.pad_token_id, tok.unk_token_id, tok.cls_token_id, tok.mask_token_id]
+        # (never generated; a model's own tokenizer may have no unk or mask token, and pad may be its eos)
+        self.banned_ids = [i for i in (tok.pad_token_id, tok.unk_token_id, tok.cls_token_id, tok.mask_token_id)
+                           if i is not None and i != self.eos_id]
         self.max_length = int(self.meta["max_position_embeddings"])
         # (each id's text once: a streamed answer is decoded again at every step, and ErnieTokenizer's
         # convert_ids_to_tokens cost as much as the model's step at 16 streams a worker, profiled)
-        self.pieces = pieces(tok)
-        self.pieces[self.eos_id] = ""
+        self.pieces = pieces(tok)  # (bytes for a model's own byte-level tokenizer: core/tokenizer.py text_of)
+        self.pieces[self.eos_id] = self.pieces[self.eos_id][:0]
 
     def encode(self, prompt: str) -> list[int]:
         ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -42,9 +44,10 @@ class ExportedModel:
         return ids
 
     def decode(self, ids: list[int]) -> str:
-        """core/tokenizer.py decode, the end token left out."""
+        """core/tokenizer.py decode, the end token left out; an unfinished character at the end held back."""
         table = self.pieces
-        return "".join(table[i] for i in ids if i < len(table))
+        joined = table[0][:0].join(table[i] for i in ids if i < len(table))
+        return joined if isinstance(joined, str) else text_of(joined)
 
     def generate(self, forward, prompt_ids: list[int], settings: GenerationSettings) -> list[int]:
         return generate(forward, prompt_ids, settings, self.eos_id, self.banned_ids, len(self.tokenizer),

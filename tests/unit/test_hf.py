@@ -10,40 +10,7 @@ from safetensors.numpy import load_file
 from core import chat
 from core.tokenizer import SPECIAL_TOKENS, decode, load_tokenizer, write_tokenizer
 from export import hf
-
-
-def _rms(x, w, eps):
-    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
-
-
-def hf_llama_logits(state: dict, config: dict, ids: np.ndarray) -> np.ndarray:
-    """transformers' LlamaForCausalLM forward (one sequence), in float64 numpy."""
-    s = {k: v.astype(np.float64) for k, v in state.items()}
-    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
-    hd, eps, T = config["hidden_size"] // heads, config["rms_norm_eps"], len(ids)
-    inv = 1.0 / config["rope_theta"] ** (np.arange(0, hd, 2) / hd)
-    angles = np.concatenate([np.outer(np.arange(T), inv)] * 2, axis=-1)
-    cos, sin = np.cos(angles)[:, None], np.sin(angles)[:, None]
-
-    def rope(x):
-        half = np.concatenate([-x[..., hd // 2:], x[..., :hd // 2]], axis=-1)
-        return x * cos + half * sin
-
-    h = s["model.embed_tokens.weight"][ids]
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        x = _rms(h, s[p + "input_layernorm.weight"], eps)
-        q = rope((x @ s[p + "self_attn.q_proj.weight"].T).reshape(T, heads, hd))
-        k = rope((x @ s[p + "self_attn.k_proj.weight"].T).reshape(T, kv, hd)).repeat(heads // kv, axis=1)
-        v = (x @ s[p + "self_attn.v_proj.weight"].T).reshape(T, kv, hd).repeat(heads // kv, axis=1)
-        scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd) + np.triu(np.full((T, T), -1e30), 1)
-        weights = np.exp(scores - scores.max(-1, keepdims=True))
-        weights /= weights.sum(-1, keepdims=True)
-        h = h + np.einsum("hqk,khd->qhd", weights, v).reshape(T, -1) @ s[p + "self_attn.o_proj.weight"].T
-        x = _rms(h, s[p + "post_attention_layernorm.weight"], eps)
-        gate = x @ s[p + "mlp.gate_proj.weight"].T
-        h = h + (gate / (1 + np.exp(-gate)) * (x @ s[p + "mlp.up_proj.weight"].T)) @ s[p + "mlp.down_proj.weight"].T
-    return _rms(h, s["model.norm.weight"], eps) @ s["lm_head.weight"].T
+from hf_oracle import hf_logits as hf_llama_logits
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,8 @@ from pathlib import Path
 
 from core import REPO_ROOT, dataset
 from core.errors import ConfigError
-from core.tokenizer import EOS_TOKEN, SPECIAL_TOKENS, read_vocab, write_tokenizer
+from core.tokenizer import (EOS_TOKEN, HF_FILES, SPECIAL_TOKENS, TOKENIZER_JSON, HFTokenizer, is_hf_tokenizer, read_vocab,
+                            write_tokenizer)
 from core.files import atomic_write, cache_path
 from training.data import corpus, engines, store
 
@@ -73,7 +74,7 @@ def content_key(config, corpora: list[corpus.Corpus]) -> str:
     for source in CODE:
         key.update(source.read_bytes())
     if t.path:
-        for name in ("vocab.txt", "tokenizer_config.json"):
+        for name in ("vocab.txt", "tokenizer_config.json", TOKENIZER_JSON):
             if (Path(t.path) / name).is_file():
                 key.update((Path(t.path) / name).read_bytes())
     for c in corpora:
@@ -141,9 +142,9 @@ def find_prepared(config) -> dict | None:
 
 
 def _check_tokenizer_path(path: str) -> None:
-    if path and not (Path(path).expanduser() / "vocab.txt").is_file():
-        raise ConfigError(f"tokenizer.path: {path} has no vocab.txt (expected a PaddleNLP tokenizer directory, "
-                          f"e.g. a run's or an export's tokenizer/)")
+    if path and not any((Path(path).expanduser() / name).is_file() for name in ("vocab.txt", TOKENIZER_JSON)):
+        raise ConfigError(f"tokenizer.path: {path} has neither vocab.txt (a PaddleNLP tokenizer directory, e.g. a "
+                          f"run's or an export's tokenizer/) nor {TOKENIZER_JSON} (a Hugging Face model's tokenizer)")
 
 
 def _build(config, corpora: list[corpus.Corpus], staging: Path, key: str, log) -> dict:
@@ -165,22 +166,17 @@ def _passes(config, corpora, pieces, engine, staging: Path, key: str, log) -> di
         {**common, **extra, "kind": kind, "piece": asdict(p), "limit": limits.get(p.name)} for p in pieces
         if limits.get(p.name, 1) > 0]
     tokenizer_dir = staging / dataset.TOKENIZER_DIR
-    if not (tokenizer_dir / "vocab.txt").is_file():
+    if not dataset.has_tokenizer(staging):
         counts = None
         if not config.tokenizer.path:
             counts = Counter()
             for result in engine.run(tasks("vocab", {}), "vocabulary", log):
                 counts.update(result["counts"])
         _freeze_tokenizer(config.tokenizer, counts, tokenizer_dir)
-    vocab = read_vocab(tokenizer_dir)
-    ids = {token: i for i, token in enumerate(vocab)}
-    for needed in (EOS_TOKEN, "[UNK]"):
-        if needed not in ids:
-            raise ConfigError(f"tokenizer.path: {config.tokenizer.path} has no {needed} token (documents end with "
-                              f"{EOS_TOKEN}; unknown characters map to [UNK])")
-    extra = {"eos_id": ids[EOS_TOKEN], "unk_id": ids["[UNK]"], "dtype": dataset.token_dtype(len(vocab)).name}
+    size, eos_id, unk_id = _special_ids(config, tokenizer_dir)
+    extra = {"eos_id": eos_id, "unk_id": unk_id, "dtype": dataset.token_dtype(size).name}
     results = engine.run(tasks("shard", extra), "tokenize", log)
-    manifest = _manifest(config, corpora, pieces, results, key, len(vocab), extra, engine)
+    manifest = _manifest(config, corpora, pieces, results, key, size, extra, engine)
     atomic_write(staging / dataset.MANIFEST, json.dumps(manifest, indent=1))
     shutil.rmtree(staging / "parts", ignore_errors=True)
     return manifest
@@ -226,13 +222,27 @@ def build_vocabulary(counts: Counter, config) -> list[str]:
     return vocab
 
 
+def _special_ids(config, tokenizer_dir: Path) -> tuple[int, int, int]:
+    """(vocabulary size, the id documents end with, the unknown token's id or -1: byte-level BPE has none)."""
+    if is_hf_tokenizer(tokenizer_dir):
+        tok = HFTokenizer(tokenizer_dir)
+        return len(tok), tok.eos_token_id, -1 if tok.unk_token_id is None else tok.unk_token_id
+    vocab = read_vocab(tokenizer_dir)
+    ids = {token: i for i, token in enumerate(vocab)}
+    for needed in (EOS_TOKEN, "[UNK]"):
+        if needed not in ids:
+            raise ConfigError(f"tokenizer.path: {config.tokenizer.path} has no {needed} token (documents end with "
+                              f"{EOS_TOKEN}; unknown characters map to [UNK])")
+    return len(vocab), ids[EOS_TOKEN], ids["[UNK]"]
+
+
 def _freeze_tokenizer(config, counts: Counter | None, directory: Path) -> None:
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     if counts is None:
         source = Path(config.path).expanduser()
         tmp.mkdir(parents=True)
-        for name in ("vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
+        for name in ("vocab.txt", *HF_FILES):
             if (source / name).is_file():
                 shutil.copy2(source / name, tmp / name)
     else:

@@ -1,0 +1,167 @@
+"""A Hugging Face checkpoint people bring (core/hf_checkpoint.py): `model.init_from=<HF directory>` sets the model's
+shape from its config.json and loads its weights (sharded, bfloat16 / float16, tied or untied, grouped-query
+attention, rope_theta, linear rope scaling) into the model training builds; its logits equal HF's Llama arithmetic
+written out in numpy (tests/hf_oracle.py), not Paddle's; the export's HF copy gives the source's tensors back bit for
+bit; bad checkpoints are refused in one line before anything is built."""
+import json
+
+import numpy as np
+import pytest
+
+import core  # noqa: F401  (zlib before paddle)
+from core import hf_checkpoint
+from core.config import load_config
+from core.errors import ConfigError
+from core.tokenizer import SPECIAL_TOKENS, load_tokenizer, write_tokenizer
+from hf_oracle import as_dtype, hf_logits, llama_config, random_state, write_checkpoint
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # (the conversions' cache: core/files.py)
+    return tmp_path / "cache" / "paddle-train-to-serve" / "models"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tok") / "tokenizer"
+    write_tokenizer(SPECIAL_TOKENS + list("用户助手评论好差正面负这"), directory)
+    return load_tokenizer(directory)
+
+
+def built(directory, tokenizer, *overrides):
+    """The model `make train` / `make finetune` builds for model.init_from=directory (one process)."""
+    from model.llama import build_model
+
+    config = load_config(None, [f"model.init_from={directory}", *overrides])
+    model = build_model(config, tokenizer, 1, 0, pipeline=False)
+    model.eval()
+    return config, model
+
+
+def paddle_logits(model, ids):
+    import paddle
+
+    with paddle.no_grad():
+        return model(paddle.to_tensor(ids[None]))[0].numpy()[0].astype(np.float64)
+
+
+def relative_error(ours, oracle) -> float:
+    return float(np.abs(ours - oracle).max() / np.abs(oracle).max())
+
+
+IDS = np.array([5, 9, 17, 33, 2, 70, 101, 8, 64, 12, 150, 7])
+
+
+@pytest.mark.parametrize("changes, dtype, shards", [
+    ({"tie_word_embeddings": True}, "bfloat16", 3),  # (Llama 3 / Qwen-small style: tied, bf16, sharded)
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "num_key_value_heads": 4}, "float16", 1),
+    ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": None}, "float32", 2),
+])
+def test_an_hf_llama_loads_and_gives_hf_arithmetic_logits(tmp_path, cache, tokenizer, changes, dtype, shards):
+    hf = llama_config(**changes)
+    state = random_state(hf, seed=1)
+    source = write_checkpoint(tmp_path / "hf", hf, state, dtype=dtype, shards=shards)
+    config, model = built(source, tokenizer)
+    m = config.model  # (the checkpoint's shape, whatever the defaults were)
+    assert (m.hidden_size, m.num_layers, m.num_key_value_heads, m.vocab_size, m.rope_theta) == \
+        (32, 2, hf["num_key_value_heads"], 160, 500000.0)
+    assert m.rope_scaling_factor == (hf.get("rope_scaling") or {}).get("factor", 1.0)
+    error = relative_error(paddle_logits(model, IDS), hf_logits(as_dtype(state, dtype), hf, IDS))
+    assert error < 1e-4, error
+    # converted once: the second build reads the cached directory, unchanged
+    (converted,) = [p for p in cache.iterdir() if not p.name.startswith(".")]
+    stamp = (converted / "model.safetensors").stat().st_mtime_ns
+    built(source, tokenizer)
+    assert (converted / "model.safetensors").stat().st_mtime_ns == stamp and len(list(cache.iterdir())) == 1
+
+
+def test_the_export_and_the_import_give_each_others_tensors_back_bit_for_bit(tmp_path, cache, tokenizer):
+    from safetensors.numpy import load_file
+
+    from export import hf
+
+    for tied in (True, False):
+        config = llama_config(tie_word_embeddings=tied)
+        state = random_state(config, seed=2)
+        source = write_checkpoint(tmp_path / f"hf-{tied}", config, state)
+        _, model = built(source, tokenizer)
+        out = hf.write(model, tokenizer_dir(tmp_path, tokenizer), tmp_path / f"export-{tied}")
+        back = load_file(str(out / "model.safetensors"))
+        assert set(back) == set(state), set(back) ^ set(state)  # (tied comes back tied: no lm_head.weight)
+        assert all(np.array_equal(back[k], state[k]) for k in state)
+        written = json.loads((out / "config.json").read_text())
+        assert written["tie_word_embeddings"] is tied and written["rope_theta"] == 500000.0
+        # and the other way: our HF copy imported gives the model's own tensors
+        _, again = built(out, tokenizer)
+        ours, theirs = model.state_dict(), again.state_dict()
+        assert set(ours) == set(theirs) and all(np.array_equal(ours[k].numpy(), theirs[k].numpy()) for k in ours)
+
+
+def tokenizer_dir(tmp_path, tokenizer):
+    directory = tmp_path / "tokenizer"
+    tokenizer.save_pretrained(str(directory))
+    return directory
+
+
+def test_bad_checkpoints_are_refused_in_one_line_before_anything_is_built(tmp_path, cache, tokenizer):
+    def refused(config, state, *, match, write=write_checkpoint, **kwargs):
+        directory = tmp_path / f"bad-{len(list(tmp_path.iterdir()))}"
+        write(directory, config, state, **kwargs)
+        with pytest.raises(ConfigError, match=match) as caught:
+            load_config(None, [f"model.init_from={directory}"])
+            built(directory, tokenizer)
+        assert "\n" not in str(caught.value) and str(directory) in str(caught.value)
+        return directory
+
+    config = llama_config()
+    state = random_state(config)
+    refused({**config, "architectures": ["GPT2LMHeadModel"]}, state, match="GPT2LMHeadModel.*not supported")
+    refused({**config, "architectures": ["Qwen2ForCausalLM"]}, state, match="Qwen2ForCausalLM: its q/k/v biases")
+    refused({**config, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, state,
+            match="rope_scaling type 'llama3' is not supported")
+    refused({**config, "architectures": ["MistralForCausalLM"], "sliding_window": 4096}, state,
+            match="sliding-window attention")
+    no_weights = refused(config, state, match="no weights", write=lambda d, c, s: (
+        d.mkdir(), (d / "config.json").write_text(json.dumps(c))))
+    assert not list(no_weights.glob("*.safetensors"))
+    sharded = refused(config, state, match="names shard.*model-00002-of-00002.safetensors", shards=2,
+                      write=lambda d, c, s, shards: (write_checkpoint(d, c, s, shards=shards),
+                                                     (d / "model-00002-of-00002.safetensors").unlink()))
+    assert (sharded / "model.safetensors.index.json").is_file()
+    # at build: a tensor that does not map (a bias this Llama has no place for), a weight missing, a tokenizer
+    # larger than the embedding; none leaves a converted directory behind
+    extra = {**state, "model.layers.0.self_attn.q_proj.bias": np.zeros(32, np.float32)}
+    refused(config, extra, match="do not map to a Llama: model.layers.0.self_attn.q_proj.bias")
+    missing = {k: v for k, v in state.items() if not k.startswith("model.layers.1.mlp.up_proj")}
+    refused(config, missing, match="weights missing: llama.layers.1.mlp.up_proj.weight")
+    refused({**config, "vocab_size": 8}, random_state({**config, "vocab_size": 8}),
+            match="the tokenizer has 17 tokens and the model's embedding 8 rows")
+    assert not cache.exists() or [p for p in cache.iterdir() if not p.name.startswith(".converting")] == [] or \
+        all((p / ".converted-from").is_file() for p in cache.iterdir())
+
+
+def test_a_changed_checkpoint_is_converted_again(tmp_path, cache):
+    config = llama_config()
+    source = write_checkpoint(tmp_path / "hf", config, random_state(config))
+    first = hf_checkpoint.converted(source, cache)
+    assert hf_checkpoint.converted(source, cache) == first
+    write_checkpoint(source, config, random_state(config, seed=9))  # (new weights in place)
+    second = hf_checkpoint.converted(source, cache)
+    assert second != first and not hf_checkpoint.is_hf_checkpoint(second)
+    assert json.loads((second / ".converted-from").read_text())["source"] == str(source.resolve())
+
+
+def test_the_cache_programs_follow_rope_theta_and_linear_scaling(tmp_path):
+    """Export's prefill, fused decode (format 2) and full-sequence programs with an imported model's rotary base and
+    scaling equal the dynamic model, step by step."""
+    from bench import decode_step
+    from export import gates, programs
+    from serving.engine import runtime
+
+    model = decode_step.random_model(32, 2, 4, 64, 96, 64, kv_heads=2, seed=4, varied_norms=True,
+                                     rope_theta=500000.0, rope_scaling_factor=2.0)
+    programs.save_programs(model, tmp_path)
+    prefill, step = runtime.cache_session(tmp_path)
+    # (60 positions: a rotary base of 10000 instead of the model's is off by 4.8e-4 there, 1.9e-4 at 24)
+    assert gates.cache_parity_error(model, prefill, step, 96, seq_length=60) < 1e-4
