@@ -37,6 +37,7 @@ class ModelConfig:
     rope_theta: float = 10000.0  # the rotary base (Llama 3: 500000)
     rope_scaling_factor: float = 1.0  # linear rope scaling: positions divided by this (1 = none)
     vocab_size: int = 0  # rows of the embedding; 0 = the tokenizer's vocabulary, padded to a multiple of 128
+    attention_bias: bool = False  # q/k/v projections with biases (Qwen2)
     # A directory to start from instead of a random init: PaddleNLP weights (`save_pretrained` / unified-checkpoint
     # layout; it must match the shapes above and the tokenizer's vocabulary), or a Hugging Face checkpoint
     # (config.json + safetensors, core/hf_checkpoint.py), whose config.json then sets every setting above

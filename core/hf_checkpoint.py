@@ -5,7 +5,7 @@ with. No paddle and no torch: json, numpy and `safetensors`.
 Reading (`model.init_from=<HF directory>`):
     read_config     config.json checked (architecture, rope scaling, shapes), each refusal one line
     model_settings  the model.* settings the checkpoint fixes (core/config.py applies them: its shape wins)
-    converted       the PaddleNLP directory PaddleNLP's `from_pretrained` loads (config.json + numpy safetensors in
+    converted       the PaddleNLP directory PaddleNLP's `from_pretrained` loads (config.json + the weights in
                     PaddleNLP's names and [in, out] layout; tensor-parallel ranks load their slices from it), made
                     once per content key under the user cache and reused, like prepared data
 The mapping (checked against HF's Llama arithmetic, written out in numpy: tests/hf_oracle.py): HF's `model.*` is
@@ -16,9 +16,10 @@ export/hf.py ties them again when they are still equal. Rotary buffers (`rotary_
 are skipped; any other tensor that does not map is named in the error.
 
 Supported: Llama-architecture models (`LlamaForCausalLM`: Llama 2 and 3, TinyLlama, Chinese-LLaMA, Yi;
-`MistralForCausalLM` without a sliding window), grouped-query attention, `rope_theta`, rope scaling `linear`, tied or
-untied embeddings, float32 / float16 / bfloat16 weights (read as float32). Not yet: Qwen2 (q/k/v biases), rope
-scaling `dynamic` and `llama3` (each refused in one line naming it).
+`MistralForCausalLM` without a sliding window) and Qwen2 / Qwen2.5 (`Qwen2ForCausalLM`: Llama with q/k/v biases,
+model/llama.py apply_attention_bias), grouped-query attention, `rope_theta`, rope scaling `linear`, tied or untied
+embeddings, float32 / float16 / bfloat16 weights (read as float32). Not yet: rope scaling `dynamic` and `llama3`
+(refused in one line naming the kind).
 """
 from __future__ import annotations
 
@@ -34,11 +35,12 @@ import numpy as np
 
 from core.errors import ConfigError
 
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM")
-NOT_YET = {"Qwen2ForCausalLM": "its q/k/v biases are not in this project's Llama yet"}
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+NOT_YET: dict[str, str] = {}
+BIASED = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")  # (Qwen2's q/k/v biases)
 ROPE_SCALING = ("linear",)
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
-CONVERTED_FORMAT = 1  # (part of the content key: a change to the conversion makes new directories)
+CONVERTED_FORMAT = 2  # (part of the content key: a change to the conversion makes new directories)
 SKIPPED = ("rotary_emb.inv_freq",)
 
 
@@ -88,8 +90,9 @@ def read_config(path: str | Path) -> dict:
     if scaling and kind not in ROPE_SCALING:
         raise ConfigError(f"model.init_from={path}: rope_scaling type {kind!r} is not supported; supported: "
                           f"{', '.join(ROPE_SCALING)} (or none)")
-    if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise ConfigError(f"model.init_from={path}: attention_bias / mlp_bias are not supported yet")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):  # (Llama's attention_bias is o_proj's too: not Qwen2's)
+        raise ConfigError(f"model.init_from={path}: attention_bias / mlp_bias (a bias on every projection) are not "
+                          "supported; q/k/v biases alone (Qwen2) are")
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"model.init_from={path}: hidden_act {hf['hidden_act']!r} is not supported (silu is)")
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
@@ -108,7 +111,12 @@ def model_settings(hf: dict) -> dict:
             "max_position_embeddings": hf.get("max_position_embeddings", 2048),
             "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)), "rope_theta": float(hf.get("rope_theta", 10000.0)),
             "rope_scaling_factor": float(scaling.get("factor", 1.0)) if scaling else 1.0,
-            "vocab_size": hf["vocab_size"]}
+            "vocab_size": hf["vocab_size"], "attention_bias": qkv_bias(hf)}
+
+
+def qkv_bias(hf: dict) -> bool:
+    """Whether the architecture has q/k/v biases (Qwen2 and Qwen2.5)."""
+    return "Qwen2ForCausalLM" in (hf.get("architectures") or [])
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -168,6 +176,8 @@ def to_paddle(hf_state: dict, hf: dict, where: str = "") -> dict[str, np.ndarray
             continue
         if name == "lm_head.weight":
             out[name] = np.ascontiguousarray(value.T)
+        elif name.startswith("model.") and name.endswith(tuple(f"{b}.bias" for b in BIASED)) and qkv_bias(hf):
+            out["llama." + name[len("model."):]] = value
         elif name.startswith("model.") and name.endswith(".weight"):
             out["llama." + name[len("model."):]] = np.ascontiguousarray(value.T) if _linear(name, value) else value
         else:
@@ -187,8 +197,10 @@ def expected_names(hf: dict) -> list[str]:
     """PaddleNLP's names of every weight of the model an HF config describes."""
     layer = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
              "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")
+    biases = [f"llama.layers.{i}.{part}.bias" for i in range(hf["num_hidden_layers"]) for part in BIASED] \
+        if qkv_bias(hf) else []
     return (["llama.embed_tokens.weight", "llama.norm.weight", "lm_head.weight"] +
-            [f"llama.layers.{i}.{part}.weight" for i in range(hf["num_hidden_layers"]) for part in layer])
+            [f"llama.layers.{i}.{part}.weight" for i in range(hf["num_hidden_layers"]) for part in layer] + biases)
 
 
 def to_hf(paddle_state: dict, tie: bool = False) -> dict[str, np.ndarray]:
@@ -228,6 +240,7 @@ def paddle_config(hf: dict) -> dict:
             "rms_norm_eps": s["rms_norm_eps"], "rope_theta": s["rope_theta"],
             "rope_scaling_type": "linear" if s["rope_scaling_factor"] != 1.0 else None,
             "rope_scaling_factor": s["rope_scaling_factor"], "tie_word_embeddings": False,
+            "attention_bias": s["attention_bias"],
             "bos_token_id": hf.get("bos_token_id"), "eos_token_id": _first(hf.get("eos_token_id")),
             "pad_token_id": hf.get("pad_token_id"), "dtype": "float32"}
 
@@ -236,12 +249,11 @@ def _first(value):
     return value[0] if isinstance(value, list) and value else value
 
 
-def converted(path: str | Path, cache: Path) -> Path:
+def converted(path: str | Path, cache: Path, save_weights) -> Path:
     """The PaddleNLP directory of an HF checkpoint under `cache`/<content key>/, converted now if it is not there
-    yet. Written into a temporary directory and renamed into place: ranks converting at once each finish, the first
+    yet; `save_weights(state, directory)` writes the PaddleNLP-named arrays (model/llama.py: as model_state.pdparams).
+    Written into a temporary directory and renamed into place: ranks converting at once each finish, the first
     rename wins, and a killed conversion leaves no directory behind that looks whole."""
-    from safetensors.numpy import save_file
-
     path = Path(path).expanduser().resolve()
     hf = read_config(path)
     target = cache / content_key(path)
@@ -254,7 +266,7 @@ def converted(path: str | Path, cache: Path) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=cache, prefix=".converting-"))
     try:
-        save_file(paddle_state, str(staging / SINGLE), metadata={"format": "np"})
+        save_weights(paddle_state, staging)
         (staging / "config.json").write_text(json.dumps(paddle_config(hf), indent=1))
         tied = "lm_head.weight" not in state
         (staging / ".converted-from").write_text(json.dumps({"source": str(path), "tied": tied}))

@@ -36,7 +36,9 @@ def hf_config(model_config, tied: bool = False) -> dict:
     c = model_config
     scaling = ({"rope_scaling": {"rope_type": "linear", "type": "linear", "factor": float(c.rope_scaling_factor)}}
                if getattr(c, "rope_scaling_type", None) == "linear" else {})
-    return {**scaling, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+    qwen2 = bool(getattr(c, "attention_bias", False))  # (q/k/v biases: Qwen2's architecture)
+    return {**scaling, "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
+            "model_type": "qwen2" if qwen2 else "llama", "hidden_act": "silu",
             "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
             "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
             "num_key_value_heads": c.num_key_value_heads or c.num_attention_heads,

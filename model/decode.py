@@ -54,7 +54,7 @@ class FusedDecodeStep(paddle.nn.Layer):
         self.embedding = param("embedding", _weight(llama.embed_tokens))
         self.mean_weight = param("mean_weight", np.full([h, 1], 1.0 / h, "float32"))
         self.eps = param("eps", np.full([1], cfg.rms_norm_eps, "float32"))
-        self.qkv, self.o, self.gate_up, self.down = [], [], [], []
+        self.qkv, self.qkv_bias, self.o, self.gate_up, self.down = [], [], [], [], []
         for index, layer in enumerate(llama.layers):
             attn, mlp = layer.self_attn, layer.mlp
             norm = layer.input_layernorm.weight.numpy()[:, None]
@@ -62,6 +62,11 @@ class FusedDecodeStep(paddle.nn.Layer):
             k = (norm * _weight(attn.k_proj)).reshape(h, self.kv_heads, 1, d)
             v = (norm * _weight(attn.v_proj)).reshape(h, self.kv_heads, 1, d)
             self.qkv.append(param(f"qkv_{index}", np.concatenate([q, k, v], axis=2).reshape(h, -1)))
+            if attn.q_proj.bias is not None:  # (Qwen2: q/k/v biases, in the fused columns' order; added by addmm)
+                self.qkv_bias.append(param(f"qkv_bias_{index}", np.concatenate([
+                    (attn.q_proj.bias.numpy() / math.sqrt(d)).reshape(self.kv_heads, self.group, d),
+                    attn.k_proj.bias.numpy().reshape(self.kv_heads, 1, d),
+                    attn.v_proj.bias.numpy().reshape(self.kv_heads, 1, d)], axis=1).reshape(1, -1)))
             self.o.append(param(f"o_{index}", _weight(attn.o_proj)))
             norm = layer.post_attention_layernorm.weight.numpy()[:, None]
             self.gate_up.append(param(f"gate_up_{index}",
@@ -91,7 +96,8 @@ class FusedDecodeStep(paddle.nn.Layer):
         bias = paddle.scale(key_mask, -MASKED, MASKED).unsqueeze([1, 2])  # [B, 1, 1, P+1]: 0 real, MASKED pad
         keys_out, values_out = [], []
         for index in range(self.layers):
-            qkv = paddle.matmul(self._normalise(hidden), self.qkv[index]).reshape([-1, self.kv_heads, slots, d])
+            qkv = (paddle.addmm(self.qkv_bias[index], self._normalise(hidden), self.qkv[index]) if self.qkv_bias
+                   else paddle.matmul(self._normalise(hidden), self.qkv[index])).reshape([-1, self.kv_heads, slots, d])
             if index == 0:  # (once a step: same-shape multiplies after; broadcasting over the heads, a middle axis,
                 cos, sin = cos.expand_as(qkv), sin.expand_as(qkv)  # takes Paddle's generic loop, 15% at batch 256)
             qkv = qkv * cos + paddle.roll(qkv, d // 2, axis=-1) * sin

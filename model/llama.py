@@ -74,6 +74,7 @@ def llama_config(config: Config, tokenizer, tensor_parallel_degree: int = 1, ten
         rope_theta=m.rope_theta,
         rope_scaling_type="linear" if m.rope_scaling_factor != 1.0 else None,
         rope_scaling_factor=m.rope_scaling_factor,
+        attention_bias=m.attention_bias,
         bos_token_id=tokenizer.cls_token_id,
         eos_token_id=tokenizer.sep_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -125,6 +126,7 @@ def build_model(config: Config, tokenizer, tensor_parallel_degree: int, tensor_p
 
     if config.parallel.device == "cpu" and config.parallel.mode == "manual":
         apply_cpu_ops()
+    apply_attention_bias()
     cls = pipeline_model_class() if pipeline else LlamaForCausalLM
     model_config = llama_config(config, tokenizer, tensor_parallel_degree, tensor_parallel_rank)
     if pipeline:
@@ -145,8 +147,15 @@ def weights_dir(init_from: str):
     from core.files import user_cache
 
     if hf_checkpoint.is_hf_checkpoint(init_from):
-        return hf_checkpoint.converted(init_from, user_cache("models"))
+        return hf_checkpoint.converted(init_from, user_cache("models"), _save_pdparams)
     return Path(init_from)
+
+
+def _save_pdparams(state: dict, directory) -> None:
+    """A converted checkpoint's weights as model_state.pdparams, not safetensors: PaddleNLP 2.8.1's from_pretrained
+    under tensor parallel loads other weights from a numpy-format model.safetensors than from the same tensors as
+    .pdparams (core/workarounds/__init__.py OVERRIDES)."""
+    paddle.save({name: paddle.to_tensor(value) for name, value in state.items()}, str(directory / "model_state.pdparams"))
 
 
 def rotary_tables(cfg):
@@ -176,6 +185,7 @@ def load_merged(checkpoint_dir, dtype: str = "float32", portable: bool = True):
     from paddlenlp.transformers import LlamaForCausalLM
 
     apply_cpu_ops()  # (export and evaluation run on CPU)
+    apply_attention_bias()
     overrides = PORTABLE if portable else KERNELS_OFF
     return LlamaForCausalLM.from_pretrained(str(weights_dir(checkpoint_dir)), tensor_parallel_degree=1,
                                             tensor_parallel_rank=0,
@@ -189,6 +199,53 @@ def is_fused(checkpoint_dir) -> bool:
 
     saved = json.loads((Path(checkpoint_dir) / "config.json").read_text())
     return bool(saved.get("fuse_attention_qkv") or saved.get("fuse_attention_ffn"))
+
+
+# ---------------------------------------------------------------------------------------------------- q/k/v biases
+BIASED = ("q_proj", "k_proj", "v_proj")
+_BIAS_INSTALLED: list = []
+
+
+def apply_attention_bias() -> None:
+    """q/k/v biases, Qwen2's one difference from Llama in the attention, which PaddleNLP 2.8.1's Llama does not have:
+    with `attention_bias` in the model's config, LlamaAttention's q/k/v layers get a bias (a zero-initialised
+    parameter of the layer, as its own bias would be: Linear and ColumnParallelLinear add `self.bias` in forward; split
+    over tensor-parallel ranks as the weight's columns), and the tensor-parallel mappings split and merge the biases
+    with their weights (loading a checkpoint on a tp rank, saving a unified one). Pipeline stages build the same
+    LlamaAttention. Idempotent."""
+    import paddlenlp.transformers.llama.modeling as llama
+    import paddlenlp.transformers.llama.modeling_pp as llama_pp
+
+    if _BIAS_INSTALLED:
+        return
+    _BIAS_INSTALLED.append(True)
+    original_init = llama.LlamaAttention.__init__
+    original_mappings = llama.LlamaPretrainedModel._get_tensor_parallel_mappings.__func__
+
+    def init(self, config, *args, **kwargs):
+        original_init(self, config, *args, **kwargs)
+        if getattr(config, "attention_bias", False):
+            for name in BIASED:
+                _add_bias(getattr(self, name))
+
+    def mappings(cls, config, is_split=True):
+        actions = original_mappings(cls, config, is_split)
+        if getattr(config, "attention_bias", False):
+            actions.update({k[:-len("weight")] + "bias": v for k, v in actions.items()
+                            if k.endswith(tuple(f"self_attn.{n}.weight" for n in BIASED))})
+        return actions
+
+    llama.LlamaAttention.__init__ = init
+    llama.LlamaPretrainedModel._get_tensor_parallel_mappings = classmethod(mappings)
+    llama_pp.LlamaForCausalLMPipe._get_tensor_parallel_mappings = classmethod(mappings)
+
+
+def _add_bias(layer) -> None:
+    out = layer.weight.shape[1]  # ([in, out]: this rank's columns)
+    layer.bias = layer.create_parameter(shape=[out], dtype=layer.weight.dtype, is_bias=True,
+                                        default_initializer=paddle.nn.initializer.Constant(0.0))
+    if getattr(layer.weight, "is_distributed", False):
+        layer.bias.is_distributed, layer.bias.split_axis = True, 0
 
 
 # ---------------------------------------------------------------------------------------------------- CPU ops

@@ -232,7 +232,7 @@ def test_a_replica_killed_under_load_loses_no_request_and_no_usage_and_comes_bac
     stream = requests.post(f"{gateway['url']}/v1/completions", stream=True, timeout=30, headers={
         "Authorization": f"Bearer {streamer}"}, json={"model": MODEL, "prompt": "好", "max_tokens": 64, "stream": True})
     pid = victim["state"]["pid"]
-    signal_pids([*reversed(descendants(pid)), pid], signal.SIGKILL)
+    kill_replica(pid)
     started = time.monotonic()
     try:  # a stream under way ends (completed, or cut with an error), never hangs
         list(stream.iter_lines())
@@ -260,6 +260,17 @@ def test_a_replica_killed_under_load_loses_no_request_and_no_usage_and_comes_bac
     served = [json.loads(line)["upstream"] for line in log.read_text().splitlines()[before:]]
     assert any(u.endswith(f":{port}") for u in served), served
     gateway["replicas"][0] = back
+
+
+def kill_replica(pid: int) -> None:
+    """The replica's machine gone: SIGKILL to its whole process group at once (killing the workers first and the
+    server after let a busy server start a replacement worker in between, which outlived it: a CI failure)."""
+    import os
+
+    children = descendants(pid)
+    os.killpg(os.getpgid(pid), signal.SIGKILL)
+    signal_pids(children, signal.SIGKILL)  # (any child outside the group)
+    assert wait_until(lambda: not group_alive(pid), 10), f"replica {pid} still alive after SIGKILL"
 
 
 def start_replica_again(gw, replica):
@@ -377,7 +388,7 @@ def canary_dies_and_comes_back(gw, url, key, log):
         t.start()
     time.sleep(1.5)
     pid = victim["state"]["pid"]
-    signal_pids([*reversed(descendants(pid)), pid], signal.SIGKILL)
+    kill_replica(pid)
     time.sleep(5)  # (longer than gateway.fail_timeout_s: the dead pool is tried again, and falls back again)
     stop.set()
     for t in threads:

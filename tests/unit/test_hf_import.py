@@ -57,6 +57,9 @@ IDS = np.array([5, 9, 17, 33, 2, 70, 101, 8, 64, 12, 150, 7])
     ({"tie_word_embeddings": True}, "bfloat16", 3),  # (Llama 3 / Qwen-small style: tied, bf16, sharded)
     ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "num_key_value_heads": 4}, "float16", 1),
     ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": None}, "float32", 2),
+    # Qwen2.5-small style: q/k/v biases, tied, rope theta 1e6, a sliding window it does not use
+    ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "tie_word_embeddings": True, "rope_theta": 1e6,
+      "sliding_window": 32768, "use_sliding_window": False}, "bfloat16", 2),
 ])
 def test_an_hf_llama_loads_and_gives_hf_arithmetic_logits(tmp_path, cache, tokenizer, changes, dtype, shards):
     hf = llama_config(**changes)
@@ -65,15 +68,16 @@ def test_an_hf_llama_loads_and_gives_hf_arithmetic_logits(tmp_path, cache, token
     config, model = built(source, tokenizer)
     m = config.model  # (the checkpoint's shape, whatever the defaults were)
     assert (m.hidden_size, m.num_layers, m.num_key_value_heads, m.vocab_size, m.rope_theta) == \
-        (32, 2, hf["num_key_value_heads"], 160, 500000.0)
+        (32, 2, hf["num_key_value_heads"], 160, hf["rope_theta"])
+    assert m.attention_bias is (hf["model_type"] == "qwen2")
     assert m.rope_scaling_factor == (hf.get("rope_scaling") or {}).get("factor", 1.0)
     error = relative_error(paddle_logits(model, IDS), hf_logits(as_dtype(state, dtype), hf, IDS))
     assert error < 1e-4, error
     # converted once: the second build reads the cached directory, unchanged
     (converted,) = [p for p in cache.iterdir() if not p.name.startswith(".")]
-    stamp = (converted / "model.safetensors").stat().st_mtime_ns
+    stamp = (converted / "model_state.pdparams").stat().st_mtime_ns
     built(source, tokenizer)
-    assert (converted / "model.safetensors").stat().st_mtime_ns == stamp and len(list(cache.iterdir())) == 1
+    assert (converted / "model_state.pdparams").stat().st_mtime_ns == stamp and len(list(cache.iterdir())) == 1
 
 
 def test_the_export_and_the_import_give_each_others_tensors_back_bit_for_bit(tmp_path, cache, tokenizer):
@@ -81,17 +85,19 @@ def test_the_export_and_the_import_give_each_others_tensors_back_bit_for_bit(tmp
 
     from export import hf
 
-    for tied in (True, False):
-        config = llama_config(tie_word_embeddings=tied)
+    qwen2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
+    for tied, architecture in ((True, {}), (False, {}), (True, qwen2)):
+        config = llama_config(tie_word_embeddings=tied, **architecture)
         state = random_state(config, seed=2)
-        source = write_checkpoint(tmp_path / f"hf-{tied}", config, state)
+        source = write_checkpoint(tmp_path / f"hf-{tied}-{bool(architecture)}", config, state)
         _, model = built(source, tokenizer)
-        out = hf.write(model, tokenizer_dir(tmp_path, tokenizer), tmp_path / f"export-{tied}")
+        out = hf.write(model, tokenizer_dir(tmp_path, tokenizer), tmp_path / f"export-{tied}-{bool(architecture)}")
         back = load_file(str(out / "model.safetensors"))
         assert set(back) == set(state), set(back) ^ set(state)  # (tied comes back tied: no lm_head.weight)
         assert all(np.array_equal(back[k], state[k]) for k in state)
         written = json.loads((out / "config.json").read_text())
         assert written["tie_word_embeddings"] is tied and written["rope_theta"] == 500000.0
+        assert written["architectures"] == config["architectures"]
         # and the other way: our HF copy imported gives the model's own tensors
         _, again = built(out, tokenizer)
         ours, theirs = model.state_dict(), again.state_dict()
@@ -117,7 +123,7 @@ def test_bad_checkpoints_are_refused_in_one_line_before_anything_is_built(tmp_pa
     config = llama_config()
     state = random_state(config)
     refused({**config, "architectures": ["GPT2LMHeadModel"]}, state, match="GPT2LMHeadModel.*not supported")
-    refused({**config, "architectures": ["Qwen2ForCausalLM"]}, state, match="Qwen2ForCausalLM: its q/k/v biases")
+    refused({**config, "attention_bias": True}, state, match="a bias on every projection.*q/k/v biases alone")
     refused({**config, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, state,
             match="rope_scaling type 'llama3' is not supported")
     refused({**config, "architectures": ["MistralForCausalLM"], "sliding_window": 4096}, state,
@@ -142,26 +148,29 @@ def test_bad_checkpoints_are_refused_in_one_line_before_anything_is_built(tmp_pa
 
 
 def test_a_changed_checkpoint_is_converted_again(tmp_path, cache):
+    from model.llama import weights_dir
+
     config = llama_config()
     source = write_checkpoint(tmp_path / "hf", config, random_state(config))
-    first = hf_checkpoint.converted(source, cache)
-    assert hf_checkpoint.converted(source, cache) == first
+    first = weights_dir(str(source))
+    assert weights_dir(str(source)) == first and first.parent == cache
     write_checkpoint(source, config, random_state(config, seed=9))  # (new weights in place)
-    second = hf_checkpoint.converted(source, cache)
+    second = weights_dir(str(source))
     assert second != first and not hf_checkpoint.is_hf_checkpoint(second)
     assert json.loads((second / ".converted-from").read_text())["source"] == str(source.resolve())
 
 
-def test_the_cache_programs_follow_rope_theta_and_linear_scaling(tmp_path):
+def test_the_cache_programs_follow_rope_theta_linear_scaling_and_qkv_biases(tmp_path):
     """Export's prefill, fused decode (format 2) and full-sequence programs with an imported model's rotary base and
     scaling equal the dynamic model, step by step."""
     from bench import decode_step
     from export import gates, programs
     from serving.engine import runtime
 
-    model = decode_step.random_model(32, 2, 4, 64, 96, 64, kv_heads=2, seed=4, varied_norms=True,
-                                     rope_theta=500000.0, rope_scaling_factor=2.0)
-    programs.save_programs(model, tmp_path)
-    prefill, step = runtime.cache_session(tmp_path)
-    # (60 positions: a rotary base of 10000 instead of the model's is off by 4.8e-4 there, 1.9e-4 at 24)
-    assert gates.cache_parity_error(model, prefill, step, 96, seq_length=60) < 1e-4
+    for bias in (False, True):  # (and Qwen2's q/k/v biases, fused into the decode program's q/k/v matmul)
+        model = decode_step.random_model(32, 2, 4, 64, 96, 64, kv_heads=2, seed=4, varied_norms=True,
+                                         rope_theta=500000.0, rope_scaling_factor=2.0, attention_bias=bias)
+        programs.save_programs(model, tmp_path / str(bias))
+        prefill, step = runtime.cache_session(tmp_path / str(bias))
+        # (60 positions: a rotary base of 10000 instead of the model's is off by 4.8e-4 there, 1.9e-4 at 24)
+        assert gates.cache_parity_error(model, prefill, step, 96, seq_length=60) < 1e-4
