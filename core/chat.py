@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from core.errors import ConfigError
@@ -36,11 +37,29 @@ def write(tokenizer_dir: Path | str, template: dict | None = None) -> None:
                                                      encoding="utf-8")
 
 
-def read(tokenizer_dir: Path | str) -> dict | None:
-    """The tokenizer's chat template, or None (a base model: it has none)."""
+@dataclass(frozen=True)
+class HFChatTemplate:
+    """A model's own chat template: tokenizer_config.json's `chat_template` (jinja over `messages`, as transformers'
+    apply_chat_template renders it) with the special tokens it may name."""
+
+    source: str
+    bos_token: str = ""
+    eos_token: str = ""
+
+
+# A model's own tokenizer without a chat template gets this one, in its tokenizer_config.json (training/finetune/
+# data.py): this project's markers, each answer ended by the model's end-of-text token.
+HF_DEFAULT = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}\n"
+              "{% elif m['role'] == 'user' %}" + USER + "{{ m['content'] }}\n" + ASSISTANT +
+              "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
+
+
+def read(tokenizer_dir: Path | str) -> dict | HFChatTemplate | None:
+    """The tokenizer's chat template, or None (a base model: it has none): this project's chat_template.json, or a
+    model's own (tokenizer_config.json's chat_template, beside its tokenizer.json)."""
     path = Path(tokenizer_dir) / TEMPLATE_FILE
     if not path.is_file():
-        return None
+        return _hf_template(Path(tokenizer_dir))
     try:
         template = json.loads(path.read_text(encoding="utf-8"))
     except ValueError as exc:
@@ -49,6 +68,37 @@ def read(tokenizer_dir: Path | str) -> dict | None:
             len(template["conversation"]) != 2:
         raise ConfigError(f"{path}: a chat template is {{\"system\", \"conversation\": [user, answer], \"query\"}}")
     return template
+
+
+def _hf_template(directory: Path) -> HFChatTemplate | None:
+    settings_path = directory / "tokenizer_config.json"
+    if not (directory / "tokenizer.json").is_file() or not settings_path.is_file():
+        return None
+    try:
+        settings = json.loads(settings_path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise ConfigError(f"{settings_path} is not JSON ({exc})") from None
+    source = settings.get("chat_template")
+    if isinstance(source, list):  # (several named templates: the default one)
+        source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
+    if not isinstance(source, str) or not source:
+        return None
+
+    def token(key: str) -> str:
+        value = settings.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        return value if isinstance(value, str) else ""
+
+    return HFChatTemplate(source, token("bos_token"), token("eos_token"))
+
+
+def write_hf(tokenizer_dir: Path | str, source: str = HF_DEFAULT) -> HFChatTemplate:
+    """A chat template into a model's own tokenizer (its tokenizer_config.json's chat_template)."""
+    path = Path(tokenizer_dir) / "tokenizer_config.json"
+    settings = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    settings["chat_template"] = source
+    path.write_text(json.dumps(settings, ensure_ascii=False, indent=1), encoding="utf-8")
+    return _hf_template(Path(tokenizer_dir))
 
 
 def missing_characters(template: dict, vocab: list[str]) -> list[str]:
@@ -130,8 +180,50 @@ def _compiled(source: str):
     return env.from_string(source)
 
 
-def render(template: dict, system: str, turns: list[list[str]]) -> str:
-    """The prompt for the last turn's answer (PaddleNLP's ChatTemplate.__call__, 2.8.1)."""
+def _hf_render(template: HFChatTemplate, messages: list[dict], add_generation_prompt: bool) -> str:
+    """A model's own template as transformers' apply_chat_template renders it (its jinja settings: sandboxed,
+    trim_blocks, lstrip_blocks, `raise_exception`)."""
+    import jinja2
+
+    def raise_exception(message):
+        raise ConfigError(f"the chat template refuses the conversation: {message}")
+
+    try:
+        return _hf_compiled(template.source).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=template.bos_token,
+            eos_token=template.eos_token, raise_exception=raise_exception, tools=None)
+    except jinja2.TemplateError as exc:
+        raise ConfigError(f"the chat template does not render the messages ({exc.__class__.__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _hf_compiled(source: str):
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as exc:
+        raise ConfigError(f"the chat template is not valid jinja ({exc.__class__.__name__}: {exc})") from None
+
+
+def _messages(system: str, turns: list[list[str]]) -> list[dict]:
+    out = [{"role": "system", "content": system}] if system else []
+    for turn in turns:
+        out.append({"role": "user", "content": turn[0]})
+        if len(turn) > 1:
+            out.append({"role": "assistant", "content": turn[1]})
+    return out
+
+
+def render(template: dict | HFChatTemplate, system: str, turns: list[list[str]]) -> str:
+    """The prompt for the last turn's answer (PaddleNLP's ChatTemplate.__call__, 2.8.1; a model's own template:
+    apply_chat_template with add_generation_prompt)."""
+    if isinstance(template, HFChatTemplate):
+        return _hf_render(template, _messages(system, turns), add_generation_prompt=True)
     context = {"is_training": False, "system": system, "length": len(turns)}
     text = _part(template["system"], context) if template.get("system") else ""
     for index, (user, answer) in enumerate(turns[:-1]):
@@ -144,9 +236,14 @@ def render(template: dict, system: str, turns: list[list[str]]) -> str:
     return text + _part(template["query"], {"query": query, "index": len(turns) - 1, **values})
 
 
-def training_pieces(template: dict, system: str, turns: list[list[str]]) -> list[str]:
+def training_pieces(template: dict | HFChatTemplate, system: str, turns: list[list[str]]) -> list[str]:
     """An answered conversation's texts as training encodes them, each on its own (PaddleNLP's encode_chat_inputs,
-    2.8.1): the system text ("" without one), then each turn's prompt and its answer."""
+    2.8.1): the system text ("" without one), then each turn's prompt and its answer. A model's own template: the
+    conversation rendered as it grows, each prompt what the render gains up to the answer (with the generation
+    prompt, as the server renders it), each answer what it gains with the answer (its end marker included, so the
+    model learns to stop); a template that does not render a conversation as a growing text is refused."""
+    if isinstance(template, HFChatTemplate):
+        return _hf_pieces(template, system, turns)
     context = {"is_training": False, "system": system}
     texts = [_part(template["system"], context) if template.get("system") else ""]
     for index, (user, answer) in enumerate(turns):
@@ -156,6 +253,20 @@ def training_pieces(template: dict, system: str, turns: list[list[str]]) -> list
     return texts
 
 
-def render_messages(template: dict, messages: list[dict]) -> str:
+def _hf_pieces(template: HFChatTemplate, system: str, turns: list[list[str]]) -> list[str]:
+    texts, before = [""], ""
+    for index in range(len(turns)):
+        asked = _messages(system, [*turns[:index], turns[index][:1]])
+        prompt = _hf_render(template, asked, add_generation_prompt=True)
+        answered = _hf_render(template, _messages(system, turns[:index + 1]), add_generation_prompt=False)
+        if not prompt.startswith(before) or not answered.startswith(prompt) or answered == prompt:
+            raise ConfigError("the chat template does not render a conversation as a growing text (each turn's "
+                              "prompt, then its answer, added at the end): its answers cannot be learned")
+        texts += [prompt[len(before):], answered[len(prompt):]]
+        before = answered
+    return texts
+
+
+def render_messages(template: dict | HFChatTemplate, messages: list[dict]) -> str:
     system, turns = conversation(messages)
     return render(template, system, turns)

