@@ -148,10 +148,23 @@ def test_every_documented_make_command_parses(stand_in_env):
     venv, run_dir, root = stand_in_env
     commands = documented()
     assert len(commands) > 60 and any("gateway.split={champion: 90, challenger: 10}" in c for _, c in commands)
-    failed = []
-    for i, (doc, command) in enumerate(commands):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def through_make(item):  # (make runs in threads, four at a time; the parsing below stays in this thread)
+        i, (doc, command) = item
         try:
-            for argv in recorded_by_make(command, venv, run_dir, root / f"record-{i}"):
+            return recorded_by_make(command, venv, run_dir, root / f"record-{i}")
+        except AssertionError as exc:
+            return exc
+
+    failed = []
+    with ThreadPoolExecutor(4) as pool:
+        recorded = list(pool.map(through_make, enumerate(commands)))
+    for (doc, command), argvs in zip(commands, recorded):
+        try:
+            if isinstance(argvs, AssertionError):
+                raise argvs
+            for argv in argvs:
                 parses(argv)
         except (AssertionError, ConfigError, SystemExit) as exc:
             failed.append(f"{doc}: {command}: {exc!r}"[:400])

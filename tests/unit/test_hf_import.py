@@ -167,10 +167,10 @@ def test_the_cache_programs_follow_rope_theta_linear_scaling_and_qkv_biases(tmp_
     from export import gates, programs
     from serving.engine import runtime
 
-    for bias in (False, True):  # (and Qwen2's q/k/v biases, fused into the decode program's q/k/v matmul)
-        model = decode_step.random_model(32, 2, 4, 64, 96, 64, kv_heads=2, seed=4, varied_norms=True,
-                                         rope_theta=500000.0, rope_scaling_factor=2.0, attention_bias=bias)
-        programs.save_programs(model, tmp_path / str(bias))
-        prefill, step = runtime.cache_session(tmp_path / str(bias))
-        # (60 positions: a rotary base of 10000 instead of the model's is off by 4.8e-4 there, 1.9e-4 at 24)
-        assert gates.cache_parity_error(model, prefill, step, 96, seq_length=60) < 1e-4
+    # (Qwen2's q/k/v biases too, fused into the decode program's q/k/v matmul: left out, the error is 0.2)
+    model = decode_step.random_model(32, 2, 4, 64, 96, 64, kv_heads=2, seed=4, varied_norms=True,
+                                     rope_theta=500000.0, rope_scaling_factor=2.0, attention_bias=True)
+    programs.save_programs(model, tmp_path)
+    prefill, step = runtime.cache_session(tmp_path)
+    # (60 positions: a rotary base of 10000 instead of the model's is off by 4.8e-4 there, 1.9e-4 at 24)
+    assert gates.cache_parity_error(model, prefill, step, 96, seq_length=60) < 1e-4
