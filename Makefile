@@ -32,7 +32,7 @@ FORCE ?=
 # `make test` runs this many pytest-xdist workers: most tests wait on processes, servers and I/O part of the time
 TEST_WORKERS ?= 2
 
-.PHONY: setup doctor data train finetune evaluate promote export serve stop smoke reload generate all all-chat compare sweep bench plan test test-fast test-packages test-gpu-setup runs mlflow-ui mlflow-server mlflow-stop object-store object-store-stop gateway gateway-stop gateway-key gateway-usage visualdl visualdl-stop clean
+.PHONY: setup doctor data tokenizer train finetune evaluate promote export serve stop smoke reload generate all all-chat compare sweep bench plan test test-fast test-packages test-gpu-setup runs mlflow-ui mlflow-server mlflow-stop object-store object-store-stop gateway gateway-stop gateway-key gateway-usage visualdl visualdl-stop clean
 setup: $(STAMP)
 
 # One environment from exact pins (requirements/lock.txt, verified to install and import together) plus the Paddle
@@ -47,6 +47,10 @@ $(STAMP): requirements/lock.txt requirements/paddle-$(DEVICE).txt $(if $(filter 
 # Prepare the corpus as token shards (reused by every run with the same corpus and settings; train runs it too).
 data: $(STAMP)
 	$(PY) -m pipeline data --config $(CONFIG) --args "$$ARGS"
+
+# A byte-level BPE learned from the corpus (tokenizer.vocab_size), for tokenizer.path: make tokenizer [OUTPUT=dir]
+tokenizer: $(STAMP)
+	$(PY) -m pipeline tokenizer --config $(CONFIG) $(if $(OUTPUT),--output $(OUTPUT)) --args "$$ARGS"
 
 train: $(STAMP)
 	$(PY) -m pipeline train --config $(CONFIG) $(if $(RESUME),--resume $(RESUME)) $(if $(DRY_RUN),--dry-run) --args "$$ARGS"

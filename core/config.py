@@ -76,11 +76,15 @@ class DataConfig:
 
 @dataclass
 class TokenizerConfig:
-    """A character-level vocabulary built from the training split, wrapped as a PaddleNLP ErnieTokenizer; or an
-    existing PaddleNLP tokenizer directory (`path`, e.g. the tokenizer of the model in model.init_from)."""
+    """A character-level vocabulary built from the training split, wrapped as a PaddleNLP ErnieTokenizer (kind
+    chars), or a byte-level BPE trained on it (kind bpe, `make tokenizer`: core/tokenizer.py train_bpe); or an
+    existing tokenizer directory (`path`, e.g. the tokenizer of the model in model.init_from)."""
 
-    min_frequency: int = 2
-    max_vocab_size: int = 8000
+    kind: str = "chars"  # chars | bpe
+    min_frequency: int = 2  # (chars)
+    max_vocab_size: int = 8000  # (chars)
+    vocab_size: int = 8000  # (bpe) tokens, the 256 bytes and the special tokens included
+    train_mb: int = 64  # (bpe) training-split text the BPE is learned from: the first this many MB
     # a directory with vocab.txt (+ tokenizer_config.json), or a Hugging Face model's tokenizer.json (+
     # tokenizer_config.json): used as is, no vocabulary is built; "" with model.init_from naming a Hugging Face
     # checkpoint that has a tokenizer.json = that checkpoint's own tokenizer

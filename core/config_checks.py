@@ -163,6 +163,9 @@ def _validate_data(d: DataConfig, t: TokenizerConfig) -> None:
     _one_of("data.engine", d.engine, ("local", "ray"))
     _require(t.min_frequency >= 1, f"tokenizer.min_frequency: must be >= 1, got {t.min_frequency}")
     _require(t.max_vocab_size >= 16, f"tokenizer.max_vocab_size: must be >= 16, got {t.max_vocab_size}")
+    _require(t.kind in ("chars", "bpe"), f"tokenizer.kind: chars or bpe, got {t.kind!r}")
+    _require(t.vocab_size >= 300, f"tokenizer.vocab_size: at least 300 (the 256 bytes and merges), got {t.vocab_size}")
+    _positive("tokenizer.train_mb", t.train_mb)
 
 
 def _validate_training(tr: TrainingConfig, m: ModelConfig) -> None:

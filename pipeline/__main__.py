@@ -17,7 +17,7 @@ from pipeline.runner import cli
 
 # verb -> its module in pipeline/; the run machinery the verbs share is in pipeline/runner/, never a verb
 VERBS = {verb: verb.replace("-", "_") for verb in (
-    "data", "train", "finetune", "export", "serve", "stop", "smoke", "reload", "compare", "sweep", "runs", "plan",
+    "data", "tokenizer", "train", "finetune", "export", "serve", "stop", "smoke", "reload", "compare", "sweep", "runs", "plan",
     "doctor", "evaluate", "promote", "generate", "mlflow-server", "mlflow-stop", "object-store", "object-store-stop",
     "gateway", "gateway-stop", "gateway-key", "gateway-usage", "visualdl", "visualdl-stop")}
 

@@ -158,3 +158,26 @@ def test_the_template_is_read_from_a_models_tokenizer_and_written_when_it_has_no
     written = chat.write_hf(tmp_path)
     assert chat.read(tmp_path) == written == chat.HFChatTemplate(chat.HF_DEFAULT, "", "<|endoftext|>")
     assert load_tokenizer(tmp_path).chat_template == chat.HF_DEFAULT
+
+
+def test_tokenizer_kind_bpe_learns_one_from_the_training_split_with_the_data_set(tmp_path, monkeypatch):
+    """make data / make tokenizer with tokenizer.kind=bpe: a byte-level BPE of tokenizer.vocab_size tokens learned
+    from the training documents, kept as the data set's tokenizer (a new content key per vocabulary size), the
+    shards in its ids, the characters of each split counted (characters a token; bits per character from a loss)."""
+    from core import dataset
+    from core.config import load_config
+    from training.data import prepare
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    common = ["tokenizer.kind=bpe", "data.max_documents=300", f"data.cache_dir={tmp_path / 'data'}",
+              "data.workers=1"]
+    prepared = prepare.prepare(load_config(None, [*common, "tokenizer.vocab_size=400"]))
+    tok = load_tokenizer(prepared.path / dataset.TOKENIZER_DIR)
+    assert isinstance(tok, HFTokenizer) and 300 < len(tok) <= 400
+    validation = prepared.manifest["totals"]["validation"]
+    assert validation["chars"] > validation["documents"] > 0
+    other = prepare.prepare(load_config(None, [*common, "tokenizer.vocab_size=500"]))
+    assert other.path != prepared.path and len(load_tokenizer(other.path / dataset.TOKENIZER_DIR)) > len(tok)
+    # (more merges, fewer tokens for the same validation characters)
+    assert other.manifest["totals"]["validation"]["chars"] == validation["chars"]
+    assert other.manifest["totals"]["validation"]["tokens"] < validation["tokens"]

@@ -30,7 +30,7 @@ from pathlib import Path
 from core import REPO_ROOT, dataset
 from core.errors import ConfigError
 from core.tokenizer import (EOS_TOKEN, HF_FILES, SPECIAL_TOKENS, TOKENIZER_JSON, HFTokenizer, is_hf_tokenizer, read_vocab,
-                            write_tokenizer)
+                            train_bpe, write_tokenizer)
 from core.files import atomic_write, cache_path
 from training.data import corpus, engines, store
 
@@ -69,7 +69,8 @@ def content_key(config, corpora: list[corpus.Corpus]) -> str:
                     for c in corpora],
         "text_field": d.text_field, "validation_fraction": d.validation_fraction, "max_documents": d.max_documents,
         "split_seed": d.split_seed, "shard_mb": d.shard_mb,
-        "tokenizer": {"min_frequency": t.min_frequency, "max_vocab_size": t.max_vocab_size} if not t.path else None,
+        "tokenizer": None if t.path else {"min_frequency": t.min_frequency, "max_vocab_size": t.max_vocab_size}
+        if t.kind == "chars" else {"kind": t.kind, "vocab_size": t.vocab_size, "train_mb": t.train_mb},
         "tokenizers": version("tokenizers"), "format": dataset.FORMAT_VERSION}, sort_keys=True).encode())
     for source in CODE:
         key.update(source.read_bytes())
@@ -166,6 +167,12 @@ def _passes(config, corpora, pieces, engine, staging: Path, key: str, log) -> di
         {**common, **extra, "kind": kind, "piece": asdict(p), "limit": limits.get(p.name)} for p in pieces
         if limits.get(p.name, 1) > 0]
     tokenizer_dir = staging / dataset.TOKENIZER_DIR
+    if not dataset.has_tokenizer(staging) and not config.tokenizer.path and config.tokenizer.kind == "bpe":
+        log(f"data: learning a byte-level BPE of {config.tokenizer.vocab_size} tokens from the training split")
+        tmp = tokenizer_dir.with_name(tokenizer_dir.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        train_bpe(training_texts(config, pieces, limits), config.tokenizer.vocab_size, tmp)
+        os.replace(tmp, tokenizer_dir)
     if not dataset.has_tokenizer(staging):
         counts = None
         if not config.tokenizer.path:
@@ -222,6 +229,20 @@ def build_vocabulary(counts: Counter, config) -> list[str]:
     return vocab
 
 
+def training_texts(config, pieces: list[corpus.Piece], limits: dict | None = None):
+    """The training split's documents in corpus order (data.max_documents' per-piece `limits`), up to
+    tokenizer.train_mb of text: what a BPE learns from."""
+    is_validation = corpus.split_rule(config.data.split_seed, config.data.validation_fraction)
+    budget = config.tokenizer.train_mb << 20
+    for piece in pieces:
+        for doc in corpus.documents(piece, config.data.text_field, (limits or {}).get(piece.name)):
+            if budget <= 0:
+                return
+            if not is_validation(doc):
+                budget -= len(doc.encode("utf-8"))
+                yield doc
+
+
 def _special_ids(config, tokenizer_dir: Path) -> tuple[int, int, int]:
     """(vocabulary size, the id documents end with, the unknown token's id or -1: byte-level BPE has none)."""
     if is_hf_tokenizer(tokenizer_dir):
@@ -254,7 +275,7 @@ def _freeze_tokenizer(config, counts: Counter | None, directory: Path) -> None:
 
 def _manifest(config, corpora, pieces, results, key, vocab_size, extra, engine) -> dict:
     by_piece = {r["piece"]: r for r in results}
-    shards, totals = [], {split: {"documents": 0, "tokens": 0} for split in dataset.SPLITS}
+    shards, totals = [], {split: {"documents": 0, "tokens": 0, "chars": 0} for split in dataset.SPLITS}
     unknown = 0
     for p in pieces:
         r = by_piece.get(p.name)
@@ -263,6 +284,7 @@ def _manifest(config, corpora, pieces, results, key, vocab_size, extra, engine) 
                            "source": p.segments[0].path, "start": p.segments[0].start, **r[split]})
             totals[split]["documents"] += r[split]["documents"]
             totals[split]["tokens"] += r[split]["tokens"]
+            totals[split]["chars"] += r[split].get("chars", 0)
         unknown += r["validation"]["unknown"] if r else 0
     for split, total in totals.items():
         if total["documents"] == 0:

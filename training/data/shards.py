@@ -86,6 +86,7 @@ def _shard(task: dict, staging: Path, piece) -> dict:
     writers = {split: _ShardWriter(staging / split / piece.name, dtype) for split in dataset.SPLITS}
     batch: dict[str, list[str]] = {split: [] for split in dataset.SPLITS}
     unknown, chars = dict.fromkeys(dataset.SPLITS, 0), dict.fromkeys(dataset.SPLITS, 0)
+    text_chars = dict.fromkeys(dataset.SPLITS, 0)  # (the split's characters: bits per character from a loss)
 
     def flush(split: str) -> None:
         if batch[split]:
@@ -97,6 +98,7 @@ def _shard(task: dict, staging: Path, piece) -> dict:
     long_chars = tokenizer_format.CHUNK_CHARS
     for doc in _docs(task, piece):
         split = "validation" if is_validation(doc) else "train"
+        text_chars[split] += len(doc)
         if len(doc) > long_chars:  # (in order: what is batched first, then the long document chunk by chunk)
             flush(split)
             unknown[split] += _add_long(tokenizer, doc, writers[split], min(long_chars, tokenizer_format.PART_CHARS),
@@ -108,7 +110,8 @@ def _shard(task: dict, staging: Path, piece) -> dict:
             flush(split)
     for split in dataset.SPLITS:
         flush(split)
-    return {split: writers[split].finish() | {"unknown": unknown[split]} for split in dataset.SPLITS}
+    return {split: writers[split].finish() | {"unknown": unknown[split], "chars": text_chars[split]}
+            for split in dataset.SPLITS}
 
 
 def _add_long(tokenizer, doc: str, writer: "_ShardWriter", part_chars: int, eos: int, unk: int) -> int:
