@@ -42,15 +42,23 @@ def layer_parameters(m) -> int:
     return attention_parameters(m) + 3 * m.hidden_size * m.intermediate_size + 2 * m.hidden_size
 
 
+def vocabulary(config, vocab_size: int | None = None) -> int:
+    """The embedding's rows: `vocab_size`, else model.vocab_size (an imported model's), else the tokenizer's
+    configured maximum (a BPE's vocab_size, a character vocabulary's max_vocab_size)."""
+    t = config.tokenizer
+    return vocab_size or config.model.vocab_size or (t.vocab_size if t.kind == "bpe" else t.max_vocab_size)
+
+
 def parameters(config, vocab_size: int | None = None) -> int:
-    """Llama weights: decoder layers, the embedding and the untied LM head (vocabulary: `vocab_size`, default the
-    configured maximum) and the final norm."""
-    m, vocab = config.model, vocab_size or config.tokenizer.max_vocab_size
-    return m.num_layers * layer_parameters(m) + 2 * vocab * m.hidden_size + m.hidden_size
+    """Llama weights: decoder layers (with Qwen2's q/k/v biases), the embedding and the untied LM head (vocabulary:
+    `vocabulary`) and the final norm."""
+    m, vocab = config.model, vocabulary(config, vocab_size)
+    biases = (m.hidden_size + 2 * kv_dim(m)) * m.num_layers if m.attention_bias else 0
+    return m.num_layers * layer_parameters(m) + biases + 2 * vocab * m.hidden_size + m.hidden_size
 
 
 def embedding_parameters(config, vocab_size: int | None = None) -> int:
-    return (vocab_size or config.tokenizer.max_vocab_size) * config.model.hidden_size
+    return vocabulary(config, vocab_size) * config.model.hidden_size
 
 
 def flops_per_token(config, vocab_size: int | None = None) -> float:
@@ -122,7 +130,7 @@ def memory_per_device(config, layout) -> dict[str, float]:
         activations = (kept * rc_layers + (kept + recomputed) * (layers - rc_layers)) * in_flight + recomputed
     else:
         activations = (kept + recomputed) * layers * in_flight
-    one = config.training.seq_length * layout.micro_batch_size * config.tokenizer.max_vocab_size * 4
+    one = config.training.seq_length * layout.micro_batch_size * vocabulary(config) * 4
     tp = layout.tp
     logits = one * (1 / tp + 2) if tp > 1 and layout.device == "cpu" else 2 * one / tp
     total = params + grads + optimizer + activations + logits
