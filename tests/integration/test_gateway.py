@@ -210,24 +210,8 @@ def test_a_replica_killed_under_load_loses_no_request_and_no_usage_and_comes_bac
     answers' `usage` exactly (the dead replica's share included), also after the gateway itself is restarted."""
     key, streamer = new_key(gateway, "load", 100000), new_key(gateway, "load-stream", 100000)
     victim = gateway["replicas"][0]
-    failures, answered, used, lock, stop = [], Counter(), Counter(), threading.Lock(), threading.Event()
-
-    def client():
-        while not stop.is_set():
-            try:
-                reply = ask(gateway, key, max_tokens=8)
-                if reply.status_code == 200:
-                    with lock:
-                        answered["ok"] += 1
-                        used.update(reply.json()["usage"])
-                else:
-                    failures.append(reply.status_code)
-            except requests.RequestException as exc:
-                failures.append(repr(exc))
-
-    threads = [threading.Thread(target=client) for _ in range(8)]
-    for t in threads:
-        t.start()
+    used = Counter()
+    load = Load(lambda session: ask(gateway, key, max_tokens=8), 8, lambda reply: used.update(reply.json()["usage"]))
     time.sleep(2)
     stream = requests.post(f"{gateway['url']}/v1/completions", stream=True, timeout=30, headers={
         "Authorization": f"Bearer {streamer}"}, json={"model": MODEL, "prompt": "好", "max_tokens": 64, "stream": True})
@@ -240,11 +224,9 @@ def test_a_replica_killed_under_load_loses_no_request_and_no_usage_and_comes_bac
         pass
     assert time.monotonic() - started < 30
     time.sleep(3)
-    stop.set()
-    for t in threads:
-        t.join(60)
-    assert not group_alive(pid) and failures == [] and answered["ok"] > 20, (failures, answered)
-    expected = [answered["ok"], used["prompt_tokens"], used["completion_tokens"], 0]
+    failures, answered = load.stop()
+    assert not group_alive(pid) and failures == [] and answered[200] > 20, (failures, answered)
+    expected = [answered[200], used["prompt_tokens"], used["completion_tokens"], 0]
     assert wait_until(lambda: usage_rows(gateway).get("load") == expected, 10), (usage_rows(gateway), expected)
     stopped = cli(["gateway-stop", "--config", str(gateway["config"]), *gateway["settings"]], gateway["uri"])
     restarted = cli(["gateway", "--config", str(gateway["config"]), *gateway["settings"]], gateway["uri"])
@@ -260,6 +242,38 @@ def test_a_replica_killed_under_load_loses_no_request_and_no_usage_and_comes_bac
     served = [json.loads(line)["upstream"] for line in log.read_text().splitlines()[before:]]
     assert any(u.endswith(f":{port}") for u in served), served
     gateway["replicas"][0] = back
+
+
+class Load:
+    """`clients` threads, each sending `send(session)` until `stop()`: the answers by status, the failures (an answer
+    that is not 200, an exception), and `on_ok(reply)` for each 200 (under a lock)."""
+
+    def __init__(self, send, clients: int, on_ok=None):
+        self.send, self.on_ok = send, on_ok
+        self.failures, self.answered, self.lock, self.stopped = [], Counter(), threading.Lock(), threading.Event()
+        self.threads = [threading.Thread(target=self._client) for _ in range(clients)]
+        for t in self.threads:
+            t.start()
+
+    def _client(self):
+        session = requests.Session()
+        while not self.stopped.is_set():
+            try:
+                reply = self.send(session)
+                with self.lock:
+                    self.answered[reply.status_code] += 1
+                    if reply.status_code != 200:
+                        self.failures.append(reply.status_code)
+                    elif self.on_ok:
+                        self.on_ok(reply)
+            except requests.RequestException as exc:
+                self.failures.append(repr(exc))
+
+    def stop(self):
+        self.stopped.set()
+        for t in self.threads:
+            t.join(60)
+        return self.failures, self.answered
 
 
 def kill_replica(pid: int) -> None:
@@ -369,30 +383,13 @@ def test_a_weighted_split_between_pools_and_a_dead_canary_pool_fails_over(gatewa
 
 def canary_dies_and_comes_back(gw, url, key, log):
     victim = gw["replicas"][1]
-    failures, answered, stop = [], Counter(), threading.Event()
-
-    def client():
-        session = requests.Session()
-        while not stop.is_set():
-            try:
-                reply = session.post(f"{url}/v1/completions", timeout=30, headers={"Authorization": f"Bearer {key}"},
-                                     json={"model": MODEL, "prompt": "好", "max_tokens": 4})
-                answered[reply.status_code] += 1
-                if reply.status_code != 200:
-                    failures.append(reply.status_code)
-            except requests.RequestException as exc:
-                failures.append(repr(exc))
-
-    threads = [threading.Thread(target=client) for _ in range(6)]
-    for t in threads:
-        t.start()
+    load = Load(lambda session: session.post(f"{url}/v1/completions", timeout=30, headers={
+        "Authorization": f"Bearer {key}"}, json={"model": MODEL, "prompt": "好", "max_tokens": 4}), 6)
     time.sleep(1.5)
     pid = victim["state"]["pid"]
     kill_replica(pid)
     time.sleep(5)  # (longer than gateway.fail_timeout_s: the dead pool is tried again, and falls back again)
-    stop.set()
-    for t in threads:
-        t.join(60)
+    failures, answered = load.stop()
     assert not group_alive(pid) and failures == [] and answered[200] > 30, (failures, answered)
     gw["replicas"][1] = start_replica_again(gw, victim)
     time.sleep(2.5)  # (gateway.fail_timeout_s)
