@@ -127,7 +127,8 @@ def tokens_gate(dynamic_forward, predictor, staging: Path, config: Config, extra
     room = exported.max_length - exportdir.REFERENCE_NEW_TOKENS - 1  # (tokens: a model's own BPE may spend
     limit = min(config.serving.max_prompt_chars, room)                 # several on one character)
     prompts = [*exportdir.REFERENCE_PROMPTS, text[:limit // 3], text[:limit], *extra]
-    encoded = [exported.tokenizer(p)["input_ids"][:room] or exported.encode(p) for p in prompts]
+    encoded = [exported.tokenizer(p, add_special_tokens=False)["input_ids"][:room] or exported.encode(p)
+               for p in prompts]
     expected = [exported.generate(dynamic_forward, ids, settings) for ids in encoded]
     paths = {"exported graph": [exported.generate(lambda x: runtime.predict(predictor, x), ids, settings)
                                 for ids in encoded],
