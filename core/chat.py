@@ -83,13 +83,9 @@ def _hf_template(directory: Path) -> HFChatTemplate | None:
         source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
     if not isinstance(source, str) or not source:
         return None
+    from core.tokenizer import special_token
 
-    def token(key: str) -> str:
-        value = settings.get(key)
-        value = value.get("content") if isinstance(value, dict) else value
-        return value if isinstance(value, str) else ""
-
-    return HFChatTemplate(source, token("bos_token"), token("eos_token"))
+    return HFChatTemplate(source, special_token(settings, "bos_token"), special_token(settings, "eos_token"))
 
 
 def write_hf(tokenizer_dir: Path | str, source: str = HF_DEFAULT) -> HFChatTemplate:

@@ -62,10 +62,16 @@ def is_hf_checkpoint(path: str | Path) -> bool:
     return not any(name.startswith("llama.") for name in names)
 
 
+def _raw_header(file: Path) -> bytes:
+    """A safetensors file's first bytes: the 8-byte length, then the JSON header; the tensors' data follow."""
+    with open(file, "rb") as f:
+        prefix = f.read(8)
+        return prefix + f.read(struct.unpack("<Q", prefix)[0])
+
+
 def _header(file: Path) -> dict:
     """A safetensors file's header: {tensor name: {dtype, shape, data_offsets}} (and __metadata__)."""
-    with open(file, "rb") as f:
-        return json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    return json.loads(_raw_header(file)[8:])
 
 
 def read_config(path: str | Path) -> dict:
@@ -146,10 +152,9 @@ _DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": np.u
 def read_tensors(file: Path) -> dict[str, np.ndarray]:
     """One safetensors file as float32 arrays. Read from its header by hand, not with safetensors.numpy: numpy has
     no bfloat16, the dtype most checkpoints ship in (its 16 bits are float32's upper half)."""
-    header = _header(file)
-    with open(file, "rb") as f:
-        size = struct.unpack("<Q", f.read(8))[0]
-    data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + size)
+    raw_header = _raw_header(file)
+    header = json.loads(raw_header[8:])
+    data = np.memmap(file, dtype=np.uint8, mode="r", offset=len(raw_header))
     out = {}
     for name, entry in header.items():
         if name == "__metadata__":
@@ -224,9 +229,7 @@ def content_key(path: Path) -> str:
     digest = hashlib.sha256(f"format {CONVERTED_FORMAT}\n".encode())
     digest.update((path / "config.json").read_bytes())
     for file in weight_files(path):
-        with open(file, "rb") as f:
-            header = f.read(8 + struct.unpack("<Q", f.read(8))[0])
-        digest.update(f"{file.name} {file.stat().st_size} {file.stat().st_mtime_ns}\n".encode() + header)
+        digest.update(f"{file.name} {file.stat().st_size} {file.stat().st_mtime_ns}\n".encode() + _raw_header(file))
     return digest.hexdigest()[:16]
 
 

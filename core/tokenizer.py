@@ -91,6 +91,14 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(printable, codes)}
 
 
+def special_token(settings: dict, key: str) -> str:
+    """tokenizer_config.json's `key` (bos_token, eos_token, ...): a string, or an AddedToken's {"content"}; "" when
+    there is none."""
+    value = settings.get(key)
+    value = value.get("content") if isinstance(value, dict) else value
+    return value if isinstance(value, str) else ""
+
+
 class HFTokenizer:
     """A Hugging Face tokenizer directory as this project uses a tokenizer: `len`, `tok(text, add_special_tokens=
     False)["input_ids"]`, the bos / eos / pad / unk ids (named as ErnieTokenizer's: cls, sep), `save_pretrained`,
@@ -118,9 +126,8 @@ class HFTokenizer:
         self._bytes: list[bytes] | None = None
 
     def _id(self, key: str) -> int | None:
-        token = self.settings.get(key)
-        token = token.get("content") if isinstance(token, dict) else token
-        return self.fast.token_to_id(token) if isinstance(token, str) else None
+        token = special_token(self.settings, key)
+        return self.fast.token_to_id(token) if token else None
 
     def __len__(self) -> int:
         return self.fast.get_vocab_size(with_added_tokens=True)
