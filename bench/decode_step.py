@@ -21,22 +21,22 @@ DEFAULT_VOCAB = 4608  # (the default corpus's vocabulary as `make all` builds it
 
 def random_model(hidden: int, layers: int, heads: int, intermediate: int, vocab: int, max_positions: int,
                  kv_heads: int = 0, seed: int = 0, varied_norms: bool = False, rope_theta: float = 10000.0,
-                 rope_scaling_factor: float = 1.0, attention_bias: bool = False):
+                 rope_scaling: dict | None = None, attention_bias: bool = False):
     """A random Llama of this shape; `varied_norms`: its norm weights drawn from [0.5, 1.5) instead of all 1 (the
     decode program folds them into its matmuls: tests/unit/test_export_programs.py checks that)."""
     import core  # noqa: F401  (zlib before paddle)
     import paddle
     from paddlenlp.transformers import LlamaConfig, LlamaForCausalLM
 
-    from model.llama import apply_attention_bias
+    from core.hf_checkpoint import paddle_rope, rope_scaling as rope_scaling_object
+    from model.llama import apply_architecture
 
-    apply_attention_bias()
+    apply_architecture()
     paddle.seed(seed)
     model = LlamaForCausalLM(LlamaConfig(attention_bias=attention_bias,
         vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads or heads, max_position_embeddings=max_positions,
-        rope_theta=rope_theta, rope_scaling_factor=rope_scaling_factor,
-        rope_scaling_type="linear" if rope_scaling_factor != 1.0 else None))
+        rope_theta=rope_theta, **paddle_rope(rope_scaling_object(rope_scaling))))
     for layer in model.llama.layers if attention_bias else ():  # (random, not the zeros they start as)
         for name in ("q_proj", "k_proj", "v_proj"):
             bias = getattr(layer.self_attn, name).bias

@@ -35,7 +35,10 @@ class ModelConfig:
     max_position_embeddings: int = 256
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0  # the rotary base (Llama 3: 500000)
-    rope_scaling_factor: float = 1.0  # linear rope scaling: positions divided by this (1 = none)
+    # Hugging Face's rope_scaling object, {} = none: {rope_type: linear, factor: 2.0} (positions divided by the factor),
+    # {rope_type: dynamic, factor: ...} (NTK; the plain rotary inside max_position_embeddings) or {rope_type: llama3,
+    # factor, low_freq_factor, high_freq_factor, original_max_position_embeddings} (Llama 3.1's long-wavelength rescale)
+    rope_scaling: dict = field(default_factory=dict)
     vocab_size: int = 0  # rows of the embedding; 0 = the tokenizer's vocabulary, padded to a multiple of 128
     attention_bias: bool = False  # q/k/v projections with biases (Qwen2)
     # A directory to start from instead of a random init: PaddleNLP weights (`save_pretrained` / unified-checkpoint

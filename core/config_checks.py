@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from core import hf_checkpoint
 from core.errors import require as _require
 from core.layout import ParallelLayout
 
@@ -116,7 +117,7 @@ def _validate_model(m: ModelConfig) -> None:
              "model.hidden_size / model.num_attention_heads must be even (rotary embeddings)")
     _positive("model.rms_norm_eps", m.rms_norm_eps)
     _positive("model.rope_theta", m.rope_theta)
-    _require(m.rope_scaling_factor >= 1.0, f"model.rope_scaling_factor: 1 (none) or more, got {m.rope_scaling_factor}")
+    hf_checkpoint.rope_scaling(m.rope_scaling)  # (an unknown kind, a missing or small factor: one line)
     _require(m.vocab_size >= 0, f"model.vocab_size: 0 (the tokenizer's) or the embedding's rows, got {m.vocab_size}")
 
 

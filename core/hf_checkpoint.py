@@ -17,9 +17,9 @@ are skipped; any other tensor that does not map is named in the error.
 
 Supported: Llama-architecture models (`LlamaForCausalLM`: Llama 2 and 3, TinyLlama, Chinese-LLaMA, Yi;
 `MistralForCausalLM` without a sliding window) and Qwen2 / Qwen2.5 (`Qwen2ForCausalLM`: Llama with q/k/v biases,
-model/llama.py apply_attention_bias), grouped-query attention, `rope_theta`, rope scaling `linear`, tied or untied
-embeddings, float32 / float16 / bfloat16 weights (read as float32). Not yet: rope scaling `dynamic` and `llama3`
-(refused in one line naming the kind).
+model/llama.py apply_architecture), grouped-query attention, `rope_theta`, rope scaling `linear`, `dynamic` and
+`llama3` (any other kind refused in one line naming it), tied or untied embeddings, float32 / float16 / bfloat16
+weights (read as float32).
 """
 from __future__ import annotations
 
@@ -38,7 +38,11 @@ from core.errors import ConfigError
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 NOT_YET: dict[str, str] = {}
 BIASED = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")  # (Qwen2's q/k/v biases)
-ROPE_SCALING = ("linear",)
+# HF's rope_scaling kinds this project runs -> PaddleNLP LlamaConfig's rope_scaling_type ("llama3": model/llama.py
+# apply_architecture adds it). `dynamic` (NTK) changes the angles only past max_position_embeddings, which no stage
+# here reaches (training.seq_length and the served context are held to it): inside it, the plain rotary.
+ROPE_SCALING = {"linear": "linear", "dynamic": "dynamic_ntk", "llama3": "llama3"}
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 CONVERTED_FORMAT = 2  # (part of the content key: a change to the conversion makes new directories)
 SKIPPED = ("rotary_emb.inv_freq",)
@@ -91,11 +95,7 @@ def read_config(path: str | Path) -> dict:
     if hf.get("sliding_window") and hf.get("use_sliding_window", True):
         raise ConfigError(f"model.init_from={path}: sliding-window attention (sliding_window={hf['sliding_window']}) "
                           "is not supported; a Mistral-style model without it is")
-    scaling = hf.get("rope_scaling") or {}
-    kind = scaling.get("rope_type") or scaling.get("type")
-    if scaling and kind not in ROPE_SCALING:
-        raise ConfigError(f"model.init_from={path}: rope_scaling type {kind!r} is not supported; supported: "
-                          f"{', '.join(ROPE_SCALING)} (or none)")
+    rope_scaling(hf.get("rope_scaling"), f"model.init_from={path}: rope_scaling")
     if hf.get("attention_bias") or hf.get("mlp_bias"):  # (Llama's attention_bias is o_proj's too: not Qwen2's)
         raise ConfigError(f"model.init_from={path}: attention_bias / mlp_bias (a bias on every projection) are not "
                           "supported; q/k/v biases alone (Qwen2) are")
@@ -116,8 +116,51 @@ def model_settings(hf: dict) -> dict:
             "num_key_value_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"],
             "max_position_embeddings": hf.get("max_position_embeddings", 2048),
             "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)), "rope_theta": float(hf.get("rope_theta", 10000.0)),
-            "rope_scaling_factor": float(scaling.get("factor", 1.0)) if scaling else 1.0,
+            "rope_scaling": rope_scaling(scaling),
             "vocab_size": hf["vocab_size"], "attention_bias": qkv_bias(hf)}
+
+
+def rope_scaling(scaling, where: str = "model.rope_scaling") -> dict:
+    """An HF rope_scaling object checked and made plain: {} (none), {rope_type: linear|dynamic, factor} or {rope_type:
+    llama3, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}; anything else one line."""
+    if not scaling:
+        return {}
+    if not isinstance(scaling, dict):
+        raise ConfigError(f"{where}: a mapping like {{rope_type: linear, factor: 2.0}} or empty, got {scaling!r}")
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind == "default":
+        return {}
+    if kind not in ROPE_SCALING:
+        raise ConfigError(f"{where} type {kind!r} is not supported; supported: {', '.join(ROPE_SCALING)} (or none)")
+    keys = LLAMA3_KEYS if kind == "llama3" else ("factor",)
+    missing = [k for k in keys if not isinstance(scaling.get(k), (int, float)) or scaling[k] <= 0]
+    if missing:
+        raise ConfigError(f"{where} {kind}: needs positive {', '.join(missing)}")
+    plain = {"rope_type": kind, **{k: float(scaling[k]) for k in keys}}
+    if kind == "llama3":
+        plain["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
+        if plain["high_freq_factor"] <= plain["low_freq_factor"]:
+            raise ConfigError(f"{where} llama3: high_freq_factor must be above low_freq_factor")
+    if plain["factor"] < 1.0:
+        raise ConfigError(f"{where} {kind}: factor 1 or more, got {plain['factor']}")
+    return plain
+
+
+def paddle_rope(scaling: dict) -> dict:
+    """PaddleNLP LlamaConfig's rope settings for a plain rope_scaling object (the object itself rides along: llama3's
+    frequencies, and the HF copy export/hf.py writes)."""
+    if not scaling:
+        return {"rope_scaling_type": None, "rope_scaling_factor": 1.0, "rope_scaling": {}}
+    return {"rope_scaling_type": ROPE_SCALING[scaling["rope_type"]], "rope_scaling_factor": scaling["factor"],
+            "rope_scaling": scaling}
+
+
+def rope_scaling_of(saved: dict) -> dict:
+    """The rope_scaling object of a config.json, HF's (rope_scaling) or PaddleNLP's (rope_scaling_type/factor)."""
+    if saved.get("rope_scaling"):
+        return rope_scaling(saved["rope_scaling"])
+    kind = {v: k for k, v in ROPE_SCALING.items()}.get(saved.get("rope_scaling_type"))
+    return rope_scaling({"rope_type": kind, "factor": saved.get("rope_scaling_factor", 1.0)}) if kind else {}
 
 
 def qkv_bias(hf: dict) -> bool:
@@ -241,8 +284,7 @@ def paddle_config(hf: dict) -> dict:
             "num_hidden_layers": s["num_layers"], "num_attention_heads": s["num_attention_heads"],
             "num_key_value_heads": s["num_key_value_heads"], "max_position_embeddings": s["max_position_embeddings"],
             "rms_norm_eps": s["rms_norm_eps"], "rope_theta": s["rope_theta"],
-            "rope_scaling_type": "linear" if s["rope_scaling_factor"] != 1.0 else None,
-            "rope_scaling_factor": s["rope_scaling_factor"], "tie_word_embeddings": False,
+            **paddle_rope(s["rope_scaling"]), "tie_word_embeddings": False,
             "attention_bias": s["attention_bias"],
             "bos_token_id": hf.get("bos_token_id"), "eos_token_id": _first(hf.get("eos_token_id")),
             "pad_token_id": hf.get("pad_token_id"), "dtype": "float32"}

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from core.hf_checkpoint import rope_scaling_of
+
 HF_DIR = "hf"
 
 
@@ -34,8 +36,8 @@ def hf_state(state: dict) -> tuple[dict[str, np.ndarray], bool]:
 
 def hf_config(model_config, tied: bool = False) -> dict:
     c = model_config
-    scaling = ({"rope_scaling": {"rope_type": "linear", "type": "linear", "factor": float(c.rope_scaling_factor)}}
-               if getattr(c, "rope_scaling_type", None) == "linear" else {})
+    plain = rope_scaling_of(c.to_dict())
+    scaling = {"rope_scaling": {**plain, "type": plain["rope_type"]}} if plain else {}  # ("type": older readers')
     qwen2 = bool(getattr(c, "attention_bias", False))  # (q/k/v biases: Qwen2's architecture)
     return {**scaling, "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
             "model_type": "qwen2" if qwen2 else "llama", "hidden_act": "silu",

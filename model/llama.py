@@ -41,6 +41,7 @@ import math
 import core  # noqa: F401  (zlib before paddle)
 import paddle  # noqa: E402
 
+from core import hf_checkpoint  # noqa: E402
 from core.config import Config  # noqa: E402
 from core.workarounds.cpu_runtime import cpu_llama_ops_enabled  # noqa: E402
 
@@ -72,8 +73,7 @@ def llama_config(config: Config, tokenizer, tensor_parallel_degree: int = 1, ten
         seq_length=config.training.seq_length,
         rms_norm_eps=m.rms_norm_eps,
         rope_theta=m.rope_theta,
-        rope_scaling_type="linear" if m.rope_scaling_factor != 1.0 else None,
-        rope_scaling_factor=m.rope_scaling_factor,
+        **hf_checkpoint.paddle_rope(hf_checkpoint.rope_scaling(m.rope_scaling)),
         attention_bias=m.attention_bias,
         bos_token_id=tokenizer.cls_token_id,
         eos_token_id=tokenizer.sep_token_id,
@@ -126,7 +126,7 @@ def build_model(config: Config, tokenizer, tensor_parallel_degree: int, tensor_p
 
     if config.parallel.device == "cpu" and config.parallel.mode == "manual":
         apply_cpu_ops()
-    apply_attention_bias()
+    apply_architecture()
     cls = pipeline_model_class() if pipeline else LlamaForCausalLM
     model_config = llama_config(config, tokenizer, tensor_parallel_degree, tensor_parallel_rank)
     if pipeline:
@@ -159,16 +159,36 @@ def _save_pdparams(state: dict, directory) -> None:
 
 
 def rotary_tables(cfg):
-    """(cos, signed sin) [max positions, head_dim] of LlamaRotaryEmbedding: base cfg.rope_theta, halves concatenated;
-    with linear rope scaling (PaddleNLP's LinearScalingRotaryEmbedding) the positions divided by the factor."""
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    inv_freq = 1.0 / (float(getattr(cfg, "rope_theta", 10000.0))
-                      ** (paddle.arange(0, head_dim, 2).astype("float32") / head_dim))
+    """(cos, signed sin) [max positions, head_dim] of the model's rotary embedding (PaddleNLP's LlamaRotaryEmbedding,
+    base cfg.rope_theta, halves concatenated, frequencies from rope_inv_freq); linear rope scaling (PaddleNLP's
+    LinearScalingRotaryEmbedding) divides the positions by the factor. Dynamic NTK is the plain rotary at these
+    positions (it changes nothing inside max_position_embeddings)."""
     positions = paddle.arange(cfg.max_position_embeddings, dtype="float32")
     if getattr(cfg, "rope_scaling_type", None) == "linear":
         positions = positions / float(cfg.rope_scaling_factor)
-    emb = paddle.concat([paddle.einsum("i,j->ij", positions, inv_freq)] * 2, axis=-1)
+    emb = paddle.concat([paddle.einsum("i,j->ij", positions, rope_inv_freq(cfg))] * 2, axis=-1)
     return emb.cos(), signed_sin(emb.sin())
+
+
+def rope_inv_freq(cfg):
+    """The rotary frequencies [head_dim / 2], float32 as PaddleNLP computes them: 1 / theta^(2i / head_dim); with
+    llama3 rope scaling (Llama 3.1, HF's _compute_llama3_parameters) wavelengths longer than original context /
+    low_freq_factor divided by the factor, shorter than original context / high_freq_factor kept, those between
+    blended smoothly."""
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    inv_freq = 1.0 / (float(getattr(cfg, "rope_theta", 10000.0))
+                      ** (paddle.arange(0, head_dim, 2).astype("float32") / head_dim))
+    if getattr(cfg, "rope_scaling_type", None) != "llama3":
+        return inv_freq
+    r = cfg.rope_scaling
+    factor, low, high, context = (r["factor"], r["low_freq_factor"], r["high_freq_factor"],
+                                  r["original_max_position_embeddings"])
+    wavelength = 2 * math.pi / inv_freq
+    scaled = paddle.where(wavelength > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelength - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = paddle.logical_and(wavelength >= context / high, wavelength <= context / low)
+    return paddle.where(medium, blended, scaled)
 
 
 # The plain model every export and evaluation loads: no GPU kernels, unfused q/k/v and gate/up weights (PaddleNLP
@@ -185,7 +205,7 @@ def load_merged(checkpoint_dir, dtype: str = "float32", portable: bool = True):
     from paddlenlp.transformers import LlamaForCausalLM
 
     apply_cpu_ops()  # (export and evaluation run on CPU)
-    apply_attention_bias()
+    apply_architecture()
     overrides = PORTABLE if portable else KERNELS_OFF
     return LlamaForCausalLM.from_pretrained(str(weights_dir(checkpoint_dir)), tensor_parallel_degree=1,
                                             tensor_parallel_rank=0,
@@ -201,13 +221,15 @@ def is_fused(checkpoint_dir) -> bool:
     return bool(saved.get("fuse_attention_qkv") or saved.get("fuse_attention_ffn"))
 
 
-# ---------------------------------------------------------------------------------------------------- q/k/v biases
+# ---------------------------------------------------------------------------------- q/k/v biases, llama3 rope
 BIASED = ("q_proj", "k_proj", "v_proj")
 _BIAS_INSTALLED: list = []
 
 
-def apply_attention_bias() -> None:
-    """q/k/v biases, Qwen2's one difference from Llama in the attention, which PaddleNLP 2.8.1's Llama does not have:
+def apply_architecture() -> None:
+    """What the supported architectures need that PaddleNLP 2.8.1's Llama does not have. llama3 rope scaling
+    (rope_scaling_type "llama3", unknown to its _init_rope): the plain rotary embedding with rope_inv_freq's
+    frequencies. And q/k/v biases, Qwen2's one difference from Llama in the attention:
     with `attention_bias` in the model's config, LlamaAttention's q/k/v layers get a bias (a zero-initialised
     parameter of the layer, as its own bias would be: Linear and ColumnParallelLinear add `self.bias` in forward; split
     over tensor-parallel ranks as the weight's columns), and the tensor-parallel mappings split and merge the biases
@@ -220,6 +242,7 @@ def apply_attention_bias() -> None:
         return
     _BIAS_INSTALLED.append(True)
     original_init = llama.LlamaAttention.__init__
+    original_rope = llama.LlamaAttention._init_rope
     original_mappings = llama.LlamaPretrainedModel._get_tensor_parallel_mappings.__func__
 
     def init(self, config, *args, **kwargs):
@@ -235,7 +258,16 @@ def apply_attention_bias() -> None:
                             if k.endswith(tuple(f"self_attn.{n}.weight" for n in BIASED))})
         return actions
 
+    def init_rope(self):
+        if getattr(self.config, "rope_scaling_type", None) != "llama3":
+            return original_rope(self)
+        self.rotary_emb = llama.LlamaRotaryEmbedding(self.head_dim, max_position_embeddings=self.max_position_embeddings,
+                                                     base=self.config.rope_theta)
+        self.rotary_emb.inv_freq = rope_inv_freq(self.config)
+        self.rotary_emb._set_cos_sin_cache(seq_len=self.max_position_embeddings)
+
     llama.LlamaAttention.__init__ = init
+    llama.LlamaAttention._init_rope = init_rope
     llama.LlamaPretrainedModel._get_tensor_parallel_mappings = classmethod(mappings)
     llama_pp.LlamaForCausalLMPipe._get_tensor_parallel_mappings = classmethod(mappings)
 

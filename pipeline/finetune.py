@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core import tracking
+from core.hf_checkpoint import rope_scaling_of
 from core.config import Config, ConfigError, load_config, with_overrides
 from pipeline.runner import rundir, source_run, train_run
 
@@ -59,21 +60,13 @@ def finetune_config(config: Config, base: Base, data: str = "") -> Config:
               f"model.max_position_embeddings={shape['max_position_embeddings']}",
               f"model.rms_norm_eps={shape.get('rms_norm_eps', config.model.rms_norm_eps)}",
               f"model.rope_theta={shape.get('rope_theta', 10000.0)}", f"model.vocab_size={shape['vocab_size']}",
-              f"model.rope_scaling_factor={_linear_scaling(shape)}",
+              f"model.rope_scaling={json.dumps(rope_scaling_of(shape))}",
               f"model.init_from={base.checkpoint}", f"tokenizer.path={base.tokenizer}",
               f"finetune.base={base.uri}", f"finetune.data={data or config.finetune.data or 'reviews'}"]
     if base.config is not None:  # (the same held-out documents as the base's pretraining)
         values += [f"data.split_seed={base.config.data.split_seed}",
                    f"data.validation_fraction={base.config.data.validation_fraction}"]
     return with_overrides(config, values)
-
-
-def _linear_scaling(shape: dict) -> float:
-    """The linear rope scaling factor of a PaddleNLP config.json (rope_scaling_type) or an HF one (rope_scaling)."""
-    if shape.get("rope_scaling_type") == "linear":
-        return float(shape.get("rope_scaling_factor", 1.0))
-    scaling = shape.get("rope_scaling") or {}
-    return float(scaling.get("factor", 1.0)) if scaling.get("rope_type", scaling.get("type")) == "linear" else 1.0
 
 
 def resolve_base(config: Config, model: str) -> Base:

@@ -1,5 +1,6 @@
 """An oracle that is not Paddle: Hugging Face's Llama (and Qwen2) arithmetic written out in float64 numpy from the
-architecture's definition (RMSNorm, rotate-half rotary with rope_theta and linear scaling, grouped-query causal
+architecture's definition (RMSNorm, rotate-half rotary with rope_theta and rope scaling linear / dynamic / llama3
+as transformers' modeling_rope_utils computes them, grouped-query causal
 attention with optional q/k/v biases, SwiGLU, tied or untied head), and small random checkpoints written in HF format
 (config.json + safetensors, sharded with an index, float32 / float16 / bfloat16) for the import tests."""
 from __future__ import annotations
@@ -19,10 +20,7 @@ def hf_logits(state: dict, config: dict, ids: np.ndarray) -> np.ndarray:
     s = {k: np.asarray(v, dtype=np.float64) for k, v in state.items()}
     heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     hd, eps, T = config["hidden_size"] // heads, config["rms_norm_eps"], len(ids)
-    inv = 1.0 / config.get("rope_theta", 10000.0) ** (np.arange(0, hd, 2) / hd)
-    scaling = config.get("rope_scaling") or {}
-    positions = np.arange(T) / (scaling["factor"] if scaling.get("rope_type", scaling.get("type")) == "linear" else 1)
-    angles = np.concatenate([np.outer(positions, inv)] * 2, axis=-1)
+    angles = np.concatenate([np.outer(np.arange(T), inv_freq(config, T))] * 2, axis=-1)
     cos, sin = np.cos(angles)[:, None], np.sin(angles)[:, None]
 
     def rope(x):
@@ -48,6 +46,29 @@ def hf_logits(state: dict, config: dict, ids: np.ndarray) -> np.ndarray:
         h = h + (gate / (1 + np.exp(-gate)) * (x @ s[p + "mlp.up_proj.weight"].T)) @ s[p + "mlp.down_proj.weight"].T
     head = s["lm_head.weight"] if "lm_head.weight" in s else s["model.embed_tokens.weight"]
     return _rms(h, s["model.norm.weight"], eps) @ head.T
+
+
+def inv_freq(config: dict, T: int) -> np.ndarray:
+    """transformers' rotary frequencies for a T-token forward: default, linear (inv_freq / factor), dynamic (NTK: the
+    base raised for max(T, max_position_embeddings)) and llama3 (_compute_llama3_parameters)."""
+    heads = config["num_attention_heads"]
+    hd, base = config["hidden_size"] // heads, config.get("rope_theta", 10000.0)
+    scaling = config.get("rope_scaling") or {}
+    kind, factor = scaling.get("rope_type", scaling.get("type")), scaling.get("factor", 1.0)
+    if kind == "dynamic":
+        length, context = max(T, config["max_position_embeddings"]), config["max_position_embeddings"]
+        base = base * ((factor * length / context) - (factor - 1)) ** (hd / (hd - 2))
+    inv = 1.0 / base ** (np.arange(0, hd, 2) / hd)
+    if kind == "linear":
+        return inv / factor
+    if kind != "llama3":
+        return inv
+    low, high, old = scaling["low_freq_factor"], scaling["high_freq_factor"], scaling["original_max_position_embeddings"]
+    wavelen = 2 * np.pi / inv
+    out = np.where(wavelen > old / low, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+    return np.where(medium, (1 - smooth) * out / factor + smooth * out, out)
 
 
 def llama_config(**changes) -> dict:

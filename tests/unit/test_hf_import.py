@@ -12,6 +12,7 @@ import core  # noqa: F401  (zlib before paddle)
 from core import hf_checkpoint
 from core.config import load_config
 from core.errors import ConfigError
+from core.hf_checkpoint import rope_scaling
 from core.tokenizer import SPECIAL_TOKENS, load_tokenizer, write_tokenizer
 from hf_oracle import as_dtype, hf_logits, llama_config, random_state, write_checkpoint
 
@@ -50,6 +51,8 @@ def relative_error(ours, oracle) -> float:
     return float(np.abs(ours - oracle).max() / np.abs(oracle).max())
 
 
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 256}
 IDS = np.array([5, 9, 17, 33, 2, 70, 101, 8, 64, 12, 150, 7])
 
 
@@ -57,6 +60,9 @@ IDS = np.array([5, 9, 17, 33, 2, 70, 101, 8, 64, 12, 150, 7])
     ({"tie_word_embeddings": True}, "bfloat16", 3),  # (Llama 3 / Qwen-small style: tied, bf16, sharded)
     ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "num_key_value_heads": 4}, "float16", 1),
     ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": None}, "float32", 2),
+    # Llama 3.1 style: every frequency regime of llama3 scaling at this head size (kept, blended, divided)
+    ({"rope_scaling": LLAMA3}, "bfloat16", 1),
+    ({"rope_scaling": {"type": "dynamic", "factor": 4.0}}, "float32", 1),
     # Qwen2.5-small style: q/k/v biases, tied, rope theta 1e6, a sliding window it does not use
     ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "tie_word_embeddings": True, "rope_theta": 1e6,
       "sliding_window": 32768, "use_sliding_window": False}, "bfloat16", 2),
@@ -70,7 +76,7 @@ def test_an_hf_llama_loads_and_gives_hf_arithmetic_logits(tmp_path, cache, token
     assert (m.hidden_size, m.num_layers, m.num_key_value_heads, m.vocab_size, m.rope_theta) == \
         (32, 2, hf["num_key_value_heads"], 160, hf["rope_theta"])
     assert m.attention_bias is (hf["model_type"] == "qwen2")
-    assert m.rope_scaling_factor == (hf.get("rope_scaling") or {}).get("factor", 1.0)
+    assert m.rope_scaling == rope_scaling(hf.get("rope_scaling"))
     error = relative_error(paddle_logits(model, IDS), hf_logits(as_dtype(state, dtype), hf, IDS))
     assert error < 1e-4, error
     # converted once: the second build reads the cached directory, unchanged
@@ -86,7 +92,7 @@ def test_the_export_and_the_import_give_each_others_tensors_back_bit_for_bit(tmp
     from export import hf
 
     qwen2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
-    for tied, architecture in ((True, {}), (False, {}), (True, qwen2)):
+    for tied, architecture in ((True, {}), (False, {"rope_scaling": LLAMA3}), (True, qwen2)):
         config = llama_config(tie_word_embeddings=tied, **architecture)
         state = random_state(config, seed=2)
         source = write_checkpoint(tmp_path / f"hf-{tied}-{bool(architecture)}", config, state)
@@ -98,6 +104,7 @@ def test_the_export_and_the_import_give_each_others_tensors_back_bit_for_bit(tmp
         written = json.loads((out / "config.json").read_text())
         assert written["tie_word_embeddings"] is tied and written["rope_theta"] == 500000.0
         assert written["architectures"] == config["architectures"]
+        assert rope_scaling(written.get("rope_scaling")) == rope_scaling(config.get("rope_scaling"))
         # and the other way: our HF copy imported gives the model's own tensors
         _, again = built(out, tokenizer)
         ours, theirs = model.state_dict(), again.state_dict()
@@ -124,8 +131,10 @@ def test_bad_checkpoints_are_refused_in_one_line_before_anything_is_built(tmp_pa
     state = random_state(config)
     refused({**config, "architectures": ["GPT2LMHeadModel"]}, state, match="GPT2LMHeadModel.*not supported")
     refused({**config, "attention_bias": True}, state, match="a bias on every projection.*q/k/v biases alone")
+    refused({**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, state,
+            match="rope_scaling type 'yarn' is not supported; supported: linear, dynamic, llama3")
     refused({**config, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, state,
-            match="rope_scaling type 'llama3' is not supported")
+            match="llama3: needs positive low_freq_factor, high_freq_factor, original_max_position_embeddings")
     refused({**config, "architectures": ["MistralForCausalLM"], "sliding_window": 4096}, state,
             match="sliding-window attention")
     no_weights = refused(config, state, match="no weights", write=lambda d, c, s: (
@@ -160,7 +169,8 @@ def test_a_changed_checkpoint_is_converted_again(tmp_path, cache):
     assert json.loads((second / ".converted-from").read_text())["source"] == str(source.resolve())
 
 
-def test_the_cache_programs_follow_rope_theta_linear_scaling_and_qkv_biases(tmp_path):
+@pytest.mark.parametrize("scaling", [{"rope_type": "linear", "factor": 2.0}, LLAMA3])
+def test_the_cache_programs_follow_rope_theta_rope_scaling_and_qkv_biases(tmp_path, scaling):
     """Export's prefill, fused decode (format 2) and full-sequence programs with an imported model's rotary base and
     scaling equal the dynamic model, step by step."""
     from bench import decode_step
@@ -169,7 +179,7 @@ def test_the_cache_programs_follow_rope_theta_linear_scaling_and_qkv_biases(tmp_
 
     # (Qwen2's q/k/v biases too, fused into the decode program's q/k/v matmul: left out, the error is 0.2)
     model = decode_step.random_model(32, 2, 4, 64, 96, 64, kv_heads=2, seed=4, varied_norms=True,
-                                     rope_theta=500000.0, rope_scaling_factor=2.0, attention_bias=True)
+                                     rope_theta=500000.0, rope_scaling=scaling, attention_bias=True)
     programs.save_programs(model, tmp_path)
     prefill, step = runtime.cache_session(tmp_path)
     # (60 positions: a rotary base of 10000 instead of the model's is off by 4.8e-4 there, 1.9e-4 at 24)
