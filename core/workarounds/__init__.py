@@ -51,6 +51,9 @@ OVERRIDES = (
                                 "LlamaForCausalLMPipe._get_tensor_parallel_mappings"),
              "PaddleNLP's Llama has no q/k/v biases (Qwen2's attention): they are added with the config's "
              "attention_bias, and split / merged over tensor-parallel ranks with their weights", "PaddleNLP 2.8.1"),
+    Override("model/llama.py", ("LlamaAttention._init_rope",), "PaddleNLP's Llama knows rope_scaling_type linear / "
+             "ntk / dynamic_ntk, not Llama 3.1's llama3 (its _init_rope raises on it): the plain rotary embedding "
+             "with llama3's rescaled frequencies", "PaddleNLP 2.8.1"),
     Override("model/llama.py", (), "from_pretrained under tensor parallel from a numpy-format "
              "model.safetensors gives other weights than the same tensors as model_state.pdparams (an imported Llama, "
              "tp2: step-1 loss 6.9935 vs 7.0705 single-process; from .pdparams 7.0705): a converted Hugging Face "

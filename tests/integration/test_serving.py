@@ -146,7 +146,7 @@ def test_requests_joining_mid_generation_answer_as_alone(server):
     assert all(a.batch_size == 1 for a in alone)
 
     def staggered(indexed):
-        time.sleep(0.01 * indexed[0])  # (arrivals spread over ~0.25 s: most join a running batch)
+        time.sleep(0.003 * indexed[0])  # (arrivals spread over ~70 ms, two workers: most join a running batch)
         return call(indexed[1])
 
     with ThreadPoolExecutor(24) as pool:
