@@ -475,6 +475,16 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return path, value
 
 
+def _earlier_keys(data: dict) -> None:
+    """A run's config.yaml written by an earlier version, read as today's: model.rope_scaling_factor (a linear
+    factor, 1 = none) is model.rope_scaling, Hugging Face's object."""
+    model = data.get("model")
+    if isinstance(model, dict) and "rope_scaling_factor" in model:
+        factor = model.pop("rope_scaling_factor")
+        if factor not in (1, 1.0, None):
+            model.setdefault("rope_scaling", {"rope_type": "linear", "factor": factor})
+
+
 def _shape_of_checkpoint(data: dict) -> None:
     """model.init_from naming a Hugging Face checkpoint: its config.json sets the model's shape (checked here, before
     any launch: an unsupported architecture, rope scaling or missing weights is one line)."""
@@ -549,6 +559,7 @@ def with_overrides(config: Config, overrides: list[str] | tuple[str, ...]) -> Co
 
 
 def _from_data(data: dict, overrides) -> Config:
+    _earlier_keys(data)
     for text in overrides:
         _apply_override(data, *parse_override(text))
     _shape_of_checkpoint(data)

@@ -1,5 +1,7 @@
 """Export's gates: every program it writes against the dynamic model, before anything is published.
 
+    dynamic_references what the dynamic model computes for the two gates below, taken first: the model is freed
+                       before any predictor is made, and the predictors are made one at a time
     logits_gate        the full-sequence graph (predictor plain and IR-optimised) and the prefill/decode programs
                        step by step (a left-padded batch): the worst logit difference <= export.parity_tolerance
                        times the logits' scale (max |logit|, at least 1): float32's error grows with the logits
@@ -13,11 +15,13 @@ Each predictor is serving's own (serving/engine/runtime.py): the gate checks wha
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from core import REPO_ROOT, exportdir
 from core.config import Config
+from core.workarounds import heap
 from export import ExportError, mlflow_model
 from serving.engine.kv_cache import DecodeCache
 from export.convert import dynamic_forward
@@ -80,18 +84,55 @@ def mlflow_model_gate(staging: Path, references: dict[str, list[int]]) -> None:
           f"{len(references)} prompts", flush=True)
 
 
-def logits_gate(model, staging: Path, config: Config) -> dict:
+class DynamicReferences(NamedTuple):
+    """What the dynamic model computes for the logits and tokens gates, taken before any predictor is made so that
+    the model is freed first: a 0.5B model (vocabulary 151,936) beside the three predictors the gates made was
+    killed at 24.2 GB here."""
+    parity: list[tuple[np.ndarray, np.ndarray]]  # (ids, logits) for each of PARITY_SHAPES
+    cache: tuple[np.ndarray, np.ndarray, np.ndarray]  # cache_expectation's
+    prompts: list[str]  # tokens_gate's prompts, their ids and the dynamic model's greedy tokens
+    encoded: list[list[int]]
+    tokens: list[list[int]]
+
+    @property
+    def scale(self) -> float:
+        """max |logit| of the dynamic model over the parity batches."""
+        return max(float(np.abs(logits).max()) for _, logits in self.parity)
+
+
+def dynamic_references(model, staging: Path, config: Config, extra: tuple[str, ...] = ()) -> DynamicReferences:
+    """The dynamic model's logits on the parity batches (seeded), on cache_parity_error's rows, and its greedy
+    tokens for tokens_gate's prompts (`extra`: a fine-tuned model's held-out task prompts, rendered as chat). Reads
+    the tokenizer and the limits from the export directory, as serving will."""
+    from serving.engine.exported import ExportedModel
+
+    vocab, seq_length, forward = model.config.vocab_size, config.training.seq_length, dynamic_forward(model)
+    rng = np.random.RandomState(0)
+    parity = []
+    for batch, length in PARITY_SHAPES:
+        ids = rng.randint(5, vocab, size=(batch, length or seq_length)).astype("int64")
+        parity.append((ids, forward(ids)))
+    exported = ExportedModel(staging)
+    prompts, encoded = greedy_prompts(exported, config, extra)
+    tokens = [exported.generate(forward, ids, _greedy()) for ids in encoded]
+    return DynamicReferences(parity, cache_expectation(forward, vocab, seq_length), prompts, encoded, tokens)
+
+
+def logits_gate(expected: DynamicReferences, staging: Path, config: Config) -> dict:
     """Every exported program against the dynamic model: the full-sequence graph under both predictor
     configurations users run (plain, as served: bit-identical kernels; IR-optimised: fused passes change the
-    arithmetic slightly) and the prefill/decode cache programs step by step. The gate takes the worst difference,
-    relative to the logits' scale (max |logit| of the dynamic model on the parity batches, at least 1): float32's
-    rounding grows with the logits (a fine-tuned model's confident logits put a correct export at 2e-4 absolute,
-    docs/finetune.md), a wrong program is off by the logits' own size. Returns the figures for export.json."""
-    vocab, seq = model.config.vocab_size, config.training.seq_length
-    full = max(parity_error(model, runtime.create_predictor(staging, ir_optim), vocab, seq)
-               for ir_optim in (False, True))
-    cached = cache_parity_error(model, *runtime.cache_session(staging), vocab, seq)
-    scale = logit_scale(model, vocab, seq)
+    arithmetic slightly) and the prefill/decode cache programs step by step, one predictor at a time. The gate takes
+    the worst difference, relative to the logits' scale (max |logit| of the dynamic model on the parity batches, at
+    least 1): float32's rounding grows with the logits (a fine-tuned model's confident logits put a correct export at
+    2e-4 absolute, docs/finetune.md), a wrong program is off by the logits' own size. Returns the figures for
+    export.json."""
+    full = 0.0
+    for ir_optim in (False, True):
+        full = max(full, parity_error(expected.parity, runtime.create_predictor(staging, ir_optim)))
+        heap.release()  # (the predictor's weights and activations, before the next one: core/workarounds/heap.py)
+    cached = cache_parity_error(expected.cache, *runtime.cache_session(staging))
+    heap.release()
+    scale = expected.scale
     error, tolerance = max(full, cached), config.export.parity_tolerance
     relative = error / max(1.0, scale)
     print(f"parity: max |dynamic - paddle.inference| = {full:.3e} (full graph, shapes {PARITY_SHAPES}, "
@@ -103,51 +144,54 @@ def logits_gate(model, staging: Path, config: Config) -> dict:
     return {"parity_max_abs_error": error, "parity_logit_scale": scale, "parity_relative_error": relative}
 
 
-def logit_scale(model, vocab: int, seq_length: int, seed: int = 0) -> float:
-    """max |logit| of the dynamic model over the parity batches (parity_error's)."""
-    rng, forward = np.random.RandomState(seed), dynamic_forward(model)
-    return max(float(np.abs(forward(rng.randint(5, vocab, size=(batch, length or seq_length)).astype("int64"))).max())
-               for batch, length in PARITY_SHAPES)
-
-
-def tokens_gate(dynamic_forward, predictor, staging: Path, config: Config, extra: tuple[str, ...] = ()) \
-        -> dict[str, list[int]]:
-    """Greedy continuations: the full graph and the cache programs (each prompt alone, and all of them in one batch
-    of mixed lengths) must produce the dynamic model's tokens exactly, for the reference prompts, longer ones up
-    to the serving prompt limit and `extra` (a fine-tuned model: held-out task prompts, rendered as chat). The
-    reference prompts' tokens are stored (reference.json) so that smoke can check a running server without the
-    checkpoint."""
-    from serving.protocol import GenerationSettings
-    from serving.engine.exported import ExportedModel
-
-    exported = ExportedModel(staging)
-    session = exported.cached_session()
-    settings = GenerationSettings(max_new_tokens=exportdir.REFERENCE_NEW_TOKENS)
+def greedy_prompts(exported, config: Config, extra: tuple[str, ...]) -> tuple[list[str], list[list[int]]]:
+    """tokens_gate's prompts and their ids: the reference prompts, longer ones up to the serving prompt limit, and
+    `extra`, encoded as serving encodes (no special tokens)."""
     text = "".join(exportdir.REFERENCE_PROMPTS) * 16
     room = exported.max_length - exportdir.REFERENCE_NEW_TOKENS - 1  # (tokens: a model's own BPE may spend
     limit = min(config.serving.max_prompt_chars, room)                 # several on one character)
     prompts = [*exportdir.REFERENCE_PROMPTS, text[:limit // 3], text[:limit], *extra]
-    encoded = [exported.tokenizer(p, add_special_tokens=False)["input_ids"][:room] or exported.encode(p)
-               for p in prompts]
-    expected = [exported.generate(dynamic_forward, ids, settings) for ids in encoded]
-    paths = {"exported graph": [exported.generate(lambda x: runtime.predict(predictor, x), ids, settings)
-                                for ids in encoded],
-             "cache programs": [exported.generate_batch(session, [ids], [settings])[0] for ids in encoded],
+    return prompts, [exported.tokenizer(p, add_special_tokens=False)["input_ids"][:room] or exported.encode(p)
+                     for p in prompts]
+
+
+def _greedy():
+    from serving.protocol import GenerationSettings
+
+    return GenerationSettings(max_new_tokens=exportdir.REFERENCE_NEW_TOKENS)
+
+
+def tokens_gate(expected: DynamicReferences, staging: Path) -> dict[str, list[int]]:
+    """Greedy continuations: the cache programs (each prompt alone, and all of them in one batch of mixed lengths)
+    and the full graph must produce the dynamic model's tokens exactly (dynamic_references' prompts), one set of
+    predictors at a time. The reference prompts' tokens are stored (reference.json) so that smoke can check a
+    running server without the checkpoint."""
+    from serving.engine.exported import ExportedModel
+
+    exported, settings, encoded = ExportedModel(staging), _greedy(), expected.encoded
+    session = exported.cached_session()
+    paths = {"cache programs": [exported.generate_batch(session, [ids], [settings])[0] for ids in encoded],
              "cache programs, batched": exported.generate_batch(session, encoded, [settings] * len(encoded))}
+    del session
+    heap.release()
+    predictor = runtime.create_predictor(staging)
+    paths["exported graph"] = [exported.generate(lambda x: runtime.predict(predictor, x), ids, settings)
+                               for ids in encoded]
+    del predictor
+    heap.release()
     for path, got in paths.items():
-        for prompt, a, b in zip(prompts, got, expected):
+        for prompt, a, b in zip(expected.prompts, got, expected.tokens):
             if a != b:
                 raise ExportError(f"parity check failed: greedy tokens of the {path} for {prompt[:20]!r} "
                                   f"({len(prompt)} chars) are {a}, the dynamic model's {b}; nothing was published")
-    print(f"greedy tokens: exported graph == cache programs (alone and batched) == dynamic model for {len(prompts)} "
-          f"prompts of {min(map(len, encoded))}-{max(map(len, encoded))} tokens", flush=True)
-    return dict(zip(exportdir.REFERENCE_PROMPTS, expected))
+    print(f"greedy tokens: exported graph == cache programs (alone and batched) == dynamic model for "
+          f"{len(encoded)} prompts of {min(map(len, encoded))}-{max(map(len, encoded))} tokens", flush=True)
+    return dict(zip(exportdir.REFERENCE_PROMPTS, expected.tokens))
 
 
-def parity_error(model, predictor, vocab: int, seq_length: int, seed: int = 0) -> float:
-    """Max |dynamic - paddle.inference| logit difference over batches of different shapes."""
-    return _max_logit_error(dynamic_forward(model), lambda ids: runtime.predict(predictor, ids), vocab, seq_length,
-                            seed)[0]
+def parity_error(parity: list[tuple[np.ndarray, np.ndarray]], predictor) -> float:
+    """Max |dynamic - paddle.inference| logit difference over the parity batches ((ids, the dynamic model's logits))."""
+    return max(float(np.abs(runtime.predict(predictor, ids) - logits).max()) for ids, logits in parity)
 
 
 def weight_layout_error(portable, trained, vocab: int, seq_length: int, seed: int = 2) -> float:
@@ -167,25 +211,30 @@ def _max_logit_error(a, b, vocab: int, seq_length: int, seed: int) -> tuple[floa
     return worst, scale
 
 
-def cache_parity_error(model, prefill, decode, vocab: int, seq_length: int, seed: int = 1) -> float:
-    """Max |dynamic - cache programs| logit difference (prefill, decode: runtime.cache_session): two rows (the
-    second left-padded by 3), the first half of the sequence through prefill, the rest one decode step at a time,
-    each step against the full dynamic forward."""
-    rng = np.random.RandomState(seed)
-    length, pad = max(8, seq_length), 3
-    ids = rng.randint(5, vocab, size=(2, length)).astype("int64")
-    forward = dynamic_forward(model)
-    expected = [forward(ids[:1]), forward(ids[1:, pad:])]  # row 1 is shorter by `pad` tokens
+CACHE_PAD = 3  # cache_parity_error's second row is left-padded by this many tokens
+
+
+def cache_expectation(forward, vocab: int, seq_length: int, seed: int = 1) -> tuple[np.ndarray, ...]:
+    """cache_parity_error's rows (ids [2, max(8, seq_length)], seeded) and the dynamic forward's logits of each: the
+    first row whole, the second without its first CACHE_PAD tokens (it is fed left-padded)."""
+    ids = np.random.RandomState(seed).randint(5, vocab, size=(2, max(8, seq_length))).astype("int64")
+    return ids, forward(ids[:1])[0], forward(ids[1:, CACHE_PAD:])[0]
+
+
+def cache_parity_error(expected: tuple[np.ndarray, ...], prefill, decode) -> float:
+    """Max |dynamic - cache programs| logit difference (prefill, decode: runtime.cache_session) on cache_expectation's
+    two rows (the second left-padded by CACHE_PAD), the first half of the sequence through prefill, the rest one
+    decode step at a time, each step against the full dynamic forward."""
+    ids, first, second = expected
+    pad, length = CACHE_PAD, ids.shape[1]
     half = length // 2
     prompt, mask = ids[:, :half].copy(), np.ones((2, half), "float32")
     positions = np.tile(np.arange(half), (2, 1)).astype("int64")
     prompt[1, :pad], mask[1, :pad], positions[1] = 0, 0.0, np.maximum(np.arange(half) - pad, 0)
     logits, keys, values = prefill(prompt, positions, mask)
     cache = DecodeCache(keys, values, mask, np.array([half, half - pad], dtype="int64"))  # (positions t and t - pad)
-    worst = max(float(np.abs(logits[0] - expected[0][0, half - 1]).max()),
-                float(np.abs(logits[1] - expected[1][0, half - 1 - pad]).max()))
+    worst = max(float(np.abs(logits[0] - first[half - 1]).max()), float(np.abs(logits[1] - second[half - 1 - pad]).max()))
     for t in range(half, length):
         logits = decode(ids[:, t:t + 1], cache)
-        worst = max(worst, float(np.abs(logits[0] - expected[0][0, t]).max()),
-                    float(np.abs(logits[1] - expected[1][0, t - pad]).max()))
+        worst = max(worst, float(np.abs(logits[0] - first[t]).max()), float(np.abs(logits[1] - second[t - pad]).max()))
     return worst

@@ -14,6 +14,7 @@ reverse order if a later step fails (e.g. the tracking server goes away).
 from __future__ import annotations
 
 import json
+import resource
 import shutil
 import tempfile
 import time
@@ -22,6 +23,7 @@ from pathlib import Path
 import core  # noqa: F401  (zlib before paddle)
 from core import REPO_ROOT, exportdir, tracking
 from core.config import Config, load_config
+from core.workarounds import heap
 from export import ExportError
 from pipeline.runner.source_run import Selection, fetch_inputs, quiet_libraries, select
 
@@ -64,8 +66,10 @@ def run(base: Config, experiment: str = "", metric: str = "", run_id: str = "",
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     t = meta["timings_s"]
+    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # (KiB on Linux)
     print(f"export took {time.time() - began:.1f}s (load {t['load_s']:.1f} / convert {t['convert_s']:.1f} / parity "
-          f"{t['parity_s']:.1f} / MLflow model {t['mlflow_model_s']:.1f} s); next: make serve && make smoke", flush=True)
+          f"{t['parity_s']:.1f} / MLflow model {t['mlflow_model_s']:.1f} s), peak memory {peak_gb:.1f} GiB; next: "
+          f"make serve && make smoke", flush=True)
     return meta
 
 
@@ -73,10 +77,8 @@ def run(base: Config, experiment: str = "", metric: str = "", run_id: str = "",
 # build: convert, gate, write the export directory
 
 def build(chosen: Selection, config: Config, checkpoint: Path, tokenizer_dir: Path, staging: Path) -> dict:
-    """The export directory in `staging`; returns its export.json, written here for the token gate (which reads it
+    """The export directory in `staging`; returns its export.json, written here for the gates (which read it
     through serving's ExportedModel) and written again by publish once the version is known."""
-    import paddle
-
     from export import convert, gates, programs
     from serving.engine import runtime
     print(f"run {chosen.run_id} ({chosen.run_name}); checkpoint step {chosen.step} ({chosen.metric} "
@@ -86,22 +88,47 @@ def build(chosen: Selection, config: Config, checkpoint: Path, tokenizer_dir: Pa
     model = convert.load_checkpoint(checkpoint)
     layout_error = gates.fused_weights_gate(model, checkpoint, config)
     merge_error = gates.lora_merge_gate(model, checkpoint, config)
+    heap.release()  # (the checkpoint as trained, the gates' second model)
     timings["load_s"] = time.time() - t0
     t0 = time.time()
     programs.save_full_sequence(model, staging)
     programs.save_programs(model, staging)
+    heap.release()  # (the fused decode weights: core/workarounds/heap.py)
     if config.export.hf:  # (the same weights for other engines: export/hf.py)
         from export import hf
 
         hf.write(model, tokenizer_dir, staging)
     timings["convert_s"] = time.time() - t0
     t0 = time.time()
-    parity = gates.logits_gate(model, staging, config)
     shutil.copytree(tokenizer_dir, exportdir.tokenizer_dir(staging))
+    vocab = model.config.vocab_size
+    meta = export_meta(chosen, config, checkpoint, staging, model.config, layout_error, merge_error, timings)
+    exportdir.write_meta(staging, meta)  # (read by the gates through serving's ExportedModel)
+    expected = gates.dynamic_references(model, staging, config, task_prompts(config, tokenizer_dir))
+    del model  # (each gate's predictors hold a copy of the weights: the model goes first, then one at a time)
+    heap.release()
     predictor = runtime.create_predictor(staging)
-    exportdir.write_serving_conf(staging, predictor.get_input_names()[0], predictor.get_output_names()[0],
-                                 model.config.vocab_size)
-    meta = {
+    exportdir.write_serving_conf(staging, predictor.get_input_names()[0], predictor.get_output_names()[0], vocab)
+    del predictor
+    meta.update(gates.logits_gate(expected, staging, config))
+    exportdir.write_meta(staging, meta)
+    references = gates.tokens_gate(expected, staging)
+    exportdir.write_references(staging, references)
+    timings["parity_s"] = time.time() - t0  # (in meta["timings_s"]: publish writes export.json with the version)
+    t0 = time.time()
+    gates.mlflow_model_gate(staging, references)
+    timings["mlflow_model_s"] = time.time() - t0
+    return meta
+
+
+def export_meta(chosen: Selection, config: Config, checkpoint: Path, staging: Path, model_config, layout_error,
+                merge_error, timings: dict) -> dict:
+    """export.json before the logits gate's figures and the version: lineage, shapes, weights' digest, timings."""
+    import paddle
+
+    from export import gates, programs
+
+    return {
         "registered_model_name": config.export.registered_model_name, "version": None,
         "format_version": exportdir.FORMAT_VERSION, "decode_ops": programs.op_count(staging / exportdir.DECODE_PREFIX),
         "source_run_id": chosen.run_id, "source_run_name": chosen.run_name,
@@ -109,27 +136,17 @@ def build(chosen: Selection, config: Config, checkpoint: Path, tokenizer_dir: Pa
         "checkpoint_step": chosen.step,
         "checkpoint_uri": f"runs:/{chosen.run_id}/{chosen.info['artifact']}" if chosen.info.get("artifact") else "",
         "metric": chosen.metric, "metric_value": chosen.metric_value, "config_hash": config.digest(),
-        "paddle_version": paddle.__version__, **parity,
+        "paddle_version": paddle.__version__,
         "parity_tolerance": config.export.parity_tolerance, "parity_shapes": [list(s) for s in gates.PARITY_SHAPES],
-        "vocab_size": model.config.vocab_size, "seq_length": config.training.seq_length,
-        "max_position_embeddings": config.model.max_position_embeddings, "eos_token_id": model.config.eos_token_id,
+        "vocab_size": model_config.vocab_size, "seq_length": config.training.seq_length,
+        "max_position_embeddings": config.model.max_position_embeddings, "eos_token_id": model_config.eos_token_id,
         "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "weights_sha256": exportdir.weights_sha256(staging), "timings_s": timings,
         "trained_weight_layout": "fused" if layout_error is not None else "plain",
         "fused_vs_portable_max_abs_error": layout_error,
         **({"lora_merge_relative_error": merge_error} if merge_error is not None else {}),
-        **({"hf_dir": "hf"} if config.export.hf else {}),
+        **({"hf_dir": "hf"} if config.export.hf else {}), **fine_tuning(config, checkpoint),
     }
-    meta.update(fine_tuning(config, checkpoint))
-    exportdir.write_meta(staging, meta)
-    references = gates.tokens_gate(convert.dynamic_forward(model), predictor, staging, config,
-                                   task_prompts(config, tokenizer_dir))
-    exportdir.write_references(staging, references)
-    timings["parity_s"] = time.time() - t0  # (in meta["timings_s"]: publish writes export.json with the version)
-    t0 = time.time()
-    gates.mlflow_model_gate(staging, references)
-    timings["mlflow_model_s"] = time.time() - t0
-    return meta
 
 
 TASK_PROMPTS = 20  # a fine-tuned model's held-out task prompts in the token gate

@@ -46,6 +46,10 @@ def create_predictor(export_dir: Path, ir_optim: bool = False, prefix: str = MOD
     # Generation feeds a new sequence length at every step; with IR optimisation on, the CPU predictor measured
     # 2x slower per generated token. Same setting as the served model (ir_optim: false).
     config.switch_ir_optim(ir_optim)
+    # Buffers reused between a program's variables. Without it a predictor keeps every intermediate of its largest
+    # run: a 0.5B model's prefill of 8 x 200 tokens took 8.5 GB more and 25.4 s (page faults) instead of 0.24 GB
+    # and 6.2 s; the default model's decode and prefill steps equal or 3-4% faster; outputs bit-identical.
+    config.enable_memory_optim()
     return inference.create_predictor(config)
 
 

@@ -195,3 +195,12 @@ def test_serving_workers_threads_and_paddle_serving_threads(monkeypatch):
     op = rendered["op"]["generate"]
     assert rendered["dag"]["is_thread_op"] is True and op["concurrency"] == rendered["worker_num"] == 28
     assert (op["batch_size"], op["auto_batching_timeout"]) == (1, -1)
+
+
+def test_a_run_config_of_an_earlier_version_reads_as_todays(tmp_path):
+    """model.rope_scaling_factor (earlier run configs) is read as model.rope_scaling: a factor of 2 a linear
+    scaling, 1 none; the run's config can still be exported."""
+    for factor, expected in ((2.0, {"rope_type": "linear", "factor": 2.0}), (1.0, {})):
+        path = tmp_path / f"run{factor}.yaml"
+        path.write_text(f"model:\n  rope_scaling_factor: {factor}\n")
+        assert load_config(path).model.rope_scaling == expected
