@@ -103,6 +103,23 @@ def logits_parity(python: Path, export_dir: Path, hf_dir: Path, out: Path) -> fl
                for i, ids in enumerate(sequences))
 
 
+def generated_flops(hf_dir: Path, table: Path, export_dir: Path, new_tokens: int) -> float:
+    """FLOPs of a generated token of this model (core/arithmetic.py decode_flops_per_token: 2 N' + 4 L h P) at the
+    rows' mean cached length P (prompt + half the answer)."""
+    from types import SimpleNamespace
+
+    from core import arithmetic, hf_checkpoint
+    from core.config import ModelConfig
+    from serving.engine.exported import ExportedModel
+
+    settings = hf_checkpoint.model_settings(hf_checkpoint.read_config(hf_dir))
+    model = ExportedModel(export_dir)
+    prompts = [json.loads(line)["prompt"] for line in table.read_text(encoding="utf-8").splitlines()]
+    past = statistics.mean(len(model.encode(p)) for p in prompts) + new_tokens / 2
+    return arithmetic.decode_flops_per_token(SimpleNamespace(model=ModelConfig(**settings)), settings["vocab_size"],
+                                             past)
+
+
 def rows_table(out: Path, count: int, new_tokens: int) -> Path:
     """`count` greedy rows (bench/batch_generate.py's prompt words), as `make generate` reads them."""
     from bench.batch_generate import prompts
@@ -213,12 +230,14 @@ def run(export_dir: Path, out: Path, quick: bool, log=print) -> dict:
                 stop()
             log(f"[bench] peer round {round_ + 1} serve {who}: " + ", ".join(
                 f"{p['clients']}c {p['tokens_per_s']:.0f} tok/s ttft {p['ttft_p50_ms']:.0f} ms" for p in serve[who][-1]))
-    return summarise(gen, serve, error, rounds, rows, new_tokens, train)
+    return summarise(gen, serve, error, rounds, rows, new_tokens, train,
+                     generated_flops(hf_dir, table, export_dir, new_tokens))
 
 
 def summarise(gen: dict, serve: dict, logits_error: float, rounds: int, rows: int, new_tokens: int,
-              train: dict | None = None) -> dict:
-    """Medians and ranges over rounds, and the same-run ratios (ours / vLLM's)."""
+              train: dict | None = None, flops_per_token: float = 0.0) -> dict:
+    """Medians and ranges over rounds, and the same-run ratios (ours / vLLM's); with the training trials' matmul
+    peak and `flops_per_token` (a generated token's), the ceiling of generation and each engine's share of it."""
     ours_ids, theirs_ids = gen["ours"][0]["token_ids"], gen["vllm"][0]["token_ids"]
     generate = {who: spread([t["tokens_per_s"] for t in trials]) for who, trials in gen.items()}
     generate["ratio"] = generate["ours"]["median"] / generate["vllm"]["median"]
@@ -239,6 +258,12 @@ def summarise(gen: dict, serve: dict, logits_error: float, rounds: int, rows: in
                                  for a, b in zip(serve["ours"], serve["vllm"])]
         points.append(row)
     training = peer_torch.summarise(train) if train else {}
+    if training and flops_per_token:
+        ceiling = training["matmul_peak_gflops"] * 1e9 / flops_per_token
+        generate["ceiling"] = {"flops_per_token": flops_per_token, "tokens_per_s": ceiling,
+                               **{who: generate[who]["median"] / ceiling for who in ("ours", "vllm")},
+                               **{f"serving_{who}": points[-1][who]["tokens_per_s"]["median"] / ceiling
+                                  for who in ("ours", "vllm")}}
     return {"rows": rows, "new_tokens": new_tokens, "rounds": rounds, "logits_max_abs_diff": logits_error,
             **({"training": training} if training else {}),
             "greedy_identical": sum(a == b for a, b in zip(ours_ids, theirs_ids)), "greedy_compared": len(ours_ids),
@@ -256,6 +281,7 @@ def markdown(r: dict) -> list[str]:
              f"| batch generation, {r['rows']} rows x {r['new_tokens']} greedy tokens | tokens/s |", "|---|---|",
              f"| `make generate` | {fmt(g['ours'])} |", f"| vLLM `LLM.generate` | {fmt(g['vllm'])} |",
              f"| ratio | **{g['ratio']:.2f}x** (rounds: {_ratios(g)}) |", "",
+             *_ceiling(g.get("ceiling"), r["serving"][-1]["clients"] if r["serving"] else 0),
              *peer_torch.markdown(r.get("training")),
              "| clients | ours tokens/s | vLLM tokens/s | ratio (rounds) | TTFT p50 ms ours / vLLM | TTFT p99 ms ours / "
              "vLLM | inter-token p50 ms ours / vLLM | errors ours / vLLM |", "|---|---|---|---|---|---|---|---|"]
@@ -267,6 +293,15 @@ def markdown(r: dict) -> list[str]:
                      f"{v['ttft_p99_ms']:.0f} | {o['itl_p50_ms']:.2f} / {v['itl_p50_ms']:.2f} | "
                      f"{o['errors']} / {v['errors']} |")
     return lines
+
+
+def _ceiling(c: dict | None, clients: int) -> list[str]:
+    if not c:
+        return []
+    return [f"Ceiling: {c['flops_per_token'] / 1e6:.1f} MFLOP a generated token (2N' + 4LhP at the rows' mean "
+            f"length) against the fp32 matmul peak of the training trials = {c['tokens_per_s']:.0f} tokens/s; "
+            f"`make generate` at {c['ours']:.0%} of it, `LLM.generate` at {c['vllm']:.0%}; the servers at "
+            f"{clients} clients at {c['serving_ours']:.0%} / {c['serving_vllm']:.0%}.", ""]
 
 
 def _spread_text(s: dict) -> str:

@@ -45,8 +45,10 @@ def layer_parameters(m) -> int:
 def vocabulary(config, vocab_size: int | None = None) -> int:
     """The embedding's rows: `vocab_size`, else model.vocab_size (an imported model's), else the tokenizer's
     configured maximum (a BPE's vocab_size, a character vocabulary's max_vocab_size)."""
+    if vocab_size or config.model.vocab_size:
+        return vocab_size or config.model.vocab_size
     t = config.tokenizer
-    return vocab_size or config.model.vocab_size or (t.vocab_size if t.kind == "bpe" else t.max_vocab_size)
+    return t.vocab_size if t.kind == "bpe" else t.max_vocab_size
 
 
 def parameters(config, vocab_size: int | None = None) -> int:

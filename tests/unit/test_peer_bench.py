@@ -80,3 +80,36 @@ def test_the_summary_takes_medians_over_rounds_and_same_run_ratios():
     assert "| 8 | 1100 [1000-1200] | 1000 [1000-1000] | **1.10x** (1.20 / 1.00) |" in text
     assert one["ours"]["itl_p50_ms"] == 1.1 and eight["vllm"]["itl_p50_ms"] == 3.0  # (medians of 1.0/1.2, 2.5/3.5)
     assert "| 25 / 30 | 50 / 60 | 2.50 / 3.00 | 0 / 0 |" in text
+
+
+def test_generation_is_reported_against_the_machines_ceiling():
+    """With the training trials' matmul peak, a generated token's FLOPs give the ceiling; each engine's share is its
+    median over it, the servers' at the most clients."""
+    point = lambda n, tps: {"clients": n, "tokens_per_s": tps, "ttft_p50_ms": 1, "ttft_p99_ms": 2,  # noqa: E731
+                            "itl_p50_ms": 1, "errors": 0, "requests": 1}
+    gen = {"ours": [{"tokens_per_s": 1000, "token_ids": [[1]]}], "vllm": [{"tokens_per_s": 500, "load_s": 1,
+                                                                          "token_ids": [[1]]}]}
+    serve = {"ours": [[point(1, 300), point(32, 1100)]], "vllm": [[point(1, 200), point(32, 1000)]]}
+    train = {"ours": [{"tokens_per_s": 10, "flops_per_token": 1e6, "matmul_peak_gflops": 2000, "mfu": 0.1}],
+             "torch": [{"tokens_per_s": 5}]}
+    c = peer_vllm.summarise(gen, serve, 0.0, 1, 1, 64, train, flops_per_token=1e9)["generate"]["ceiling"]
+    assert c["tokens_per_s"] == 2000 and (c["ours"], c["vllm"]) == (0.5, 0.25)
+    assert (c["serving_ours"], c["serving_vllm"]) == (0.55, 0.5)
+    text = "\n".join(peer_vllm.markdown(peer_vllm.summarise(gen, serve, 0.0, 1, 1, 64, train, 1e9)))
+    assert "= 2000 tokens/s; `make generate` at 50% of it, `LLM.generate` at 25%; the servers at 32 clients at " \
+           "55% / 50%." in text
+
+
+def test_a_generated_tokens_flops_follow_the_models_shape(tmp_path):
+    """2 N' + 4 L h P for the HF copy's shape: Qwen2.5-0.5B's at P = 40 is 0.99 GFLOP (its untied head included)."""
+    from types import SimpleNamespace
+
+    from core import arithmetic
+    from core.config import ModelConfig
+
+    shape = ModelConfig(hidden_size=896, intermediate_size=4864, num_layers=24, num_attention_heads=14,
+                        num_key_value_heads=2, vocab_size=151936, attention_bias=True)
+    flops = arithmetic.decode_flops_per_token(SimpleNamespace(model=shape), 151936, 40)
+    layer = 896 * (896 + 2 * 128) + 896 * 896 + 3 * 896 * 4864 + 2 * 896 + (896 + 2 * 128)  # (norms, biases)
+    assert flops == 2 * (24 * layer + 151936 * 896 + 896) + 4 * 24 * 896 * 40
+    assert 0.98e9 < flops < 1.0e9
