@@ -120,6 +120,20 @@ def generated_flops(hf_dir: Path, table: Path, export_dir: Path, new_tokens: int
                                              past)
 
 
+def training_shape(config, run_dir: Path, target: Path) -> Path:
+    """The trained model's shape (the default config's, as this project's trial builds it) as a Hugging Face
+    config.json, for PyTorch to train from scratch: the served export may be another model (`MODEL=`), and a
+    0.5B's training step is not the default model's."""
+    from core.tokenizer import load_tokenizer
+    from export.hf import hf_config
+    from model.llama import llama_config
+
+    target.mkdir(parents=True, exist_ok=True)
+    shape = hf_config(llama_config(config, load_tokenizer(run_dir / "tokenizer")))
+    (target / "config.json").write_text(json.dumps(shape, indent=1), encoding="utf-8")
+    return target
+
+
 def rows_table(out: Path, count: int, new_tokens: int) -> Path:
     """`count` greedy rows (bench/batch_generate.py's prompt words), as `make generate` reads them."""
     from bench.batch_generate import prompts
@@ -208,6 +222,7 @@ def run(export_dir: Path, out: Path, quick: bool, log=print) -> dict:
     from bench.training_speed import prepared_run
 
     config, run_dir = prepared_run(out, [])
+    train_hf = training_shape(config, run_dir, out / "peer-train-hf")
     batch, seq = config.parallel.micro_batch_size, config.training.seq_length
     gen, serve, train = {"ours": [], "vllm": []}, {"ours": [], "vllm": []}, {"ours": [], "torch": []}
     for round_ in range(rounds):
@@ -220,7 +235,7 @@ def run(export_dir: Path, out: Path, quick: bool, log=print) -> dict:
         for who in ("ours", "torch") if round_ % 2 == 0 else ("torch", "ours"):
             run_side = lambda *a, **k: side(python, *a, **k)  # noqa: E731
             train[who].append(peer_torch.ours_train(run_dir, steps, out) if who == "ours"
-                              else peer_torch.theirs_train(run_side, hf_dir, steps, batch, seq, out))
+                              else peer_torch.theirs_train(run_side, train_hf, steps, batch, seq, out))
             log(f"[bench] peer round {round_ + 1} train {who}: {train[who][-1]['tokens_per_s']:.0f} tokens/s")
         for who in order:
             state, stop = ours_server(export_dir, out) if who == "ours" else theirs_server(python, hf_dir, name, out)

@@ -223,6 +223,9 @@ def main() -> None:
     from core.processes import die_with_parent
 
     die_with_parent()
+    from core.workarounds import heap
+
+    heap.keep_freed_blocks()  # (before the model loads: its per-step arrays reuse freed blocks)
     conn = Connection(args.fd)
     t0 = time.monotonic()
     model = ExportedModel(args.model)

@@ -190,3 +190,35 @@ def test_batched_sampling_draws_what_generator_choice_draws():
         logits = (data.normal(size=(24, vocab)) * data.choice([0.5, 4.0])).astype("float32")
         got = choose_rows(logits, settings, ours, [PAD], usable)
         assert got == [_reference_choice(logits[r], s, theirs[r], [PAD], usable) for r, s in enumerate(settings)]
+
+
+def _choose_rows_as_before(logits, settings, rngs, banned_ids, usable_vocab):
+    """choose_rows as it was: the whole batch copied to float64, padding and banned ids masked (the reference)."""
+    from serving.engine.generation import _sample
+
+    masked = np.array(logits, dtype="float64")
+    masked[:, usable_vocab:] = -np.inf
+    masked[:, banned_ids] = -np.inf
+    greedy = masked.argmax(axis=1)
+    return [int(greedy[r]) if s.temperature <= 0 else _sample(masked[r], s, rng, usable_vocab)
+            for r, (s, rng) in enumerate(zip(settings, rngs))]
+
+
+def test_choosing_without_the_batch_copy_picks_the_same_tokens():
+    """Greedy rows over the float32 logits (a banned or padded argmax falls back to the masked row) and sampled rows
+    copied one at a time give the tokens of the whole-batch float64 copy, for the same seeds."""
+    from serving.engine.generation import choose_rows
+
+    rng = np.random.default_rng(0)
+    usable, banned = 280, [0, 1, 5]
+    kinds = [GenerationSettings(), GenerationSettings(temperature=0.8, seed=1),
+             GenerationSettings(temperature=1.0, top_k=20, seed=2), GenerationSettings(temperature=0.7, top_p=0.9, seed=3)]
+    for trial in range(50):
+        logits = rng.standard_normal((12, 300)).astype("float32") * 3
+        logits[0, 5] = logits[1, 290] = logits[2, 0] = 50.0  # (argmax banned, padded, banned: rows 0-2 greedy)
+        settings = [kinds[0]] * 3 + [kinds[r % 4] for r in range(9)]
+        seeds = [trial * 100 + r for r in range(12)]
+        got = choose_rows(logits, settings, [np.random.default_rng(s) for s in seeds], banned, usable)
+        expected = _choose_rows_as_before(logits, settings, [np.random.default_rng(s) for s in seeds], banned, usable)
+        assert got == expected, trial
+        assert not set(got) & set(banned) and max(got) < usable
