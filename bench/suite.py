@@ -165,8 +165,9 @@ def _start_clock(out: Path) -> None:
 
 
 def out_dir(out: str | Path | None) -> Path:
-    """Where the bench writes (default reports/bench), created."""
-    path = Path(out) if out else REPO_ROOT / "reports" / "bench"
+    """Where the bench writes (default reports/bench), created; absolute (the servers it starts run elsewhere: a
+    relative --out named a service config they could not find)."""
+    path = Path(out).resolve() if out else REPO_ROOT / "reports" / "bench"
     path.mkdir(parents=True, exist_ok=True)
     return path
 

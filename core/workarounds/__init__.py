@@ -39,7 +39,9 @@ OVERRIDES = (
              "HTTP gateway listens on every interface (a copy of libproxy_server.so listens on 127.0.0.1)",
              "Paddle Serving 0.9.0"),
     Override("core/workarounds/heap.py", (), "glibc keeps freed memory in its heap: each export gate started on the "
-             "garbage of the one before (malloc_trim between stages)", "glibc 2.36, Paddle 2.6.2"),
+             "garbage of the one before (malloc_trim between stages); and maps every large block afresh: a serving "
+             "worker's per-step arrays were page-faulted in again each step (mallopt: no mmap, no trim)",
+             "glibc 2.36, Paddle 2.6.2"),
     Override("core/workarounds/cuda_libraries.py", (), "the GPU wheel dlopens unversioned CUDA library names that "
              "NVIDIA's pip packages do not provide (links + LD_LIBRARY_PATH)", "paddlepaddle-gpu 2.6.2, CUDA 11.8"),
     Override("model/llama.py", ("LlamaRMSNorm.forward", "apply_rotary_pos_emb", "LlamaPretrainingCriterion.forward"),

@@ -45,3 +45,10 @@ def test_the_default_bench_is_the_short_suite_and_full_runs_every_section(monkey
     assert set(suite.DEFAULT_SECTIONS) < set(suite.SECTIONS) and set(suite.MINUTES) >= set(suite.SECTIONS)
     # the short suite's typical minutes stay within the 15 the issue allows, with training + export included
     assert sum(suite.MINUTES[s] for s in (*suite.DEFAULT_SECTIONS, "training + export")) <= 15
+
+
+def test_a_relative_output_directory_is_made_absolute(tmp_path, monkeypatch):
+    """(the servers the bench starts run in another directory: `--out reports/x` named a service config they could
+    not find, and the peer bench's server never started)"""
+    monkeypatch.chdir(tmp_path)
+    assert suite.out_dir("reports/x") == tmp_path / "reports" / "x" and (tmp_path / "reports" / "x").is_dir()
