@@ -107,11 +107,7 @@ def dynamic_references(model, staging: Path, config: Config, extra: tuple[str, .
     from serving.engine.exported import ExportedModel
 
     vocab, seq_length, forward = model.config.vocab_size, config.training.seq_length, dynamic_forward(model)
-    rng = np.random.RandomState(0)
-    parity = []
-    for batch, length in PARITY_SHAPES:
-        ids = rng.randint(5, vocab, size=(batch, length or seq_length)).astype("int64")
-        parity.append((ids, forward(ids)))
+    parity = [(ids, forward(ids)) for ids in parity_batches(vocab, seq_length, seed=0)]
     exported = ExportedModel(staging)
     prompts, encoded = greedy_prompts(exported, config, extra)
     tokens = [exported.generate(forward, ids, _greedy()) for ids in encoded]
@@ -200,12 +196,16 @@ def weight_layout_error(portable, trained, vocab: int, seq_length: int, seed: in
     return _max_logit_error(dynamic_forward(portable), dynamic_forward(trained), vocab, seq_length, seed)[0]
 
 
+def parity_batches(vocab: int, seq_length: int, seed: int) -> list[np.ndarray]:
+    """Seeded random ids [batch, length] for each of PARITY_SHAPES (length 0: the training sequence length)."""
+    rng = np.random.RandomState(seed)
+    return [rng.randint(5, vocab, size=(batch, length or seq_length)).astype("int64") for batch, length in PARITY_SHAPES]
+
+
 def _max_logit_error(a, b, vocab: int, seq_length: int, seed: int) -> tuple[float, float]:
     """(max |a(ids) - b(ids)|, max |b(ids)|) over seeded random batches of PARITY_SHAPES."""
-    rng = np.random.RandomState(seed)
     worst, scale = 0.0, 0.0
-    for batch, length in PARITY_SHAPES:
-        ids = rng.randint(5, vocab, size=(batch, length or seq_length)).astype("int64")
+    for ids in parity_batches(vocab, seq_length, seed):
         reference = b(ids)
         worst, scale = max(worst, float(np.abs(a(ids) - reference).max())), max(scale, float(np.abs(reference).max()))
     return worst, scale

@@ -10,19 +10,18 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import gc
 import os
 
-_LIBC: list = []
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # (mallopt's parameters, malloc.h)
 KEEP_ENV = "PIPELINE_KEEP_FREED"  # "off": glibc's defaults (for before/after benchmarks)
 
 
+@functools.cache
 def _libc():
-    if not _LIBC:
-        name = ctypes.util.find_library("c")
-        _LIBC.append(ctypes.CDLL(name) if name else None)
-    return _LIBC[0]
+    name = ctypes.util.find_library("c")
+    return ctypes.CDLL(name) if name else None
 
 
 def release() -> None:
