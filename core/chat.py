@@ -139,26 +139,81 @@ def conversation(messages: list[dict], answered: bool = False) -> tuple[str, lis
     return system, turns
 
 
+# What follows an assistant's tool calls: the tools' results, one `tool` message per call, then the answer
+_NEXT = {"system": ("system", "user"), "user": ("assistant",), "assistant": ("user",), "calls": ("tool",),
+         "tool": ("tool", "assistant", "user")}
+
+
 def check_request(messages: list[dict]) -> None:
-    """A chat request as a chat UI sends it, or ConfigError naming the first fault: system messages (if any) first,
-    then user and assistant turns alternating from a user turn to a final user turn, every content non-empty.
-    (Training data may repeat roles or start with the assistant: `conversation` joins those; a request that does
-    is more likely a client's bug than a conversation, so the server refuses it.)"""
+    """A chat request as a chat UI or an agent loop sends it, or ConfigError naming the first fault: system messages
+    (if any) first, then user and assistant turns alternating from a user turn; an assistant turn with `tool_calls`
+    (content null or text) is followed by its `tool` results, then the assistant answers (or the user goes on); the
+    conversation ends with a user turn or tool results, every text content non-empty. (Training data may repeat
+    roles or start with the assistant: `conversation` joins those; a request that does is more likely a client's
+    bug than a conversation, so the server refuses it.)"""
     previous = "system"
     for index, m in enumerate(messages):
-        role, content = m["role"], m["content"]
-        where = f"messages[{index}]"
-        if role not in ("system", "user", "assistant"):
-            raise ConfigError(f"{where}: unknown role {role!r}; one of system, user, assistant")
-        if not content.strip():
+        role, content, where = m["role"], m.get("content"), f"messages[{index}]"
+        if role not in ("system", "user", "assistant", "tool"):
+            raise ConfigError(f"{where}: unknown role {role!r}; one of system, user, assistant, tool")
+        calls = role == "assistant" and bool(m.get("tool_calls"))
+        if not calls and not (content or "").strip():
             raise ConfigError(f"{where}: empty {role} content")
-        expected = {"system": ("system", "user"), "user": ("assistant",), "assistant": ("user",)}[previous]
-        if role not in expected:
-            raise ConfigError(f"{where}: role {role!r} after {previous!r}; a conversation is system "
-                              f"messages first, then user and assistant turns alternating, from a user turn")
-        previous = role
-    if previous != "user":
-        raise ConfigError("the conversation must end with a user message (the question to answer)")
+        if role not in _NEXT[previous]:
+            raise ConfigError(f"{where}: role {role!r} after {previous!r}; a conversation is system messages "
+                              f"first, then user and assistant turns alternating, from a user turn (an assistant's "
+                              f"tool calls followed by their tool results)")
+        previous = "calls" if calls else role
+    if previous not in ("user", "tool"):
+        raise ConfigError("the conversation must end with a user message (the question to answer) or tool results")
+
+
+TOOLS_HEADER, TOOL_RESULT = "可用工具：", "工具结果："
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"  # (Qwen2's and Hermes' markers, without their newlines)
+
+
+def tool_call_text(name: str, arguments) -> str:
+    """One tool call as the model writes it: <tool_call>{"name":...,"arguments":{...}}</tool_call>, compact JSON
+    (the default vocabulary has no whitespace)."""
+    if isinstance(arguments, str):
+        arguments = json.loads(arguments or "{}")
+    body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False, separators=(",", ":"))
+    return TOOL_OPEN + body + TOOL_CLOSE
+
+
+def plain_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """A conversation with tools in the shape this project's own template renders (system, user and assistant
+    texts): the tools' definitions after the system text, an assistant's tool calls as its text, each tool's result
+    as a user turn ("工具结果：..."), consecutive results joined by `conversation`."""
+    out = []
+    for m in messages:
+        if m["role"] == "tool":
+            out.append({"role": "user", "content": TOOL_RESULT + (m.get("content") or "")})
+        elif m["role"] == "assistant" and m.get("tool_calls"):
+            text = "".join(tool_call_text(c["function"]["name"], c["function"].get("arguments") or "{}")
+                           for c in m["tool_calls"])
+            out.append({"role": "assistant", "content": (m.get("content") or "") + text})
+        else:
+            out.append({"role": m["role"], "content": m.get("content") or ""})
+    if tools:  # (after the system texts)
+        listed = json.dumps([t.get("function", t) for t in tools], ensure_ascii=False, separators=(",", ":"))
+        at = next((i for i, m in enumerate(out) if m["role"] != "system"), len(out))
+        out.insert(at, {"role": "system", "content": TOOLS_HEADER + listed})
+    return out
+
+
+def _hf_messages(messages: list[dict]) -> list[dict]:
+    """Messages as Hugging Face templates read them: tool calls' arguments as objects (OpenAI sends JSON text)."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = [{**c, "function": {**c["function"], "arguments": json.loads(c["function"].get("arguments") or
+                                                                                   "{}")
+                                        if isinstance(c["function"].get("arguments"), str) else
+                                        c["function"].get("arguments")}} for c in m["tool_calls"]]
+            m = {**m, "content": m.get("content") or "", "tool_calls": calls}
+        out.append(m)
+    return out
 
 
 def _part(source: str, values: dict) -> str:
@@ -176,7 +231,8 @@ def _compiled(source: str):
     return env.from_string(source)
 
 
-def _hf_render(template: HFChatTemplate, messages: list[dict], add_generation_prompt: bool) -> str:
+def _hf_render(template: HFChatTemplate, messages: list[dict], add_generation_prompt: bool,
+               tools: list[dict] | None = None) -> str:
     """A model's own template as transformers' apply_chat_template renders it (its jinja settings: sandboxed,
     trim_blocks, lstrip_blocks, `raise_exception`)."""
     import jinja2
@@ -187,7 +243,7 @@ def _hf_render(template: HFChatTemplate, messages: list[dict], add_generation_pr
     try:
         return _hf_compiled(template.source).render(
             messages=messages, add_generation_prompt=add_generation_prompt, bos_token=template.bos_token,
-            eos_token=template.eos_token, raise_exception=raise_exception, tools=None)
+            eos_token=template.eos_token, raise_exception=raise_exception, tools=tools or None)
     except jinja2.TemplateError as exc:
         raise ConfigError(f"the chat template does not render the messages ({exc.__class__.__name__}: "
                           f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
@@ -263,6 +319,11 @@ def _hf_pieces(template: HFChatTemplate, system: str, turns: list[list[str]]) ->
     return texts
 
 
-def render_messages(template: dict | HFChatTemplate, messages: list[dict]) -> str:
-    system, turns = conversation(messages)
+def render_messages(template: dict | HFChatTemplate, messages: list[dict], tools: list[dict] | None = None) -> str:
+    """The prompt for the answer to `messages` (with `tools`, OpenAI's function definitions: a model's own template
+    renders them and the tool turns itself where it names `tools`, as transformers' apply_chat_template does; this
+    project's template, and one that does not, gets them as `plain_messages` writes them)."""
+    if isinstance(template, HFChatTemplate) and "tools" in template.source:  # (a template that knows tools)
+        return _hf_render(template, _hf_messages(messages), add_generation_prompt=True, tools=tools)
+    system, turns = conversation(plain_messages(messages, tools))
     return render(template, system, turns)

@@ -55,6 +55,7 @@ class GenerationSettings:
     top_p: float = 1.0  # 1 = no limit: sample among the most likely tokens holding this much probability
     stop: tuple = ()  # strings that end generation (checked on the decoded text by the worker)
     logprobs: int = -1  # -1 = off; k >= 0: each chosen token's log-probability and k alternatives
+    grammar: str = ""  # "" = free; else an llguidance grammar the text must follow (serving/engine/constraints.py)
 
 
 class RequestError(ValueError):

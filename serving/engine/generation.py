@@ -26,24 +26,29 @@ def choose(logits_row: np.ndarray, settings: GenerationSettings, rng, banned_ids
 
 
 def choose_rows(logits: np.ndarray, settings: list[GenerationSettings], rngs: list, banned_ids: list[int],
-                usable_vocab: int) -> list[int]:
+                usable_vocab: int, allowed: dict[int, np.ndarray] | None = None) -> list[int]:
     """The next token of every row of a batch's logits [B, V]; each row's depends only on its own logits, settings
     and generator. Greedy rows share one argmax over the usable vocabulary, in float32 (the same order as float64),
     a row copied only when that argmax is a banned id; sampled rows are copied to float64 one at a time and draw as
     `Generator.choice(p=)` does (cdf = cumsum(p) over its last value, one uniform number, searchsorted right: the
     same token), written out because choice's checks of p cost more than the draw. No whole-batch copy: at a
-    151,936-token vocabulary and batch 128 a float64 copy of the batch is 156 MB a step, each one fresh pages."""
+    151,936-token vocabulary and batch 128 a float64 copy of the batch is 156 MB a step, each one fresh pages.
+    `allowed` {row: booleans over the vocabulary}: a constrained row (serving/engine/constraints.py) chooses among
+    its allowed tokens only, greedy or sampled the same way."""
     scores = logits[:, :usable_vocab]  # (embedding rows padded past the tokenizer's vocabulary left out)
     greedy = scores.argmax(axis=1)
     banned = set(banned_ids)
     masked_ids = [i for i in banned_ids if i < usable_vocab]
     tokens = []
     for r, (s, rng) in enumerate(zip(settings, rngs)):
-        if s.temperature <= 0 and int(greedy[r]) not in banned:
+        mask = allowed.get(r) if allowed else None
+        if mask is None and s.temperature <= 0 and int(greedy[r]) not in banned:
             tokens.append(int(greedy[r]))
             continue
         row = np.array(scores[r], dtype="float64")
         row[masked_ids] = -np.inf
+        if mask is not None:
+            row[~mask[:usable_vocab]] = -np.inf
         tokens.append(int(row.argmax()) if s.temperature <= 0 else _sample(row, s, rng, usable_vocab))
     return tokens
 

@@ -26,6 +26,7 @@ import numpy as np
 
 from serving.protocol import GenerationSettings
 from serving.engine.generation import budget, choose_rows, token_logprobs
+from serving.engine.constraints import NOTHING_ALLOWED, ConstraintError, allowed_rows
 from serving.engine.kv_cache import DecodeCache
 
 
@@ -47,12 +48,14 @@ class Job:
     streamed: int = 0  # characters of its text already sent
     streamed_logprobs: int = 0  # (stream with logprobs) tokens whose logprobs were already sent
     stop_at: int | None = None  # where a stop string begins in its text (finished by it)
+    constraint: object = None  # (settings.grammar) its matcher: serving/engine/constraints.py Constraint
+    error: str = ""  # why it ended without an answer (its constraint could not go on)
 
 
 @dataclass
 class Outcome:
     job: Job
-    status: str  # "done" | "deadline" | "cancelled"
+    status: str  # "done" | "deadline" | "cancelled" | "error" (job.error says why)
 
 
 class Scheduler:
@@ -166,18 +169,45 @@ class Scheduler:
 
     # -- helpers ------------------------------------------------------------------------------------------------------
     def _choose(self, jobs: list[Job], logits) -> None:
+        allowed = self._allowed(jobs)
         tokens = choose_rows(logits, [job.settings for job in jobs], [job.rng for job in jobs], self.banned_ids,
-                             self.usable_vocab)
+                             self.usable_vocab, allowed)
         for r, (job, token) in enumerate(zip(jobs, tokens)):
+            if job.error:
+                continue
             job.new.append(token)
             job.pending = token
             if job.settings.logprobs >= 0:
                 job.logprobs.append(token_logprobs(logits[r], token, job.settings.logprobs, self.banned_ids,
                                                    self.usable_vocab))
+            if job.constraint is not None:
+                try:
+                    job.constraint.advance(token)
+                except ConstraintError as exc:
+                    job.error = str(exc)
+
+    def _allowed(self, jobs: list[Job]) -> dict:
+        """{row: allowed tokens} of the constrained jobs (banned ids never); a job whose constraint allows nothing
+        gets its error (it ends at this step, the others go on)."""
+        rows = [r for r, job in enumerate(jobs) if job.constraint is not None]
+        if not rows:
+            return {}
+        allowed, failed = allowed_rows([jobs[r].constraint for r in rows], self.usable_vocab)
+        allowed[:, [i for i in self.banned_ids if i < self.usable_vocab]] = False
+        out = {}
+        for k, r in enumerate(rows):
+            why = failed.get(k) or ("" if allowed[k].any() else NOTHING_ALLOWED)  # (only [UNK] or padding)
+            if why:
+                jobs[r].error = why
+            else:
+                out[r] = allowed[k]
+        return out
 
     def _finished(self, job: Job) -> bool:
         # (the stop check first: a stop string completed by the job's last allowed token must still be seen, so that
         # the job ends by it and its text is cut there)
+        if job.error:
+            return True
         stopped = bool(job.settings.stop) and self.stop_check is not None and self.stop_check(job)
         return stopped or job.new[-1] == self.eos_id or len(job.new) >= job.budget
 
@@ -185,7 +215,7 @@ class Scheduler:
         done = [r for r, job in enumerate(self.running) if self._finished(job)]
         if not done:
             return []
-        out = [Outcome(self.running[r], "done") for r in done]
+        out = [Outcome(self.running[r], "error" if self.running[r].error else "done") for r in done]
         self._keep([r for r in range(len(self.running)) if r not in done])
         return out
 

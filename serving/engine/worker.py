@@ -20,6 +20,7 @@ from core import exportdir
 from serving.engine import runtime
 from serving.engine.scheduler import Job, Scheduler
 from serving.protocol import GenerationSettings
+from serving.engine.constraints import ConstraintError
 from serving.engine.exported import ExportedModel
 from serving.protocol import RequestError
 
@@ -95,6 +96,15 @@ class Worker:
     def __init__(self, conn: Connection, model: ExportedModel, scheduler: Scheduler):
         self.conn, self.model, self.scheduler = conn, model, scheduler
         self.state = (0, 0)
+        self._grammars = None  # (built at the first constrained request)
+
+    def constraint(self, settings: GenerationSettings):
+        """A constrained request's matcher (None when free); ConstraintError if its grammar does not compile."""
+        if not settings.grammar:
+            return None
+        if self._grammars is None:
+            self._grammars = grammars_of(self.model)
+        return self._grammars.constraint(settings.grammar)
 
     def send(self, *message) -> None:
         self.conn.send(message)
@@ -143,10 +153,11 @@ class Worker:
         _, job_id, prompt, settings, deadline, stream = message
         try:
             ids = self.model.encode(prompt)
-        except RequestError as exc:
+            constraint = self.constraint(settings)
+        except (RequestError, ConstraintError) as exc:
             self.send("error", job_id, "bad_request", str(exc))
             return
-        self.scheduler.add(Job(job_id, ids, settings, deadline=deadline, stream=stream))
+        self.scheduler.add(Job(job_id, ids, settings, deadline=deadline, stream=stream, constraint=constraint))
 
     def stream(self, jobs: list[Job]) -> None:
         """Send each streaming job's new text since the last step (the server forwards it as it comes), with the
@@ -168,6 +179,8 @@ class Worker:
             self.send("error", job.id, "deadline", "the request waited past its deadline before generation began")
         elif outcome.status == "done":
             self.send("done", job.id, job_result(self.model, job))
+        elif outcome.status == "error":  # (its constraint could not go on: this request ends, the batch goes on)
+            self.send("error", job.id, "bad_request", f"generation stopped after {len(job.new)} tokens: {job.error}")
         # (cancelled: the server already answered the client)
 
 
@@ -191,17 +204,35 @@ def logprobs(model: ExportedModel, job: Job, start: int = 0) -> dict:
             "top_logprobs": [{piece(i): lp for i, lp in e["top"]} for e in kept]}
 
 
+def grammars_of(model: ExportedModel):
+    """The model's compiled-grammar cache (its tokens as llguidance reads them: serving/engine/constraints.py)."""
+    from serving.engine.constraints import Grammars, token_table
+
+    from core.tokenizer import HFTokenizer
+
+    tok = model.tokenizer
+    encode = (lambda text: tok(text)["input_ids"]) if isinstance(tok, HFTokenizer) else None
+    return Grammars(token_table(model.pieces, [*model.banned_ids, model.eos_id], model.eos_id, encode))
+
+
 def generate_all(model: ExportedModel, scheduler: Scheduler, requests: list[tuple[str, GenerationSettings]]) -> list:
-    """In this process, to completion: each request's result, or its RequestError (a prompt the model refuses)."""
+    """In this process, to completion: each request's result, or its RequestError (a prompt the model refuses, a
+    grammar that does not compile or cannot go on)."""
     results: list = [None] * len(requests)
+    grammars = None
     for i, (prompt, settings) in enumerate(requests):
         try:
-            scheduler.add(Job(i, model.encode(prompt), settings))
-        except RequestError as exc:
-            results[i] = exc
+            if settings.grammar and grammars is None:
+                grammars = grammars_of(model)
+            constraint = grammars.constraint(settings.grammar) if settings.grammar else None
+            scheduler.add(Job(i, model.encode(prompt), settings, constraint=constraint))
+        except (RequestError, ConstraintError) as exc:
+            results[i] = exc if isinstance(exc, RequestError) else RequestError("bad_request", str(exc))
     while not scheduler.idle:
         for outcome in scheduler.step():
-            results[outcome.job.id] = job_result(model, outcome.job)
+            job = outcome.job
+            results[job.id] = (RequestError("bad_request", job.error) if outcome.status == "error"
+                               else job_result(model, job))
     return results
 
 

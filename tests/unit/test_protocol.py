@@ -103,7 +103,7 @@ def test_openai_requests():
     request = serving_completion.parse_completion({"model": "m/1", "prompt": ["你好"], "max_tokens": 3, "stop": "。",
                                     "stream": True, "stream_options": {"include_usage": True}}, LIMITS, MODEL_IDS)
     assert (request.prompt, request.settings.max_new_tokens, request.settings.temperature) == ("你好", 3, 1.0)
-    assert request.stream and request.extra == {"model": "m/1", "include_usage": True}
+    assert request.stream and request.extra == {"model": "m/1", "include_usage": True, "tool_calls": False}
     assert request.settings.stop == ("。",)
     chat = serving_chat.parse_chat({"model": "m", "messages": [{"role": "user", "content": "你好"}], "logprobs": True,
                            "top_logprobs": 2, "temperature": 0}, Limits(max_prompt_chars=100), MODEL_IDS,

@@ -43,6 +43,7 @@ class ApiServer:
         self.dispatcher, self.limits, self.metrics, self.follower = dispatcher, limits, metrics, follower
         self.model_dir = model_dir
         self._templates: dict = {}  # export directory -> its chat template (the served one changes when following)
+        self._vocabularies: dict = {}  # export directory -> its tokens (serving/engine/constraints.py Vocabulary)
         self.api_key = api_key or os.environ.get("PIPELINE_API_KEY", "")
         self.budgets = TokenBudgets()  # tokens per consumer in the last minute (serving/server/consumers.py)
         self.server = None
@@ -61,6 +62,21 @@ class ApiServer:
         if str(model_dir) not in self._templates:
             self._templates[str(model_dir)] = chat_template(model_dir)
         return self._templates[str(model_dir)]
+
+    @property
+    def vocabulary(self):
+        """The tokens of the model new requests go to, as a request's grammar is checked against them (built at the
+        first constrained request: serving/engine/constraints.py Vocabulary)."""
+        model_dir = getattr(self.dispatcher, "model_dir", None) or self.model_dir
+        if model_dir is None:
+            return None
+        if str(model_dir) not in self._vocabularies:
+            from core import exportdir
+            from serving.engine.constraints import Vocabulary
+
+            self._vocabularies[str(model_dir)] = Vocabulary(exportdir.tokenizer_dir(model_dir),
+                                                            int(self.meta["eos_token_id"]))
+        return self._vocabularies[str(model_dir)]
 
     @property
     def version_headers(self) -> dict[str, str]:
@@ -192,8 +208,9 @@ class ApiServer:
         # (a name the gateway routed here, gateway.models: an alias such as name@challenger is the gateway's to know)
         routed = http_request.headers.get(ROUTED_MODEL_HEADER, "")
         ids = self.model_ids | ({routed} if routed else set())
-        request = (parse_chat(body, self.limits, ids, self.template) if chat
-                   else parse_completion(body, self.limits, ids))
+        vocabulary = self.vocabulary if _constrained(body) else None
+        request = (parse_chat(body, self.limits, ids, self.template, vocabulary) if chat
+                   else parse_completion(body, self.limits, ids, vocabulary))
         run = Generation(self.dispatcher, request)
         headers, model = self.version_headers, self.model_label
 
@@ -215,6 +232,12 @@ class ApiServer:
         if gateway:
             headers = {**headers, USAGE_HEADER: f"{usage['prompt_tokens']} {usage['completion_tokens']}"}
         return JSONResponse(completion_body(request, results, chat), headers=headers)
+
+
+def _constrained(body) -> bool:
+    """Whether a request may need the model's vocabulary (a grammar to check): response_format or tools."""
+    return isinstance(body, dict) and (body.get("response_format") not in (None, {"type": "text"}) or
+                                       bool(body.get("tools")))
 
 
 async def _read_json(request, limit: int):

@@ -15,8 +15,7 @@ IGNORED = ("user", "presence_penalty", "frequency_penalty", "logit_bias", "suffi
 
 def openai_values(body: dict, chat: bool) -> dict:
     """An OpenAI request body -> the protocol's typed values (prompt rendered by the caller for chat)."""
-    unsupported = {"suffix": None, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None,
-                   "tools": None, "tool_choice": None}
+    unsupported = {"suffix": None, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None}
     for key, default in unsupported.items():
         if body.get(key) not in (default, None, {}):
             raise bad(f"`{key}` is not supported by this server", key)
@@ -55,14 +54,19 @@ def check_body(body, model_ids: set[str]) -> None:
         raise bad("`stream` must be true or false", "stream")
 
 
-def with_stream(request: Request, body: dict) -> Request:
+def with_stream(request: Request, body: dict, structure=None) -> Request:
+    """The request with its stream options, and its structure (serving/server/openai/structured.py): the grammar
+    in its settings, whether its answer is read back as tool calls."""
     from dataclasses import replace
 
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise bad("`stream_options` must be an object", "stream_options")
+    if structure is not None and structure.grammar:
+        request = replace(request, settings=replace(request.settings, grammar=structure.grammar))
     return replace(request, stream=bool(body.get("stream")),
-                   extra={"model": body["model"], "include_usage": bool(options.get("include_usage"))})
+                   extra={"model": body["model"], "include_usage": bool(options.get("include_usage")),
+                          "tool_calls": bool(structure and structure.calls)})
 
 
 def error_body(error: RequestError) -> tuple[int, dict]:
@@ -81,8 +85,7 @@ def usage_of(request: Request, results: list[dict]) -> dict:
 def completion_body(request: Request, results: list[dict], chat: bool) -> dict:
     prefix = request.prompt if request.echo else ""
     if chat:
-        choices = [{"index": i, "message": {"role": "assistant", "content": r["text"]},
-                    "logprobs": chat_logprobs(r.get("logprobs")), "finish_reason": r["finish_reason"]}
+        choices = [{"index": i, **chat_message(request, r), "logprobs": chat_logprobs(r.get("logprobs"))}
                    for i, r in enumerate(results)]
     else:
         choices = [{"text": prefix + r["text"], "index": i, "logprobs": r.get("logprobs"),
@@ -91,6 +94,16 @@ def completion_body(request: Request, results: list[dict], chat: bool) -> dict:
             "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": request.extra["model"], "system_fingerprint": fingerprint(results[0]["lineage"]),
             "lineage": results[0]["lineage"], "choices": choices, "usage": usage_of(request, results)}
+
+
+def chat_message(request: Request, result: dict) -> dict:
+    """A chat answer's message and finish reason: its text, or (a request with tools) the tool calls it wrote."""
+    from serving.server.openai.structured import tool_calls
+
+    calls = tool_calls(result["text"]) if request.extra.get("tool_calls") else None
+    if calls:
+        return {"message": {"role": "assistant", "content": None, "tool_calls": calls}, "finish_reason": "tool_calls"}
+    return {"message": {"role": "assistant", "content": result["text"]}, "finish_reason": result["finish_reason"]}
 
 
 def fingerprint(lineage: dict) -> str:

@@ -85,9 +85,11 @@ async def sse_events(run: "Generation", chat: bool, arrived: float, metrics=None
     ident, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(index: int, text: str | None, finish: str | None, role: bool = False, logprobs=None) -> str:
+    def chunk(index: int, text: str | None, finish: str | None, role: bool = False, logprobs=None,
+              delta: dict | None = None) -> str:
         if chat:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            if delta is None:
+                delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
             choice = {"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs), "finish_reason": finish}
         else:
             choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
@@ -98,6 +100,7 @@ async def sse_events(run: "Generation", chat: bool, arrived: float, metrics=None
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     results: dict[int, dict] = {}
+    calls = {i: CallStream() for i in range(request.n)} if request.extra.get("tool_calls") else None
     try:
         await run.start()
         for index in range(request.n):
@@ -106,12 +109,10 @@ async def sse_events(run: "Generation", chat: bool, arrived: float, metrics=None
             elif request.echo:
                 yield chunk(index, request.prompt, None)
         async for index, event, value in run.events():
-            if event == "delta":
-                yield chunk(index, value["text"], None, logprobs=value["logprobs"])
-            elif event == "done":
+            if event == "done":
                 results[index] = value
-                rest = value["text"][value.get("streamed", 0):]
-                yield chunk(index, rest or None, value["finish_reason"], logprobs=_rest(value))
+            for text in _chunks_of(chunk, index, event, value, calls[index] if calls else None):
+                yield text
     except RequestError as exc:
         if metrics:
             metrics.refused("openai", exc.kind)
@@ -131,3 +132,50 @@ async def sse_events(run: "Generation", chat: bool, arrived: float, metrics=None
     if usage_comment:
         yield f"{USAGE_COMMENT} {usage['prompt_tokens']} {usage['completion_tokens']}\n\n"
     yield "data: [DONE]\n\n"
+
+
+def _chunks_of(chunk, index: int, event: str, value: dict, calls: "CallStream | None") -> list[str]:
+    """The chunks of one event of a choice: its new text (or, an answer that may be tool calls, what `calls` lets
+    out), and at its end the rest with the finish reason."""
+    if event == "delta":
+        if calls is not None:
+            return [chunk(index, None, None, delta=delta) for delta in calls.feed(value["text"])]
+        return [chunk(index, value["text"], None, logprobs=value["logprobs"])]
+    rest = value["text"][value.get("streamed", 0):]
+    if calls is None:
+        return [chunk(index, rest or None, value["finish_reason"], logprobs=_rest(value))]
+    return [*(chunk(index, None, None, delta=delta) for delta in calls.feed(rest, final=True)),
+            chunk(index, None, "tool_calls" if calls.count else value["finish_reason"], delta={})]
+
+
+class CallStream:
+    """One chat choice's stream when its answer may be tool calls (serving/server/openai/structured.py): text that
+    does not begin with a call goes out as content as it comes; calls go out as OpenAI streams them, each as its
+    name (with its id) and then its arguments, once the call is complete."""
+
+    def __init__(self):
+        self.buffer, self.mode, self.count = "", None, 0
+
+    def feed(self, text: str, final: bool = False) -> list[dict]:
+        from core.chat import TOOL_CLOSE, TOOL_OPEN
+        from serving.server.openai.structured import tool_calls
+
+        self.buffer += text
+        if self.mode is None and self.buffer:
+            self.mode = "calls" if self.buffer.startswith(TOOL_OPEN[:len(self.buffer)]) else "text"
+        out = []
+        while self.mode == "calls" and TOOL_CLOSE in self.buffer:
+            head, self.buffer = self.buffer.split(TOOL_CLOSE, 1)
+            call = tool_calls(head + TOOL_CLOSE)
+            if call is None:  # (not a call after all: the rest is text)
+                self.buffer, self.mode = head + TOOL_CLOSE + self.buffer, "text"
+                break
+            function = call[0]["function"]
+            out += [{"tool_calls": [{"index": self.count, "id": call[0]["id"], "type": "function",
+                                     "function": {"name": function["name"], "arguments": ""}}]},
+                    {"tool_calls": [{"index": self.count, "function": {"arguments": function["arguments"]}}]}]
+            self.count += 1
+        if self.mode == "text" or (final and self.buffer):
+            out += [{"content": self.buffer}] if self.buffer else []
+            self.buffer, self.mode = "", "text"
+        return out
