@@ -2,6 +2,7 @@
 import gzip
 import json
 import os
+import unicodedata
 from pathlib import Path
 
 import numpy as np
@@ -9,10 +10,11 @@ import pytest
 
 from core import dataset
 from core import tokenizer as tokenizer_format
+from core.tokenizer import SPECIAL_TOKENS
 from core.config import ConfigError, load_config
 from training.data import corpus
 from training.data.prepare import prepare
-from training.data.prepare import build_vocabulary, content_key, shard_bytes
+from training.data.prepare import ASCII, build_vocabulary, content_key, shard_bytes
 
 
 def config_for(tmp_path, files, extra=()):
@@ -104,7 +106,14 @@ def test_vocabulary_does_not_depend_on_count_order():
     config = load_config(None, ["tokenizer.min_frequency=2"]).tokenizer
     a = build_vocabulary({"好": 5, "书": 5, "a": 3, "！": 3, "罕": 1}, config)
     b = build_vocabulary(dict(reversed(list({"好": 5, "书": 5, "a": 3, "！": 3, "罕": 1}.items()))), config)
-    assert a == b == tokenizer_format.SPECIAL_TOKENS + ["书", "好", "a", "##a", "！"]
+    # then the ASCII letters, digits and punctuation the corpus lacks (JSON and tool calls can always be written)
+    rest = [form for ch in ASCII if ch != "a"
+            for form in ([ch] if unicodedata.category(ch).startswith("P") else [ch, "##" + ch])]
+    assert a == b == tokenizer_format.SPECIAL_TOKENS + ["书", "好", "a", "##a", "！"] + rest
+    small = build_vocabulary({"好": 5, "书": 5, "罕": 4}, load_config(None, [
+        f"tokenizer.max_vocab_size={len(SPECIAL_TOKENS) + 2 + len(rest) + 2}"]).tokenizer)
+    assert small[:len(SPECIAL_TOKENS) + 2] == SPECIAL_TOKENS + ["书", "好"] and "罕" not in small  # (the room left)
+    assert set(ASCII) <= set(small) and len(small) == len(SPECIAL_TOKENS) + 2 + len(rest) + 2
 
 
 def test_written_tokenizer_is_what_ernie_loads_and_the_fast_one_agrees(tmp_path):

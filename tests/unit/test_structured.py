@@ -85,7 +85,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
              "required": ["a", "b"], "additionalProperties": False}}}]
 
 
-def test_bad_schemas_literals_and_tool_choices_are_refused_naming_the_problem(vocabulary):
+def test_bad_schemas_literals_and_tool_choices_are_refused_naming_the_problem(vocabulary, tmp_path):
     cases = [
         (dict(response_format=_schema_format({"type": "objekt"})), "not a valid JSON schema"),
         (dict(response_format=_schema_format({"type": "object", "properties": {"Label": {"type": "string"}}})),
@@ -105,6 +105,10 @@ def test_bad_schemas_literals_and_tool_choices_are_refused_naming_the_problem(vo
         with pytest.raises(RequestError, match=__import__("re").escape(message)) as caught:
             _structure(vocabulary, **body)
         assert caught.value.status == 400
+    write_tokenizer([t for t in SPECIAL_TOKENS + list(CHARS) if t not in "{}"], tmp_path)  # (no { and })
+    braceless = Vocabulary(tmp_path, vocabulary.eos_id)
+    with pytest.raises(RequestError, match=r"JSON's syntax for `response_format` cannot be generated: .* no '\{' '\}'"):
+        _structure(braceless, response_format={"type": "json_object"})
     with pytest.raises(RequestError, match="`tools` is a chat option"):
         _structure(vocabulary, chat_route=False, tools=TOOLS)
     # text, tools without a call, and no tools: no grammar

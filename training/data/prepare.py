@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import shutil
+import string
 import time
 import unicodedata
 from collections import Counter
@@ -214,19 +215,30 @@ def _is_cjk(ch: str) -> bool:
     return 0x4E00 <= cp <= 0x9FFF or 0x3400 <= cp <= 0x4DBF or 0xF900 <= cp <= 0xFAFF or 0x20000 <= cp <= 0x2FA1F
 
 
+# Characters every vocabulary has, after the corpus's own: JSON, tool calls and code can always be written
+# (structured output, serving/engine/constraints.py: a corpus of reviews may have no "{")
+ASCII = string.ascii_lowercase + string.digits + string.punctuation
+
+
+def _forms(ch: str) -> list[str]:
+    return [ch] if _is_cjk(ch) or unicodedata.category(ch).startswith("P") else [ch, "##" + ch]
+
+
 def build_vocabulary(counts: Counter, config) -> list[str]:
     """Characters of the training split by frequency (ties by character: the same vocabulary whatever the pieces and
-    workers). ErnieTokenizer lower-cases and strips accents, splits CJK characters and punctuation into single
-    tokens, and word-pieces other runs (letters, digits), so every non-CJK character also gets its `##` form."""
+    workers), then the ASCII letters, digits and punctuation it lacks. ErnieTokenizer lower-cases and strips
+    accents, splits CJK characters and punctuation into single tokens, and word-pieces other runs (letters, digits),
+    so every non-CJK character also gets its `##` form."""
     vocab = list(SPECIAL_TOKENS)
-    for ch, n in sorted(counts.items(), key=lambda item: (-item[1], item[0])):
-        if n < config.min_frequency or ch.isspace() or unicodedata.category(ch) in ("Mn", "Cc", "Cf"):
-            continue
-        forms = [ch] if _is_cjk(ch) or unicodedata.category(ch).startswith("P") else [ch, "##" + ch]
-        if len(vocab) + len(forms) > config.max_vocab_size:
+    kept = [ch for ch, n in sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+            if n >= config.min_frequency and not ch.isspace() and unicodedata.category(ch) not in ("Mn", "Cc", "Cf")]
+    room = config.max_vocab_size - sum(len(_forms(ch)) for ch in ASCII)
+    for ch in kept:
+        if len(vocab) + len(_forms(ch)) > room:
             break
-        vocab.extend(forms)
-    return vocab
+        vocab.extend(_forms(ch))
+    known = set(vocab)
+    return vocab + [form for ch in ASCII if ch not in known for form in _forms(ch)]
 
 
 def training_texts(config, pieces: list[corpus.Piece], limits: dict | None = None):

@@ -50,6 +50,7 @@ def structure(body: dict, chat: bool, vocabulary) -> Structure:
     if choice == "none":
         return Structure(_compiled(json_grammar(schema), vocabulary), tools)
     called = [t for t in tools if choice in ("auto", "required") or t["function"]["name"] == choice]
+    _check_literal(TOOL_OPEN + TOOL_CLOSE + '{"name":"","arguments":}', "the tool call's syntax", vocabulary)
     for t in called:
         _check_literal(t["function"]["name"], f"the tool name {t['function']['name']!r}", vocabulary)
     answer = f"%json {json.dumps(schema)}" if schema is not None else TEXT
@@ -159,6 +160,10 @@ def _check_schema(schema, where: str, vocabulary) -> None:
                   "response_format" if where == "response_format" else "tools") from None
     for text, what in _literals(schema):
         _check_literal(text, f"{what} {text!r} in `{where}`", vocabulary)
+    written = json.dumps(schema)
+    syntax = "".join(chars for kind, chars in (("object", '{}":,'), ("array", "[],"), ("string", '"'))
+                     if f'"{kind}"' in written)
+    _check_literal(syntax, f"JSON's syntax for `{where}`", vocabulary)
 
 
 def _literals(schema):
