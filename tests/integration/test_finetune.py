@@ -177,8 +177,31 @@ def _chat_through_a_gateway(tuned, base, state, question):
         chat = ChatOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, **asked)
         assert chat.invoke(question).content == direct
         assert "".join(chunk.content for chunk in chat.stream(question)) == direct
+        _structured_through_the_gateway(url, key, question)
     finally:
         cli(["gateway-stop", *base, *settings], tuned["uri"])
+
+
+def _structured_through_the_gateway(url: str, key: str, question: str) -> None:
+    """LangChain's with_structured_output(<pydantic model>) (json_schema, strict) and the openai client's
+    chat.completions.parse, unchanged, through the gateway: the answer is an instance of the model."""
+    from typing import Literal
+
+    import openai
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    class Verdict(BaseModel):
+        label: Literal["正面", "负面"]
+
+    chat = ChatOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, model="test-chat", max_tokens=16,
+                      temperature=0)
+    answer = chat.with_structured_output(Verdict, method="json_schema", strict=True).invoke(question)
+    assert isinstance(answer, Verdict) and answer.label in ("正面", "负面")
+    parsed = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0).chat.completions.parse(
+        model="test-chat", messages=[{"role": "user", "content": question}], response_format=Verdict, max_tokens=16,
+        temperature=0).choices[0].message.parsed
+    assert parsed == answer
 
 
 def test_the_chat_route_renders_the_fine_tuned_models_template(tuned):

@@ -66,7 +66,8 @@ def test_tensor_and_pipeline_parallel_train_the_imported_model_as_one_process_do
 
 
 def serve(world, export_dir, name):
-    serving = [*serving_ports(), "serving.workers=1", f"training.runs_dir={world['root'] / name}"]
+    serving = [*serving_ports(), "serving.workers=1", "serving.max_prompt_chars=600", "serving.max_new_tokens_limit=128",
+               f"training.runs_dir={world['root'] / name}"]
     proc = cli(["serve", "--config", str(world["config"]), "--model", str(export_dir), *serving], world["uri"])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     port = next(o.split("=")[1] for o in serving if o.startswith("serving.api_port="))
@@ -110,5 +111,51 @@ def test_the_imported_model_fine_tunes_on_the_chat_template_exports_and_streams(
         parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
             model="qwen2-tiny-chat", messages=messages, max_tokens=8, temperature=0, stream=True)]
         assert "".join(parts) == whole.choices[0].message.content and whole.usage.prompt_tokens > 10
+        _tools_on_a_bpe_model(client, base_url)
     finally:
         cli(["stop", "--config", str(world["config"]), *serving], world["uri"])
+
+
+def _tools_on_a_bpe_model(client, base_url: str) -> None:
+    """Tool calls on a byte-level BPE model (every character writable: upper case and spaces too): a named
+    tool_choice streamed and not (OpenAI's shapes: the name first, then the arguments), json_schema with capitals,
+    and LangChain's bind_tools agent loop (call -> tool result -> answer) on the same server."""
+    import jsonschema
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def Lookup(city: str) -> str:
+        """Weather of a city"""
+        return "晴"
+
+    weather = {"type": "function", "function": {"name": "Lookup", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 4}}, "required": ["city"],
+        "additionalProperties": False}}}
+    asked = dict(model="qwen2-tiny-chat", messages=[{"role": "user", "content": "北京 Weather?"}], tools=[weather],
+                 tool_choice={"type": "function", "function": {"name": "Lookup"}}, max_tokens=100, temperature=0)
+    whole = client.chat.completions.create(**asked).choices[0]
+    (call,) = whole.message.tool_calls or [whole]
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None and call.function.name == "Lookup", whole
+    jsonschema.validate(json.loads(call.function.arguments), weather["function"]["parameters"])
+    deltas = [d for c in client.chat.completions.create(stream=True, **asked) for d in c.choices[0].delta.tool_calls
+              or []]
+    assert deltas[0].function.name == "Lookup" and deltas[0].id and \
+        "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    schema = {"type": "object", "properties": {"Mood": {"enum": ["Good Day", "Bad Day"]}}, "required": ["Mood"],
+              "additionalProperties": False}
+    mood = client.chat.completions.create(model="qwen2-tiny-chat", messages=asked["messages"], max_tokens=20,
+                                          temperature=0, response_format={"type": "json_schema", "json_schema": {
+                                              "name": "m", "schema": schema, "strict": True}})
+    jsonschema.validate(json.loads(mood.choices[0].message.content), schema)
+    llm = ChatOpenAI(base_url=base_url, api_key="unused", model="qwen2-tiny-chat", max_tokens=100, temperature=0)
+    for question in ["北京天气？", "上海 weather", "广州呢"]:
+        messages = [HumanMessage(question)]
+        # (the tool as its OpenAI schema, with maxLength: this random model would fill a free string to the end)
+        first = llm.bind_tools([weather], tool_choice="required").invoke(messages)
+        assert first.tool_calls and first.tool_calls[0]["name"] == "Lookup", first
+        messages += [first, ToolMessage(Lookup.invoke(first.tool_calls[0]["args"]),
+                                        tool_call_id=first.tool_calls[0]["id"])]
+        final = llm.invoke(messages)  # (the answer, without the tools' definitions: a 256-position context)
+        assert final.content and not final.tool_calls, final

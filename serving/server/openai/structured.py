@@ -53,10 +53,10 @@ def structure(body: dict, chat: bool, vocabulary) -> Structure:
     _check_literal(TOOL_OPEN + TOOL_CLOSE + '{"name":"","arguments":}', "the tool call's syntax", vocabulary)
     for t in called:
         _check_literal(t["function"]["name"], f"the tool name {t['function']['name']!r}", vocabulary)
-    answer = f"%json {json.dumps(schema)}" if schema is not None else TEXT
+    answer = f"%json {json.dumps(_compact(schema))}" if schema is not None else TEXT
     lark = "\n".join(["%llguidance {}", "start: calls" + (" | text" if choice == "auto" else ""),
                       "calls: call" + ("+" if parallel else ""), f"call: {json.dumps(TOOL_OPEN)} body "
-                      f"{json.dumps(TOOL_CLOSE)}", f"body: %json {json.dumps(_call_schema(called))}",
+                      f"{json.dumps(TOOL_CLOSE)}", f"body: %json {json.dumps(_compact(_call_schema(called)))}",
                       f"text: {answer}" if choice == "auto" else ""])
     return Structure(_compiled(_grammar_from_lark(lark), vocabulary), tools, calls=True)
 
@@ -65,6 +65,11 @@ def json_grammar(schema: dict) -> str:
     import llguidance
 
     return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+
+
+def _compact(schema: dict) -> dict:
+    """A schema for a Lark grammar's %json, generated compact as json_grammar's (llguidance reads "x-guidance")."""
+    return {**schema, "x-guidance": JSON_OPTIONS}
 
 
 def _grammar_from_lark(lark: str) -> str:
