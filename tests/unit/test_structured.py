@@ -12,6 +12,7 @@ import pytest
 import test_generation
 from test_generation import ScriptedCache
 
+from bench.constrained import SCHEMAS, strict
 from core import chat
 from core.tokenizer import SPECIAL_TOKENS, write_tokenizer
 from serving.engine.constraints import Grammars, Vocabulary
@@ -21,43 +22,7 @@ from serving.server.openai import structured
 from serving.server.openai.streaming import CallStream
 
 CHARS = string.digits + string.ascii_lowercase + "!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~" + "正面负面好不天气北京上海晴雨"
-SCHEMAS = [
-    {"type": "object", "properties": {"label": {"enum": ["正面", "负面"]}}, "required": ["label"],
-     "additionalProperties": False},
-    {"type": "object", "properties": {"score": {"type": "integer", "minimum": 0, "maximum": 100}},
-     "required": ["score"]},
-    {"type": "object", "properties": {"x": {"type": "number", "minimum": -5, "maximum": 5}}, "required": ["x"]},
-    {"type": "object", "properties": {"ok": {"type": "boolean"}, "note": {"type": "string", "maxLength": 6}},
-     "required": ["ok"]},
-    {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 3},
-                                               "maxItems": 3}}, "required": ["tags"]},
-    {"type": "object", "properties": {"city": {"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 4}, "zip": {"type": "integer", "minimum": 0, "maximum": 999}},
-        "required": ["name"]}}, "required": ["city"]},
-    {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer", "minimum": 0,
-                                                                         "maximum": 9}, "minItems": 1,
-                                            "maxItems": 4}}, "required": ["a"]},
-    {"type": "object", "properties": {"kind": {"const": "天气"}, "v": {"anyOf": [{"type": "null"},
-                                                                               {"type": "boolean"}]}},
-     "required": ["kind", "v"]},
-    {"type": "object", "properties": {"k": {"enum": ["晴", "雨", 1, None]}}, "required": ["k"]},
-    {"type": "object", "properties": {"o": {"type": "string", "maxLength": 2},
-                                      "p": {"type": "integer", "minimum": 0, "maximum": 9}}},
-]
-
-
-def _strict(schema):
-    """As LangChain's strict json_schema: no properties but the declared ones, at every level."""
-    if isinstance(schema, dict):
-        schema = {k: _strict(v) for k, v in schema.items()}
-        if schema.get("type") == "object":
-            schema["additionalProperties"] = False
-    elif isinstance(schema, list):
-        schema = [_strict(v) for v in schema]
-    return schema
-
-
-SCHEMAS = [_strict(s) for s in SCHEMAS]
+SCHEMAS = [strict(s) for s in SCHEMAS]  # (bench/constrained.py's ten, strict as LangChain sends them)
 
 
 @pytest.fixture(scope="module")
