@@ -1,7 +1,8 @@
 """Constrained decoding's cost and correctness (docs/benchmarks.md "Constrained decoding"):
 
-- in process, at batch 64 over the export's vocabulary: the time to fill the 64 rows' masks (llguidance, its own
-  threads) and to choose with them, per step, against choosing the same rows free;
+- in process, at batch 64 over the export's vocabulary: the time to fill the 64 rows' masks (llguidance) and to
+  choose with them, per step, against choosing the same rows free; and the scheduler with the masks filled during
+  the decode step (serving/engine/scheduler.py overlap_masks) against in the choose step, rounds alternating;
 - served, 32 closed-loop clients on the OpenAI completions route: `REQUESTS` requests each under one of the 10
   `SCHEMAS` (streamed and not, greedy and seeded), then the same requests without `response_format`, rounds
   alternating (constrained, free, constrained, ...), each free request asking for as many tokens as its constrained
@@ -97,6 +98,35 @@ def mask_cost(export_dir: Path, steps: int = 40) -> dict:
             "choose_free_ms": ms(free), "compile_ms_median": round(float(np.median(compile_ms)), 2)}
 
 
+def overlap(export_dir: Path, rounds: int = 5, rows: int = BATCH) -> dict:
+    """The scheduler in process, `rows` constrained sequences at a time, masks filled during the decode step
+    (overlap_masks) against in the choose step: generated tokens/s of each, rounds alternating."""
+    import serving  # noqa: F401  (zlib first)
+    from serving.engine.exported import ExportedModel
+    from serving.engine.scheduler import Job
+    from serving.engine.worker import build_scheduler, grammars_of
+    from serving.protocol import GenerationSettings
+    from serving.server.openai.structured import json_grammar
+
+    model = ExportedModel(export_dir)
+    grammars = grammars_of(model)
+    rates: dict[str, list[float]] = {"on": [], "off": []}
+    for round_index in range(rounds):
+        for mode in (("on", "off") if round_index % 2 else ("off", "on")):
+            scheduler = build_scheduler(model, 1, "kv_cache", max_batch_size=rows, overlap_masks=mode == "on")
+            for i in range(rows * 2):
+                grammar = json_grammar(strict(SCHEMAS[i % len(SCHEMAS)]))
+                scheduler.add(Job(i, model.encode(PROMPTS[i % len(PROMPTS)]), GenerationSettings(
+                    max_new_tokens=MAX_TOKENS, temperature=0.7 * (i % 2), seed=i, grammar=grammar),
+                    constraint=grammars.constraint(grammar)))
+            t0, tokens = time.perf_counter(), 0
+            while not scheduler.idle:
+                tokens += sum(len(o.job.new) for o in scheduler.step())
+            rates[mode].append(tokens / (time.perf_counter() - t0))
+    return {"rows": rows, **{f"{mode}_tokens_per_s": [round(r) for r in v] for mode, v in rates.items()},
+            "ratio_median": round(float(np.median(np.array(rates["on"]) / np.array(rates["off"]))), 3)}
+
+
 def served(export_dir: Path, out: Path, rounds: int, requests_per_phase: int) -> dict:
     from bench.serving_load import server_config
     from core import exportdir
@@ -163,12 +193,15 @@ def _phase(base_url: str, model: str, lengths: list[int] | None, count: int) -> 
 
 
 def markdown(r: dict) -> list[str]:
-    m, s = r["mask"], r["served"]
+    m, s, o = r["mask"], r["served"], r["overlap"]
     constrained = [p for p in s["phases"] if p["constrained"]]
     valid, total = sum(p["valid"] for p in constrained), sum(p["requests"] for p in constrained)
     return [f"- masks at batch {m['batch']} over {m['vocab']} tokens: filled in {m['fill_ms']} ms a step; choosing "
             f"with them {m['choose_masked_ms']} ms against {m['choose_free_ms']} ms free; a schema compiles in "
             f"{m['compile_ms_median']} ms (median of {len(SCHEMAS)})",
+            f"- the scheduler in process, {o['rows']} constrained rows: masks filled during the decode step "
+            f"{o['on_tokens_per_s']} against in the choose step {o['off_tokens_per_s']} tokens/s "
+            f"(paired median {o['ratio_median']}x)",
             f"- {s['clients']} clients, {total} constrained requests over {len(SCHEMAS)} schemas: {valid} of {total} "
             f"parse and validate; tokens/s constrained / free per round: "
             + ", ".join(f"{c['tokens_per_s']:.0f} / {f['tokens_per_s']:.0f} ({ratio:.2f}x)" for c, f, ratio in
@@ -185,7 +218,7 @@ def main() -> None:
     from bench.suite import out_dir
 
     out = out_dir(args.out)
-    result = {"mask": mask_cost(Path(args.export)),
+    result = {"mask": mask_cost(Path(args.export)), "overlap": overlap(Path(args.export)),
               "served": served(Path(args.export), out, args.rounds, args.requests)}
     (out / "constrained.json").write_text(json.dumps(result, indent=1))
     print("\n".join(markdown(result)))

@@ -230,6 +230,10 @@ class ServingConfig:
     # continuous: requests join the running batch between decode steps; static: a batch is formed only when nothing
     # runs (kept for comparison in `make bench`)
     scheduler: str = "continuous"
+    # constrained decoding (response_format, tools): fill the next step's token masks on a thread while the decode
+    # program runs. Helps where a core is free (in process at batch 64: 1.02-1.26x), costs where every core runs a
+    # worker (the default layout, 32 clients: constrained / free 0.79x with it, 0.90x without; docs/benchmarks.md)
+    mask_thread: bool = False
     # generation worker processes, each with its own predictors and scheduler; 0 = one per core
     workers: int = 0
     # sequences decoded together by one worker, and requests waiting beyond its running batch (one more is refused

@@ -111,6 +111,7 @@ class WorkerHandle:
         cmd = [sys.executable, "-m", "serving.engine.worker", "--model", str(self.model_dir), "--fd", str(theirs.fileno()),
                "--threads", str(d.threads), "--generation", s.generation, "--max-batch-size",
                str(s.max_batch_size), "--max-batch-tokens", str(s.max_batch_tokens), "--policy", s.scheduler,
+               *(["--mask-thread"] if s.mask_thread else []),
                *placement_args(d.placements[self.index % len(d.placements)])]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
         # (no preexec_fn: the worker asks for its own parent-death signal first thing, serving/engine/worker.py. A

@@ -45,10 +45,12 @@ def choose_rows(logits: np.ndarray, settings: list[GenerationSettings], rngs: li
         if mask is None and s.temperature <= 0 and int(greedy[r]) not in banned:
             tokens.append(int(greedy[r]))
             continue
-        row = np.array(scores[r], dtype="float64")
+        if mask is not None:  # (one pass: the disallowed set to -inf as the row is copied; greedy stays float32)
+            row = np.where(mask[:usable_vocab], scores[r], np.float32(-np.inf))
+            row = row if s.temperature <= 0 else row.astype("float64")
+        else:
+            row = np.array(scores[r], dtype="float64")
         row[masked_ids] = -np.inf
-        if mask is not None:
-            row[~mask[:usable_vocab]] = -np.inf
         tokens.append(int(row.argmax()) if s.temperature <= 0 else _sample(row, s, rng, usable_vocab))
     return tokens
 

@@ -61,8 +61,11 @@ class Outcome:
 class Scheduler:
     def __init__(self, prefill, decode, eos_id: int, banned_ids: list[int], usable_vocab: int, max_length: int,
                  pad_id: int = 0, max_batch_size: int = 16, max_batch_tokens: int = 0, policy: str = "continuous",
-                 stop_check=None):
+                 stop_check=None, overlap_masks: bool = False):
         self.prefill, self.decode = prefill, decode
+        # (constrained rows) overlap_masks: the next step's masks are filled on a thread while the decode program
+        # runs, llguidance releasing the GIL (serving.mask_thread); False = filled in the choose step
+        self.overlap_masks, self._ahead, self._pool = overlap_masks, None, None
         self.stop_check = stop_check  # job -> True when its text reached one of its stop strings (the worker's)
         self.eos_id, self.banned_ids, self.usable_vocab = eos_id, banned_ids, usable_vocab
         self.max_length, self.pad_id, self.policy = max_length, pad_id, policy
@@ -97,7 +100,19 @@ class Scheduler:
             out += self._prefill(admitted, now)
         if self.running:
             out += self._decode_step()
+        self._fill_ahead()
         return out
+
+    def _fill_ahead(self) -> None:
+        """Start filling the running constrained jobs' next masks (taken by the next decode step's choose)."""
+        jobs = [job for job in self.running if job.constraint is not None]
+        if not self.overlap_masks or not jobs:
+            return
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="masks")
+        self._ahead = ({job.id for job in jobs}, self._pool.submit(self._masks, jobs))
 
     def _drop_waiting(self, now: float) -> list[Outcome]:
         if not self.cancelled and now < self.earliest_deadline:
@@ -187,21 +202,32 @@ class Scheduler:
                     job.error = str(exc)
 
     def _allowed(self, jobs: list[Job]) -> dict:
-        """{row: allowed tokens} of the constrained jobs (banned ids never); a job whose constraint allows nothing
-        gets its error (it ends at this step, the others go on)."""
-        rows = [r for r, job in enumerate(jobs) if job.constraint is not None]
-        if not rows:
+        """{row: allowed tokens} of the constrained jobs (banned ids never), filled ahead when they were; a job
+        whose constraint allows nothing gets its error (it ends at this step, the others go on)."""
+        constrained = [job for job in jobs if job.constraint is not None]
+        if not constrained:
             return {}
-        allowed, failed = allowed_rows([jobs[r].constraint for r in rows], self.usable_vocab)
-        allowed[:, [i for i in self.banned_ids if i < self.usable_vocab]] = False
+        ready = {}
+        if self._ahead is not None and self._ahead[0] & {job.id for job in constrained}:
+            ready, self._ahead = self._ahead[1].result(), None
+        missing = [job for job in constrained if job.id not in ready]
+        ready.update(self._masks(missing) if missing else {})
         out = {}
-        for k, r in enumerate(rows):
-            why = failed.get(k) or ("" if allowed[k].any() else NOTHING_ALLOWED)  # (only [UNK] or padding)
-            if why:
-                jobs[r].error = why
-            else:
-                out[r] = allowed[k]
+        for r, job in enumerate(jobs):
+            if job.constraint is not None:
+                mask, why = ready[job.id]
+                if why:
+                    job.error = why
+                else:
+                    out[r] = mask
         return out
+
+    def _masks(self, jobs: list[Job]) -> dict:
+        """{job id: (allowed tokens, "") or (None, why it cannot go on)}."""
+        allowed, failed = allowed_rows([job.constraint for job in jobs], self.usable_vocab)
+        allowed[:, [i for i in self.banned_ids if i < self.usable_vocab]] = False
+        return {job.id: (None, failed[k]) if k in failed else (allowed[k], "") if allowed[k].any() else
+                (None, NOTHING_ALLOWED) for k, job in enumerate(jobs)}  # (NOTHING_ALLOWED: only [UNK] or padding)
 
     def _finished(self, job: Job) -> bool:
         # (the stop check first: a stop string completed by the job's last allowed token must still be seen, so that

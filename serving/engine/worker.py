@@ -245,6 +245,7 @@ def main() -> None:
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--max-batch-tokens", type=int, default=0)
     p.add_argument("--policy", default="continuous")
+    p.add_argument("--mask-thread", action="store_true")
     p.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
     p.add_argument("--device-id", type=int, default=0)
     p.add_argument("--gpu-memory-mb", type=int, default=1024)
@@ -262,7 +263,8 @@ def main() -> None:
     model = ExportedModel(args.model)
     precision_error = check_precision(model, placement)
     scheduler = build_scheduler(model, args.threads, args.generation, placement, max_batch_size=args.max_batch_size,
-                                max_batch_tokens=args.max_batch_tokens, policy=args.policy)
+                                max_batch_tokens=args.max_batch_tokens, policy=args.policy,
+                                overlap_masks=args.mask_thread)
     worker = Worker(conn, model, scheduler)
     warm_s = worker.warm_up()
     worker.send("ready", {"pid": os.getpid(), "load_s": round(time.monotonic() - t0, 2), "warm_up_s": round(warm_s, 3),

@@ -99,14 +99,15 @@ def _decode(vocabulary, ids):
 
 def test_constrained_rows_follow_their_schemas_beside_free_rows_that_are_untouched(vocabulary, monkeypatch):
     """10 schemas x 10 rows (greedy and sampled) in one batch with free rows: every constrained answer parses and
-    validates; the free rows' tokens are the same as in a batch without constrained rows."""
+    validates; the free rows' tokens are the same as in a batch without constrained rows; the masks filled ahead
+    (on a thread, during the decode step) or in the choose step give the same answers."""
     size, eos = len(vocabulary.pieces), vocabulary.eos_id
     model = _random_model(monkeypatch, size, prefer={eos: 2.0})
     grammars = Grammars(vocabulary.table)
 
-    def run(constrained: bool):
+    def run(constrained: bool, overlap: bool = True):
         s = Scheduler(model.prefill, model.decode, eos, [0, 1, 2, 4], usable_vocab=size, max_length=160,
-                      max_batch_size=120)
+                      max_batch_size=120, overlap_masks=overlap)
         free = [Job(1000 + i, [7 + i, 9], GenerationSettings(max_new_tokens=12, temperature=i % 2, seed=i))
                 for i in range(8)]
         jobs = [] if not constrained else [
@@ -124,6 +125,7 @@ def test_constrained_rows_follow_their_schemas_beside_free_rows_that_are_untouch
 
     alone, mixed = run(False), run(True)
     assert {i: mixed[i] for i in alone} == alone
+    assert run(True, overlap=False) == mixed  # (masks filled during the decode step: the same answers)
     for k, schema in enumerate(SCHEMAS):
         texts = [_decode(vocabulary, mixed[k * 10 + i][1]) for i in range(10)]
         assert all(mixed[k * 10 + i][0] == "done" and mixed[k * 10 + i][1][-1] == eos for i in range(10)), texts
