@@ -334,6 +334,10 @@ class FinetuneConfig:
     # the built-in task: this share of the training conversations carry what a chat UI sends before the question (a
     # system prompt, earlier reviews with their answers, a greeting), so the answer holds in a conversation
     context_share: float = 0.5
+    # the built-in task: this share of the training conversations offer the `review` tool (training/finetune/data.py
+    # REVIEW_TOOL): half ask about a review by its number (answer: a call of the tool, then the label from its
+    # result), half give the review (answer: the label, no call), so tool_choice=auto learns when to call
+    tool_share: float = 0.0
     base_experiment: str = "tiny-zh-llama"  # where `make finetune` with no MODEL takes the best run
 
 

@@ -74,6 +74,9 @@ def _validate_finetune(config: Config) -> None:
              "finetune.lora_trainable: a list of weight-name patterns (may be empty)")
     _require(f.review_chars >= 8, f"finetune.review_chars: must be >= 8, got {f.review_chars}")
     _require(0 <= f.context_share <= 1, f"finetune.context_share: a share in 0..1, got {f.context_share}")
+    _require(0 <= f.tool_share <= 1, f"finetune.tool_share: a share in 0..1, got {f.tool_share}")
+    _require(f.tool_share == 0 or f.data == "reviews", "finetune.tool_share: the built-in task's (finetune.data="
+                                                        "reviews); a .jsonl brings its own conversations")
     _require(config.parallel.mode == "manual" or f.method == "full",
              "finetune.method=lora: PaddleNLP's LoRA wraps fleet's hybrid-parallel layers, not the semi-automatic "
              "API's; use parallel.mode=manual")

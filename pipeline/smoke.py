@@ -2,11 +2,12 @@
 then what the served model is and writes."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 from core import tracking
-from core.config import Config, ConfigError
+from core.config import Config, ConfigError, load_config
 from serving.client.smoke import run_smoke
 from serving.state import default_state_dir, read_state
 
@@ -37,6 +38,8 @@ def smoke(config: Config) -> int:
         meta = exportdir.read_meta(Path(state["model_dir"]))
         if exportdir.fine_tuned(meta):  # (a fine-tuned model: its task through the chat route)
             print(chat_task(state, meta))
+            if load_config(Path(meta["run_dir"]) / "config.yaml").finetune.tool_share:
+                print(tool_task(state, meta))
     return 1 if failures else 0
 
 
@@ -98,6 +101,48 @@ def chat_task(state: dict, meta: dict, shown: int = 3) -> str:
                  f"turns" + (f" ({len(later) - len(asked)} longer than serving.max_prompt_chars: refused)"
                              if len(asked) < len(later) else ""))
     return "\n".join(lines)
+
+
+TOOL_QUESTIONS = 100  # held-out reviews asked with the tool offered: half by number, half given
+
+
+def tool_task(state: dict, meta: dict, count: int = TOOL_QUESTIONS) -> str:
+    """A model fine-tuned with finetune.tool_share, through the served chat route with the review tool offered and
+    tool_choice auto: held-out reviews asked by number (the tool is needed) and given in the question (it is not);
+    how often each calls the tool, and the label answered once the tool's result (the review) is sent back."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from training.finetune import data as sft
+
+    reviews = sft.records(load_config(Path(meta["run_dir"]) / "config.yaml"))["validation"][:count]
+    client = openai.OpenAI(base_url=state["openai_base_url"], api_key=os.environ.get("PIPELINE_API_KEY", "unused"),
+                           max_retries=2)
+    asked = dict(model=meta["registered_model_name"], tools=[sft.REVIEW_TOOL], max_tokens=48, temperature=0)
+
+    def ask(k: int) -> tuple[bool, bool, bool | None]:
+        """(needs the tool, called it, the label right after the tool's result: None when not asked)"""
+        item, needed = reviews[k], k % 2 == 0
+        question = sft.by_number(k + 1) if needed else sft.review_message(item["review"], sft.TOOL_REVIEW_CHARS)
+        messages = [{"role": "user", "content": question}]
+        first = client.chat.completions.create(messages=messages, **asked).choices[0].message
+        if not first.tool_calls:
+            return needed, False, None
+        n = json.loads(first.tool_calls[0].function.arguments).get("n")
+        result = sft.tool_turns(n, item["review"], first.tool_calls[0].id)[1]
+        final = client.chat.completions.create(messages=messages + [first.model_dump(exclude_none=True), result],
+                                               **asked).choices[0].message
+        return needed, True, (final.content or "").strip() == item["answer"]
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(len(reviews))))
+    need = [a for a in answers if a[0]]
+    free = [a for a in answers if not a[0]]
+    labelled = [a[2] for a in need if a[1]]
+    return (f"tools (/v1/chat/completions, tool_choice auto, the review tool offered): called on "
+            f"{sum(a[1] for a in need)} of {len(need)} held-out questions that need it, on {sum(a[1] for a in free)} "
+            f"of {len(free)} that do not; after the tool's result, {sum(labelled)} of {len(labelled)} labels right")
 
 
 def samples(state: dict, max_new_tokens: int) -> str:

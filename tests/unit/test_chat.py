@@ -172,3 +172,37 @@ def test_the_built_in_task_puts_some_questions_in_a_conversation():
     assert 0.2 < sum(len(m["messages"]) > 2 for m in sft.in_context(items, 0.3, 1, 1000)) / len(items) < 0.4
     seen = {message["content"] for conversation in longer for message in conversation["messages"]}
     assert not seen & {m["content"] for m in EARLIER_TURNS}
+
+
+def test_the_built_in_tool_conversations_learn_when_to_call(tmp_path):
+    """finetune.tool_share: that share of the review conversations offer the review tool, half needing it (a review
+    named by number: the call, then the label from the tool's result, both learned), half not (the review given:
+    the label, no call); the rows learn the call's text and the label, never the tools' definitions or the result."""
+    items = [{"messages": [{"role": "user", "content": sft.review_message("好" * n, 96)},
+                           {"role": "assistant", "content": "正面"}], "answer": "正面", "review": "好" * n}
+             for n in range(1, 201)]
+    assert sft.with_tools(items, 0.0, 1) == items
+    offered = sft.with_tools(items, 1.0, 1)
+    assert offered == sft.with_tools(items, 1.0, 1) and all(i["tools"] == [sft.REVIEW_TOOL] for i in offered)
+    calls = [i for i in offered if len(i["messages"]) == 4]
+    assert 70 < len(calls) < 130 and all(len(i["messages"]) in (2, 4) for i in offered)
+    for item in calls:
+        ask, call, result, answer = item["messages"]
+        n = json.loads(call["tool_calls"][0]["function"]["arguments"])["n"]
+        assert ask["content"] == sft.by_number(n) and result["content"] == item["review"][:sft.TOOL_REVIEW_CHARS]
+        assert answer["content"] == item["answer"]
+        chat.check_request(item["messages"][:-1])  # (what the agent loop sends the server for the last answer)
+    assert 0.3 < sum("tools" in i for i in sft.with_tools(items, 0.4, 1)) / len(items) < 0.5
+    # encoded: the call's text and the label are learned, nothing else
+    import string
+
+    chars = sorted(set(chat.USER + chat.ASSISTANT + chat.TOOL_RESULT + "好很正面") | set(string.ascii_lowercase +
+                                                                                   string.digits + string.punctuation))
+    write_tokenizer(SPECIAL_TOKENS + chars + ["##" + c for c in string.ascii_lowercase + string.digits], tmp_path)
+    chat.write(tmp_path)
+    tokenizer, fast = load_tokenizer(tmp_path), fast_tokenizer(tmp_path)
+    item = [{"role": "user", "content": "好"}, *sft.tool_turns(7, "很好"), {"role": "assistant", "content": "正面"}]
+    (row,) = sft.encode_all(chat.read(tmp_path), fast, tokenizer.pad_token_id, [chat.plain_messages(item, None)], 160)
+    learned = tokenizer.convert_ids_to_tokens([int(t) for t in row[1] if t != sft.IGNORE])
+    assert "".join(t.removeprefix("##") for t in learned) == chat.tool_call_text("review", {"n": 7}) + \
+        "[SEP]正面[SEP]"

