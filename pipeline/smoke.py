@@ -119,21 +119,25 @@ def tool_task(state: dict, meta: dict, count: int = TOOL_QUESTIONS) -> str:
     reviews = sft.records(load_config(Path(meta["run_dir"]) / "config.yaml"))["validation"][:count]
     client = openai.OpenAI(base_url=state["openai_base_url"], api_key=os.environ.get("PIPELINE_API_KEY", "unused"),
                            max_retries=2)
-    asked = dict(model=meta["registered_model_name"], tools=[sft.REVIEW_TOOL], max_tokens=48, temperature=0)
+    asked = dict(model=meta["registered_model_name"], tools=[sft.REVIEW_TOOL], max_tokens=64, temperature=0)
 
-    def ask(k: int) -> tuple[bool, bool, bool | None]:
-        """(needs the tool, called it, the label right after the tool's result: None when not asked)"""
+    def ask(k: int) -> tuple[bool, bool, bool | None, bool]:
+        """(needs the tool, called it, the label right after the tool's result: None when not asked, the call's
+        number that of the question)"""
         item, needed = reviews[k], k % 2 == 0
         question = sft.by_number(k + 1) if needed else sft.review_message(item["review"], sft.TOOL_REVIEW_CHARS)
         messages = [{"role": "user", "content": question}]
         first = client.chat.completions.create(messages=messages, **asked).choices[0].message
         if not first.tool_calls:
-            return needed, False, None
-        n = json.loads(first.tool_calls[0].function.arguments).get("n")
+            return needed, False, None, False
+        n = json.loads(first.tool_calls[0].function.arguments).get("n")  # (the tool answers with review k)
         result = sft.tool_turns(n, item["review"], first.tool_calls[0].id)[1]
-        final = client.chat.completions.create(messages=messages + [first.model_dump(exclude_none=True), result],
-                                               **asked).choices[0].message
-        return needed, True, (final.content or "").strip() == item["answer"]
+        try:
+            final = client.chat.completions.create(messages=messages + [first.model_dump(exclude_none=True), result],
+                                                   **asked).choices[0].message
+        except openai.BadRequestError:  # (longer than serving.max_prompt_chars: counted as a wrong label)
+            return needed, True, False, n == k + 1
+        return needed, True, (final.content or "").strip() == item["answer"], n == k + 1
 
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(ask, range(len(reviews))))
@@ -142,7 +146,8 @@ def tool_task(state: dict, meta: dict, count: int = TOOL_QUESTIONS) -> str:
     labelled = [a[2] for a in need if a[1]]
     return (f"tools (/v1/chat/completions, tool_choice auto, the review tool offered): called on "
             f"{sum(a[1] for a in need)} of {len(need)} held-out questions that need it, on {sum(a[1] for a in free)} "
-            f"of {len(free)} that do not; after the tool's result, {sum(labelled)} of {len(labelled)} labels right")
+            f"of {len(free)} that do not ({sum(a[3] for a in need)} calls with the question's number); after the "
+            f"tool's result, {sum(labelled)} of {len(labelled)} labels right")
 
 
 def samples(state: dict, max_new_tokens: int) -> str:

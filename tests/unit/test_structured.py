@@ -78,7 +78,9 @@ def test_bad_schemas_literals_and_tool_choices_are_refused_naming_the_problem(vo
         _structure(vocabulary, chat_route=False, tools=TOOLS)
     # text, tools without a call, and no tools: no grammar
     assert _structure(vocabulary, response_format={"type": "text"}) == structured.Structure()
-    assert _structure(vocabulary, tools=TOOLS, tool_choice="none") == structured.Structure(tools=tuple(TOOLS))
+    assert _structure(vocabulary) == structured.Structure()
+    none = _structure(vocabulary, tools=TOOLS, tool_choice="none")  # (text: never a call)
+    assert none.tools == tuple(TOOLS) and none.grammar and not none.calls
 
 
 def _random_model(monkeypatch, vocab_size: int, prefer: dict[int, float] | None = None):

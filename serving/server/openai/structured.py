@@ -4,7 +4,8 @@ checked here before dispatch; a tool-calling answer's text -> OpenAI's `tool_cal
 
 A tool call is written `<tool_call>{"name":...,"arguments":{...}}</tool_call>` (core/chat.py: Qwen2's and Hermes'
 markers), calls one after another when `parallel_tool_calls` (OpenAI's default) allows several. `tool_choice`:
-"none" (text; the tools are still in the prompt), "auto" (the default with tools: text that does not begin with "<",
+"none" (text that does not begin with "<": the tools are still in the prompt, and a model trained with them would
+write a call), "auto" (the default with tools: text that does not begin with "<",
 or calls), "required" (one or more calls), {"type": "function", "function": {"name"}} (a call of that one). JSON is
 generated compact (no whitespace between tokens: the default vocabulary has none); a literal the vocabulary cannot
 write (a property name, an enum value, a tool's name) is refused with the characters it lacks.
@@ -38,7 +39,9 @@ def structure(body: dict, chat: bool, vocabulary) -> Structure:
     (serving/engine/constraints.py Vocabulary), or None when it has none to check against. Cached by those fields'
     JSON: an app sends the same schema again and again, and its checks cost ~1.2 ms (measured) on the event loop."""
     try:
-        key = json.dumps({k: body.get(k) for k in FIELDS}, sort_keys=True, ensure_ascii=False)
+        # (not sort_keys: the tools come back from the key as the client ordered them, and the chat template
+        # renders them in that order -- sorted, a tool-trained model saw definitions it never trained on)
+        key = json.dumps([body.get(k) for k in FIELDS], ensure_ascii=False)
     except (TypeError, ValueError):
         raise bad("`response_format` and `tools` must be JSON") from None
     return _structure(key, chat, vocabulary)
@@ -46,7 +49,7 @@ def structure(body: dict, chat: bool, vocabulary) -> Structure:
 
 @functools.lru_cache(maxsize=256)
 def _structure(key: str, chat: bool, vocabulary) -> Structure:
-    body = json.loads(key)
+    body = dict(zip(FIELDS, json.loads(key)))
     schema = _response_schema(body.get("response_format"))
     tools = _tools(body.get("tools")) if chat else ()
     if not chat and body.get("tools"):
@@ -55,15 +58,17 @@ def _structure(key: str, chat: bool, vocabulary) -> Structure:
     parallel = True if body.get("parallel_tool_calls") is None else body["parallel_tool_calls"]
     if not isinstance(parallel, bool):
         raise bad("`parallel_tool_calls` must be true or false", "parallel_tool_calls")
-    if schema is None and choice == "none":
-        return Structure(tools=tools)
+    if schema is None and choice == "none" and not tools:
+        return Structure()
     if vocabulary is None:
         raise bad("this model's export has no tokenizer to constrain generation with", "response_format")
     for where, item in [("response_format", schema)] + [(f"tools[{i}]", t["function"].get("parameters"))
                                                         for i, t in enumerate(tools)]:
         _check_schema(item, where, vocabulary)
-    if choice == "none":
-        return Structure(_compiled(json_grammar(schema), vocabulary), tools)
+    if choice == "none":  # (text, or the schema's JSON: never a call, which a tool-trained model would write)
+        grammar = json_grammar(schema) if schema is not None else _grammar_from_lark(
+            f"%llguidance {{}}\nstart: text\ntext: {TEXT}")
+        return Structure(_compiled(grammar, vocabulary), tools)
     called = [t for t in tools if choice in ("auto", "required") or t["function"]["name"] == choice]
     _check_literal(TOOL_OPEN + TOOL_CLOSE + '{"name":"","arguments":}', "the tool call's syntax", vocabulary)
     for t in called:
