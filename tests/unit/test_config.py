@@ -23,8 +23,9 @@ def test_defaults_and_shipped_configs_validate():
         assert config.name == path.stem, path
         if path.stem in ("tiny", "tiny-small"):
             assert layout.name == "single", path
-        elif path.stem == "tiny-chat":  # (make finetune's: the base's model, its own training settings)
+        elif path.stem in ("tiny-chat", "tiny-chat-tools"):  # (make finetune's: the base's model, its own settings)
             assert layout.name == "single" and config.finetune.data == "reviews", path
+            assert (config.finetune.tool_share > 0) == (path.stem == "tiny-chat-tools"), path
         elif path.stem.startswith("tiny-"):  # each layout config is the layout its name says, at the same batch
             assert layout.name.replace("-", "") == path.stem.removeprefix("tiny-"), path
             assert layout.global_batch_size == small.training.global_batch_size, path
