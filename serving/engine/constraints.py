@@ -33,8 +33,10 @@ class _TokenTable:
 
     def __init__(self, encode, pieces: list, special_ids: list[int], eos_id: int):
         self.encode, self.eos_token_id, self.bos_token_id = encode, eos_id, None
-        self.special_token_ids = sorted(set(special_ids) | {eos_id})
         self.tokens = [p.encode("utf-8") if isinstance(p, str) else bytes(p) for p in pieces]
+        # (a token that writes nothing -- a model's own special tokens, <|im_start|> and the like -- is special too:
+        # as text it would match the empty string anywhere, and a 0.5B Qwen2 spent its whole budget on them)
+        self.special_token_ids = sorted(set(special_ids) | {eos_id} | {i for i, t in enumerate(self.tokens) if not t})
         for i in self.special_token_ids:  # (special tokens by name: llguidance never forces them as text)
             self.tokens[i] = f"<|special-{i}|>".encode()
 
