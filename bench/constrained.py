@@ -64,12 +64,11 @@ def mask_cost(export_dir: Path, steps: int = 40) -> dict:
     from serving.engine.constraints import allowed_rows
     from serving.engine.exported import ExportedModel
     from serving.engine.generation import choose_rows
-    from serving.engine.worker import grammars_of
     from serving.protocol import GenerationSettings
     from serving.server.openai.structured import json_grammar
 
     model = ExportedModel(export_dir)
-    grammars, vocab = grammars_of(model), len(model.tokenizer)
+    grammars, vocab = model.grammars, len(model.tokenizer)
     compile_ms = []
     for schema in map(strict, SCHEMAS):
         t0 = time.perf_counter()
@@ -104,12 +103,12 @@ def overlap(export_dir: Path, rounds: int = 5, rows: int = BATCH) -> dict:
     import serving  # noqa: F401  (zlib first)
     from serving.engine.exported import ExportedModel
     from serving.engine.scheduler import Job
-    from serving.engine.worker import build_scheduler, grammars_of
+    from serving.engine.worker import build_scheduler
     from serving.protocol import GenerationSettings
     from serving.server.openai.structured import json_grammar
 
     model = ExportedModel(export_dir)
-    grammars = grammars_of(model)
+    grammars = model.grammars
     rates: dict[str, list[float]] = {"on": [], "off": []}
     for round_index in range(rounds):
         for mode in (("on", "off") if round_index % 2 else ("off", "on")):

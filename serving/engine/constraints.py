@@ -5,12 +5,14 @@ constrained and free rows share a batch.
 Why llguidance (docs/serving.md "Structured output"): a 3 MB wheel without torch, numpy bitmasks, 0.1-0.4 ms for 64
 masks at 4.6k-150k tokens; xgrammar imports torch and transformers, outlines-core takes seconds to compile at 150k.
 
-- `token_table(tokenizer)`: the model's tokenizer as llguidance sees it: each id's bytes as `decode` writes them
-  (core/tokenizer.py `pieces`) and the model's own encoder for text it forces, so that forced text is tokenized as
-  the model was trained (a table that maps a character to [UNK] would let the grammar "allow" [UNK]).
+- `token_table(pieces, special_ids, eos_id, encode)`: the model's tokens as llguidance sees them: each id's bytes as
+  `decode` writes them (core/tokenizer.py `pieces`), special and empty tokens by name, and an encoder for text it
+  forces (a byte-level BPE's own; a character vocabulary's a character at a time).
+- `Vocabulary`: an export's tokens read from its files, for the server's checks before dispatch.
 - `Grammars`: compiled once per grammar text (cached by it), a fresh matcher per sequence (`deep_copy`).
-- `Constraint`: one sequence's matcher: `allowed()` the next token's mask, `advance(token)`; a matcher error or a
-  mask that allows nothing raises ConstraintError, which ends that sequence only.
+- `Constraint`: one sequence's matcher; `advance(token)` raises ConstraintError on a token it refuses.
+- `allowed_rows(constraints, vocab)`: the rows' masks, and the rows whose matcher is in error (the scheduler ends
+  those, and those whose mask allows nothing it may generate, and the others go on).
 - `unproducible(text, chars)`: what of a literal the vocabulary cannot write (the default character vocabulary has
   no upper case and no whitespace), checked in the server before a request is dispatched.
 """
@@ -49,7 +51,7 @@ def token_table(pieces: list, special_ids: list[int], eos_id: int, encode=None):
     text or bytes as `decode` writes them, `encode(text) -> ids` the model's own encoder (a byte-level BPE's). A
     character vocabulary is encoded a character at a time, each as its own token: its WordPiece encoder writes a
     latin word it does not know as [UNK] and lower-cases, where a grammar needs the exact text (a character the
-    vocabulary lacks becomes [UNK], never generated: the constraint then allows nothing and says so)."""
+    vocabulary lacks becomes a special id, never generated: the constraint then allows nothing and says so)."""
     import llguidance
 
     if encode is None:
@@ -145,8 +147,8 @@ class Constraint:
 
 
 def allowed_rows(constraints: list[Constraint], vocab: int) -> tuple[np.ndarray, dict[int, str]]:
-    """[k, vocab] booleans: the tokens each constrained sequence may take next; and {row: why} for the rows that can
-    take none (a matcher in error, or a mask with nothing allowed): those sequences end, the others go on."""
+    """[k, vocab] booleans: the tokens each constrained sequence may take next; and {row: why} for the rows whose
+    matcher is in error. (An empty mask is the scheduler's to find, once it has taken out the ids never generated.)"""
     import llguidance.numpy as lln
 
     bitmask = lln.allocate_token_bitmask(len(constraints), vocab)
@@ -155,10 +157,6 @@ def allowed_rows(constraints: list[Constraint], vocab: int) -> tuple[np.ndarray,
     for row, constraint in enumerate(constraints):
         lln.fill_next_token_bitmask(constraint.matcher, bitmask, row)
     allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab].astype(bool)
-    failed = {}
-    for row, constraint in enumerate(constraints):
-        if constraint.matcher.is_error():
-            failed[row] = f"the constraint failed: {constraint.matcher.get_error()}"
-        elif not allowed[row].any():
-            failed[row] = NOTHING_ALLOWED
+    failed = {row: f"the constraint failed: {c.matcher.get_error()}" for row, c in enumerate(constraints)
+              if c.matcher.is_error()}
     return allowed, failed

@@ -2,6 +2,7 @@
 (core/exportdir.py is the format; nothing here comes from training)."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import serving  # noqa: F401  (zlib first)
@@ -34,6 +35,21 @@ class ExportedModel:
         # convert_ids_to_tokens cost as much as the model's step at 16 streams a worker, profiled)
         self.pieces = pieces(tok)  # (bytes for a model's own byte-level tokenizer: core/tokenizer.py text_of)
         self.pieces[self.eos_id] = self.pieces[self.eos_id][:0]
+
+    @functools.cached_property
+    def grammars(self):
+        """This model's compiled grammars (its tokens as llguidance reads them: serving/engine/constraints.py),
+        built at the first constrained request."""
+        from core.tokenizer import HFTokenizer
+        from serving.engine.constraints import Grammars, token_table
+
+        tok = self.tokenizer
+        encode = (lambda text: tok(text)["input_ids"]) if isinstance(tok, HFTokenizer) else None
+        return Grammars(token_table(self.pieces, [*self.banned_ids, self.eos_id], self.eos_id, encode))
+
+    def constraint(self, settings: GenerationSettings):
+        """A request's matcher (None when it has no grammar); ConstraintError if its grammar does not compile."""
+        return self.grammars.constraint(settings.grammar) if settings.grammar else None
 
     def encode(self, prompt: str) -> list[int]:
         ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]

@@ -227,7 +227,7 @@ class Scheduler:
         allowed, failed = allowed_rows([job.constraint for job in jobs], self.usable_vocab)
         allowed[:, [i for i in self.banned_ids if i < self.usable_vocab]] = False
         return {job.id: (None, failed[k]) if k in failed else (allowed[k], "") if allowed[k].any() else
-                (None, NOTHING_ALLOWED) for k, job in enumerate(jobs)}  # (NOTHING_ALLOWED: only [UNK] or padding)
+                (None, NOTHING_ALLOWED) for k, job in enumerate(jobs)}  # (nothing, or only ids never generated)
 
     def _finished(self, job: Job) -> bool:
         # (the stop check first: a stop string completed by the job's last allowed token must still be seen, so that

@@ -96,15 +96,6 @@ class Worker:
     def __init__(self, conn: Connection, model: ExportedModel, scheduler: Scheduler):
         self.conn, self.model, self.scheduler = conn, model, scheduler
         self.state = (0, 0)
-        self._grammars = None  # (built at the first constrained request)
-
-    def constraint(self, settings: GenerationSettings):
-        """A constrained request's matcher (None when free); ConstraintError if its grammar does not compile."""
-        if not settings.grammar:
-            return None
-        if self._grammars is None:
-            self._grammars = grammars_of(self.model)
-        return self._grammars.constraint(settings.grammar)
 
     def send(self, *message) -> None:
         self.conn.send(message)
@@ -153,7 +144,7 @@ class Worker:
         _, job_id, prompt, settings, deadline, stream = message
         try:
             ids = self.model.encode(prompt)
-            constraint = self.constraint(settings)
+            constraint = self.model.constraint(settings)
         except (RequestError, ConstraintError) as exc:
             self.send("error", job_id, "bad_request", str(exc))
             return
@@ -204,28 +195,13 @@ def logprobs(model: ExportedModel, job: Job, start: int = 0) -> dict:
             "top_logprobs": [{piece(i): lp for i, lp in e["top"]} for e in kept]}
 
 
-def grammars_of(model: ExportedModel):
-    """The model's compiled-grammar cache (its tokens as llguidance reads them: serving/engine/constraints.py)."""
-    from serving.engine.constraints import Grammars, token_table
-
-    from core.tokenizer import HFTokenizer
-
-    tok = model.tokenizer
-    encode = (lambda text: tok(text)["input_ids"]) if isinstance(tok, HFTokenizer) else None
-    return Grammars(token_table(model.pieces, [*model.banned_ids, model.eos_id], model.eos_id, encode))
-
-
 def generate_all(model: ExportedModel, scheduler: Scheduler, requests: list[tuple[str, GenerationSettings]]) -> list:
     """In this process, to completion: each request's result, or its RequestError (a prompt the model refuses, a
     grammar that does not compile or cannot go on)."""
     results: list = [None] * len(requests)
-    grammars = None
     for i, (prompt, settings) in enumerate(requests):
         try:
-            if settings.grammar and grammars is None:
-                grammars = grammars_of(model)
-            constraint = grammars.constraint(settings.grammar) if settings.grammar else None
-            scheduler.add(Job(i, model.encode(prompt), settings, constraint=constraint))
+            scheduler.add(Job(i, model.encode(prompt), settings, constraint=model.constraint(settings)))
         except (RequestError, ConstraintError) as exc:
             results[i] = exc if isinstance(exc, RequestError) else RequestError("bad_request", str(exc))
     while not scheduler.idle:

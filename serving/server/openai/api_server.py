@@ -54,9 +54,14 @@ class ApiServer:
         return self.dispatcher.meta
 
     @property
+    def served_dir(self):
+        """The export directory new requests go to (it changes when the server follows an alias)."""
+        return getattr(self.dispatcher, "model_dir", None) or self.model_dir
+
+    @property
     def template(self) -> dict | None:
         """The chat template of the model new requests go to."""
-        model_dir = getattr(self.dispatcher, "model_dir", None) or self.model_dir
+        model_dir = self.served_dir
         if model_dir is None:
             return None
         if str(model_dir) not in self._templates:
@@ -67,7 +72,7 @@ class ApiServer:
     def vocabulary(self):
         """The tokens of the model new requests go to, as a request's grammar is checked against them (built at the
         first constrained request: serving/engine/constraints.py Vocabulary)."""
-        model_dir = getattr(self.dispatcher, "model_dir", None) or self.model_dir
+        model_dir = self.served_dir
         if model_dir is None:
             return None
         if str(model_dir) not in self._vocabularies:

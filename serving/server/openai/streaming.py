@@ -8,7 +8,9 @@ import time
 import uuid
 
 from serving.protocol import USAGE_COMMENT, Request, RequestError
+from core.chat import TOOL_CLOSE, TOOL_OPEN
 from serving.server.openai.protocol import chat_logprobs, error_body, fingerprint, usage_of
+from serving.server.openai.structured import tool_calls
 
 
 class Generation:
@@ -157,9 +159,6 @@ class CallStream:
         self.buffer, self.mode, self.count = "", None, 0
 
     def feed(self, text: str, final: bool = False) -> list[dict]:
-        from core.chat import TOOL_CLOSE, TOOL_OPEN
-        from serving.server.openai.structured import tool_calls
-
         self.buffer += text
         if self.mode is None and self.buffer:
             self.mode = "calls" if self.buffer.startswith(TOOL_OPEN[:len(self.buffer)]) else "text"
