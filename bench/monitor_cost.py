@@ -1,7 +1,7 @@
-"""What VisualDL's writers cost a training step (training/monitor.py): the same pp2 run with `visualdl.enabled` on and
+"""What VisualDL's writers cost a training step (training/metrics/visualdl_writers.py): the same pp2 run with `visualdl.enabled` on and
 off, alternating, `rounds` times each, each a fresh `pipeline train` (bench/suite.py train_run); the step time is
 MLflow's `step_time_s` median over the run without its first logging interval. Paired rounds on a 2-core machine
-drift by more than the writers cost, so the writers also time themselves in the loop (training/monitor.py
+drift by more than the writers cost, so the writers also time themselves in the loop (training/metrics/visualdl_writers.py
 writer_cost.json): the busiest process's writer time a step over the step time. And the stage balance: a pp2 and a pp4
 run with deliberately unequal stages, their stage imbalance (the stage report's), then the split the report suggests,
 applied, and its imbalance.
@@ -19,7 +19,7 @@ from pathlib import Path
 from bench import between_trials, spread
 from bench.suite import train_run
 from core import REPO_ROOT
-from training.monitor import COST_FILE
+from training.metrics.visualdl_writers import COST_FILE
 
 PP2 = ["parallel.pipeline=2", "parallel.micro_batch_size=4", "parallel.accumulation_steps=2",
        "training.max_steps=60", "training.logging_interval=4", "training.eval_interval=1000",

@@ -434,7 +434,7 @@ def plan_vs_measured(runs: dict, peak_gflops: float) -> dict:
 def pipeline_schedules(runs: dict) -> dict:
     """Per pipeline run: its schedule's analytic bubble, the idle fraction its ranks measured (pipeline step time
     minus their own forward/backward time; the stage that waits most), and the idle fraction of the timeline laid
-    out from the measured stage times (pipeline/runner/stage_report.py)."""
+    out from the measured stage times (training/metrics/stage_report.py)."""
     out = {}
     for name, r in runs.items():
         stages = json.loads((Path(r["run_dir"]) / "pipeline" / "stages.json").read_text())

@@ -2,8 +2,9 @@
 
 Each verb is one module of pipeline/ named after it (`VERBS`), which declares its help line (HELP) and its arguments
 (`arguments(parser)`) beside its `main(config, args)`; main is handed the config, loaded once (`verb_config`), and the
-parsed arguments. What the verbs share to run training, servers and MLflow runs is in pipeline/runner/; no verb
-imports another (tests/unit/test_layers.py). The benchmark suite has its own entry point: `python -m bench` (bench/).
+parsed arguments. A training run's launcher is training/launch/; what the verbs share that belongs to no stage (their
+arguments, the servers of MLflow, S3 and VisualDL, the run a verb starts from) is in pipeline/runner/; no verb imports
+another (tests/unit/test_layers.py). The benchmark suite has its own entry point: `python -m bench` (bench/).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import core  # noqa: F401  (zlib before paddle)
 from core.config import DEFAULT_CONFIG, Config, ConfigError, load_config
 from pipeline.runner import cli
 
-# verb -> its module in pipeline/; the run machinery the verbs share is in pipeline/runner/, never a verb
+# verb -> its module in pipeline/; what the verbs share is in pipeline/runner/, never a verb
 VERBS = {verb: verb.replace("-", "_") for verb in (
     "data", "tokenizer", "train", "finetune", "export", "serve", "stop", "smoke", "reload", "compare", "sweep", "runs", "plan",
     "doctor", "evaluate", "promote", "generate", "mlflow-server", "mlflow-stop", "object-store", "object-store-stop",
@@ -49,7 +50,7 @@ def verb_config(args) -> Config:
     OWN_OVERRIDES (export, sweep) gets the file alone: export applies its overrides to the source run's config, sweep's
     are a grid."""
     if getattr(args, "resume", ""):
-        from pipeline.runner import train_run
+        from training.launch import train_run
 
         return train_run.resumed_config(args.resume, args.overrides)
     own_overrides = getattr(module_of(args.verb), "OWN_OVERRIDES", False)

@@ -1,10 +1,10 @@
-"""`make doctor`: what this machine can run, in a few lines (pipeline/runner/machine.py): the Paddle build, the CUDA
+"""`make doctor`: what this machine can run, in a few lines (training/launch/machine.py): the Paddle build, the CUDA
 libraries it opens, cuDNN, NCCL, the driver and GPUs, and the config's layout against the devices; each problem is one
 line that names its fix, and the exit code is 1 when there is one."""
 from __future__ import annotations
 
 from core.config import Config
-from pipeline.runner.machine import checks
+from training.launch.machine import checks
 
 HELP = "what this machine can run: Paddle's build, CUDA libraries, driver, GPUs"
 

@@ -8,7 +8,7 @@ fine-tuning (full or LoRA: finetune.method) of a trained model, as a training ru
     config   CONFIG (default configs/tiny-chat.yaml) with the base's model shape, model.init_from, its tokenizer
              (the chat template is added to the run's copy), and its train/validation split rule (so held-out
              examples are the base's held-out documents); then `make train`'s machinery
-             (pipeline/runner/train_run.py): a new MLflow run tagged with its base (pipeline.base), resumable with RESUME=<run>.
+             (training/launch/train_run.py): a new MLflow run tagged with its base (pipeline.base), resumable with RESUME=<run>.
 """
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from pathlib import Path
 from core import tracking
 from core.hf_checkpoint import rope_scaling_of
 from core.config import Config, ConfigError, load_config, with_overrides
-from pipeline.runner import rundir, source_run, train_run
+from training.launch import rundir, train_run
+from pipeline.runner import source_run
 
 HELP = "supervised fine-tuning (LoRA or full) of a trained model on instruction data with the chat template"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from core import registry
 from core.config import Config, ConfigError
-from pipeline.runner.console import duration
+from training.launch.console import duration
 
 HELP = "batch generation over a table (jsonl/parquet), resumable"
 

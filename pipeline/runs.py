@@ -1,10 +1,10 @@
-"""`make runs [REAP=1]`: the RUNNING runs of an experiment, alive, dead or stale (pipeline/runner/liveness.py
+"""`make runs [REAP=1]`: the RUNNING runs of an experiment, alive, dead or stale (training/launch/liveness.py
 says which and why); `--reap` marks the dead and stale ones FAILED."""
 from __future__ import annotations
 
 from core import tracking
 from core.config import Config
-from pipeline.runner.liveness import reap, running
+from training.launch.liveness import reap, running
 
 HELP = "RUNNING runs of an experiment: alive, dead or stale; --reap marks the dead and stale ones FAILED"
 

@@ -1,9 +1,9 @@
-"""`make train`: a training run from a config (pipeline/runner/train_run.py: resolve -> prepare -> open -> launch ->
+"""`make train`: a training run from a config (training/launch/train_run.py: resolve -> prepare -> open -> launch ->
 close), or `--resume` of one by its run directory or MLflow run id; `--dry-run` prints the layout and stops."""
 from __future__ import annotations
 
 from core.config import Config
-from pipeline.runner import supervise, train_run
+from training.launch import supervise, train_run
 
 HELP = "train a model (hybrid parallel when the layout asks for it)"
 

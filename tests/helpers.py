@@ -89,10 +89,10 @@ def seeded_world(root: Path) -> dict:
 
 
 def progress_events(run_dir: Path) -> list[dict]:
-    """Rank 0's events (training/progress.py): start, log (step, loss), eval, save, note."""
+    """Rank 0's events (training/metrics/progress.py): start, log (step, loss), eval, save, note."""
     import json
 
-    from training.progress import PROGRESS_FILE
+    from training.metrics.progress import PROGRESS_FILE
 
     path = Path(run_dir) / PROGRESS_FILE
     if not path.exists():

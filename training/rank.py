@@ -23,7 +23,7 @@ def make_trainer(device: str = "cpu", **kwargs):
     """PaddleNLP's Trainer with four methods overridden (each an OVERRIDES row, core/workarounds/__init__.py):
     `_get_train_sampler` (the same sample order for every layout, below), `_save_checkpoint` (the pause a checkpoint
     costs, and the checkpoint manager: training/checkpoint/), `_maybe_log_save_evaluate` (the loss window a resume
-    continues) and `_wrap_model` (per-stage pipeline timing: training/stage_timing.py).
+    continues) and `_wrap_model` (per-stage pipeline timing: training/metrics/stage_timing.py).
 
     Trainer 2.8.1 shuffles with `BatchSampler` (paddle's global RNG) in a single process but with
     `DistributedBatchSampler` (seeded by the epoch) in a distributed run, so a single-process run and a parallel run
@@ -68,12 +68,12 @@ def make_trainer(device: str = "cpu", **kwargs):
             return super()._maybe_log_save_evaluate(tr_loss, model, epoch, ignore_keys_for_eval, **kwargs)
 
         def _wrap_model(self, model, training=True):
-            """Also: time the pipeline stages (training/stage_timing.py) of the engine fleet wraps the model in."""
+            """Also: time the pipeline stages (training/metrics/stage_timing.py) of the engine fleet wraps the model in."""
             from paddle.distributed.fleet.meta_parallel import PipelineParallel
 
             wrapped = super()._wrap_model(model, training)
             if isinstance(wrapped, PipelineParallel) and self.stage_timer is None:
-                from training.stage_timing import StageTimer
+                from training.metrics.stage_timing import StageTimer
 
                 self.stage_timer = StageTimer(wrapped, device)
             return wrapped
@@ -341,7 +341,7 @@ def callbacks(config: Config, layout: ParallelLayout, run_dir: Path, pending: Pa
         found.append(mlflow_logger)
     found += monitors
     if first_process:
-        from training.progress import progress_callback
+        from training.metrics.progress import progress_callback
 
         found.append(progress_callback(run_dir, config.training.seq_length, config.training.global_batch_size,
                                        train_blocks))
@@ -350,28 +350,28 @@ def callbacks(config: Config, layout: ParallelLayout, run_dir: Path, pending: Pa
 
 def before_checkpoint(callbacks) -> None:
     """As a checkpoint starts: VisualDL's writers put every step up to it on disk before it can complete (a resume from
-    it logs only the steps after it: training/monitor.py)."""
+    it logs only the steps after it: training/metrics/visualdl_writers.py)."""
     for writer in callbacks:
         if hasattr(writer, "write_before_checkpoint"):
             writer.write_before_checkpoint()
 
 
 def visualdl_writers(config: Config, layout: ParallelLayout, run_dir: Path, first_process: bool) -> list:
-    """VisualDL's writers of this rank (training/monitor.py): the run's numbers on the first process, a pipeline
-    stage's times on that stage's first replica; none with visualdl.enabled off."""
+    """VisualDL's writers of this rank (training/metrics/visualdl_writers.py): the run's numbers on the first process,
+    a pipeline stage's times on that stage's first replica; none with visualdl.enabled off."""
     if not config.visualdl.enabled:
         return []
-    from training import monitor
+    from training.metrics import visualdl_writers as writers
 
-    logdir = run_dir / monitor.LOGDIR
+    logdir = run_dir / writers.LOGDIR
     found = []
     if first_process:
-        found.append(monitor.VisualDLWriter(logdir / "train", monitor.hparams(config),
+        found.append(writers.VisualDLWriter(logdir / "train", writers.hparams(config),
                                             ("train/loss", "eval/loss", "train/tokens_per_second")))
     if layout.pp > 1 and config.parallel.mode != "semi_auto":
-        stage = monitor.stage_writer_rank()
+        stage = writers.stage_writer_rank()
         if stage is not None:
-            found.append(monitor.StageWriter(logdir / f"stage-{stage}"))
+            found.append(writers.StageWriter(logdir / f"stage-{stage}"))
     return found
 
 

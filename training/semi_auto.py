@@ -14,7 +14,7 @@ communication:
 Eager mode on CPU (gloo) and GPU alike; the static `dist.to_static` path needs CUDA in 2.6.2 and is not used.
 Checkpoints hold the model's full tensors (gathered from the placements), so export reads them like any other; the
 optimizer state is not saved (Trainer would `paddle.save` distributed tensors, which fails), so a semi_auto run does
-not resume: pipeline/runner/train_run.py refuses RESUME for it before launch.
+not resume: training/launch/train_run.py refuses RESUME for it before launch.
 """
 from __future__ import annotations
 

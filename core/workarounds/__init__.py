@@ -77,7 +77,7 @@ OVERRIDES = (
              "so the plain Trainer drives semi-automatic models: no fleet wrapping, the same batch on every rank, "
              "full-tensor saves, gathered eval outputs (a mixin joined to Trainer with type())",
              "PaddleNLP 2.8.1, paddlepaddle 2.6.2"),
-    Override("training/stage_timing.py", ("_forward_step", "_backward_step"), "the fleet pipeline engine has no "
+    Override("training/metrics/stage_timing.py", ("_forward_step", "_backward_step"), "the fleet pipeline engine has no "
              "per-micro-batch timing; its methods are wrapped on the one instance", "paddlepaddle 2.6.2 fleet"),
     Override("training/checkpoint/async_write.py", ("file_save_async_or_sync",), "PaddleNLP's async_save spawns a "
              "process per file that nothing waits for or fsyncs, and is ignored on one process", "PaddleNLP 2.8.1"),

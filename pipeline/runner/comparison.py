@@ -10,7 +10,7 @@ from pathlib import Path
 
 from core import REPO_ROOT, tracking
 from core.config import ConfigError
-from pipeline.runner.loss_plot import history as _history, plot_curves
+from training.metrics.loss_plot import history as _history, plot_curves
 
 COLUMNS = ["run", "run_id", "status", "layout", "dp", "tp", "pp", "sharding", "hidden", "layers", "lr", "batch",
            "steps", "final_loss", "best_eval_loss", "best_perplexity", "tokens_per_s", "wall_s", "model_version"]

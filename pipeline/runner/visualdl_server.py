@@ -20,9 +20,9 @@ from core import tracking
 from core.config import Config, ConfigError
 from core.files import atomic_write
 from core.processes import group_alive, log_tail, port_in_use, start_group, stop_recorded, wait_ready
-from pipeline.runner.rundir import runs_root
+from training.launch.rundir import runs_root
 
-LOGDIR = "visualdl"  # (training/monitor.py LOGDIR: a run's logs under runs/<run>/visualdl/)
+LOGDIR = "visualdl"  # (training/metrics/visualdl_writers.py LOGDIR: a run's logs under runs/<run>/visualdl/)
 
 
 def state_dir(config: Config) -> Path:

@@ -36,7 +36,7 @@ def test_paddle_finds_every_cuda_library_inside_the_environment(gpu_venv):
 import core, ctypes, json, os
 import paddle
 from core.workarounds import cuda_libraries
-from pipeline.runner.machine import loaded_from
+from training.launch.machine import loaded_from
 print(json.dumps({"cuda": paddle.version.cuda(), "cudnn": paddle.version.cudnn(),
                   "cudnn_loaded": paddle.device.get_cudnn_version(),
                   "libraries": {name: loaded_from(name) for name in cuda_libraries.LIBRARIES}}))

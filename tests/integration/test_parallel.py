@@ -57,10 +57,10 @@ def test_layout_matches_single_process(world, single, layout):
     for key in ("layout.dp", "layout.tp", "layout.pp", "layout.bubble_fraction", "layout.schedule"):
         assert key in tags
     assert_runtime_applied(world["root"] / "runs" / layout, expected_world, tags)
-    # VisualDL gets MLflow's numbers (training/monitor.py): the same loss at the same steps
-    from core import monitor
+    # VisualDL gets MLflow's numbers (training/metrics/visualdl_writers.py): the same loss at the same steps
+    from training.metrics import visualdl_layout
 
-    shown = monitor.read_scalars(world["root"] / "runs" / layout / "visualdl" / "train")
+    shown = visualdl_layout.read_scalars(world["root"] / "runs" / layout / "visualdl" / "train")
     assert shown["train/loss"] == pytest.approx(losses, rel=1e-6)
     assert shown["eval/loss"] == pytest.approx(evals, rel=1e-6)
     if "pp" in layout:
@@ -92,20 +92,20 @@ def assert_stage_charts(run_dir: Path, stages: dict, client, run_id: str) -> Non
     """VisualDL: one writer per stage with the same tags at the same steps (the stages are lines of one chart), whose
     per-step compute averages to the stage report's own figure (the advice and the charts share their numbers); the
     per-step imbalance in VisualDL and in MLflow alike."""
-    from core import monitor
+    from training.metrics import visualdl_layout
 
-    from training.stage_timing import read
+    from training.metrics.stage_timing import read
 
     logs = run_dir / "visualdl"
-    per_stage = [monitor.read_scalars(logs / f"stage-{k}") for k in (0, 1)]
+    per_stage = [visualdl_layout.read_scalars(logs / f"stage-{k}") for k in (0, 1)]
     assert sorted(p.name for p in logs.iterdir()) == ["pipeline", "stage-0", "stage-1", "train"]
     # (each stage's writer is its first replica, the lowest rank of the stage: its own timer's record)
     writers = [min((r for r in read(run_dir) if r["stage"] == k), key=lambda r: r["rank"]) for k in (0, 1)]
     for scalars, record in zip(per_stage, writers):
-        assert set(scalars) == set(monitor.STAGE_TAGS) and sorted(scalars["stage/forward_ms"]) == list(range(2, 7))
+        assert set(scalars) == set(visualdl_layout.STAGE_TAGS) and sorted(scalars["stage/forward_ms"]) == list(range(2, 7))
         busy = [scalars["stage/forward_ms"][s] + scalars["stage/backward_ms"][s] for s in range(2, 7)]
         assert sum(busy) / len(busy) == pytest.approx(record["busy_ms_per_step"], rel=1e-4)
-    imbalance = monitor.read_scalars(logs / "pipeline")[monitor.IMBALANCE_TAG]
+    imbalance = visualdl_layout.read_scalars(logs / "pipeline")[visualdl_layout.IMBALANCE_TAG]
     assert sorted(imbalance) == list(range(2, 7)) and all(v >= 1.0 for v in imbalance.values())
     assert metric_history(client, run_id, "stage_imbalance_by_step") == pytest.approx(imbalance, rel=1e-6)
     assert client.get_run(run_id).data.metrics["stage_imbalance"] == pytest.approx(stages["stage_imbalance"])

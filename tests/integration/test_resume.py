@@ -382,11 +382,11 @@ def test_a_kill_during_an_async_save_resumes_from_the_last_complete_checkpoint(w
     assert f"resuming {run_dir} from {run_dir / 'checkpoints' / latest}" in resumed.stdout
     assert f"removed the partial {min(partial, key=lambda p: int(p.name.split('-')[1])).name}" in resumed.stdout
     _assert_losses_continue(world, "async-kill", stop_step)
-    # VisualDL: one curve per tag across the kill -- every step MLflow has, once, in order (training/monitor.py)
-    from core import monitor
+    # VisualDL: one curve per tag across the kill -- every step MLflow has, once, in order (training/metrics/visualdl_writers.py)
+    from training.metrics import visualdl_layout
 
     logged = metric_history(tracking.client(world["uri"]), _run_id(world, "async-kill"), "loss")
-    assert monitor.steps_in_order(run_dir / "visualdl" / "train", "train/loss") == sorted(logged)
+    assert visualdl_layout.steps_in_order(run_dir / "visualdl" / "train", "train/loss") == sorted(logged)
     stalls = metric_history(tracking.client(world["uri"]), _run_id(world, "async-kill"), "checkpoint_stall_s")
     assert stalls and max(stalls.values()) < 1.0  # the 1 s-per-file writes never paused the loop
 
@@ -419,8 +419,8 @@ def test_the_first_loss_logged_after_a_resume_averages_the_same_steps(world):
     bad = {s: (got.get(s), reference[s]) for s in reference
            if got.get(s) != pytest.approx(reference[s], rel=1e-6)}
     assert not bad, (latest, bad)
-    from core import monitor  # (and VisualDL's curve: each logged step once, in order, the same values)
+    from training.metrics import visualdl_layout  # (and VisualDL's curve: each logged step once, in order, the same values)
 
     logs = world["runs"] / "window-cut" / "visualdl" / "train"
-    assert monitor.steps_in_order(logs, "train/loss") == [5, 10, 15, 20]
-    assert monitor.read_scalars(logs)["train/loss"] == pytest.approx(reference, rel=1e-6)
+    assert visualdl_layout.steps_in_order(logs, "train/loss") == [5, 10, 15, 20]
+    assert visualdl_layout.read_scalars(logs)["train/loss"] == pytest.approx(reference, rel=1e-6)

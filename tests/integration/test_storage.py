@@ -93,7 +93,7 @@ def test_checkpoints_outlive_the_store_failing_and_the_disk(s3, tmp_path, monkey
     bad = {s: (got[s], expected[s]) for s in expected if got[s] != pytest.approx(expected[s], rel=1e-6)}
     assert not bad, bad
     # a second resume on this machine finds its copy, though the run's record names the first machine's path
-    from pipeline.runner import rundir
+    from training.launch import rundir
     client.set_tag(run_id, tracking.TAG_RUN_DIR, "/elsewhere/runs/cut")
     assert rundir.find(run_id, uri) == tmp_path / "node" / "disk" / "runs" / "cut"
     assert "store: every checkpoint is in" in resumed.stdout + "".join(

@@ -1,10 +1,10 @@
-"""The console of `make train` (pipeline/runner/console.py) from rank 0's progress events: plain lines when stdout is not a
+"""The console of `make train` (training/launch/console.py) from rank 0's progress events: plain lines when stdout is not a
 terminal, a tqdm bar when it is, the ETA once a few steps are timed, notes passed through (fast, no training)."""
 import io
 import json
 import re
 
-from pipeline.runner.console import Progress, duration
+from training.launch.console import Progress, duration
 
 
 def _events(run_dir, events):

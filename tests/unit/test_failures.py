@@ -1,7 +1,7 @@
-"""Which rank failed and why, from the ranks' logs (pipeline/runner/failures.py), on hand-written logs. Fast."""
+"""Which rank failed and why, from the ranks' logs (training/launch/failures.py), on hand-written logs. Fast."""
 from core.config import load_config
 from core.layout import ParallelLayout
-from pipeline.runner.failures import diagnose, failing_rank, rank_logs
+from training.launch.failures import diagnose, failing_rank, rank_logs
 
 STEP = "loss: 5.1, global_step: 3\n"
 TRACEBACK = "Traceback (most recent call last):\n  File \"worker.py\"\nValueError: bad batch\n"

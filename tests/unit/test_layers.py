@@ -2,7 +2,7 @@
 lazy imports included.
 
     top      bench/ (the benchmark suite: drives the verbs)
-             pipeline/ (the verbs, one module each; pipeline/runner/: the run machinery they share)
+             pipeline/ (the verbs, one module each; pipeline/runner/: what they share that belongs to no stage)
              export/ (checkpoint -> export directory, checked with serving's runtime)
     stages   training/                    serving/          (neither imports the other)
              model/ (the model: training and export build it)
@@ -142,10 +142,10 @@ def verb_import_violations(g: dict[str, set[str]], verbs: set[str]) -> list[tupl
 
 def test_the_verb_rule_catches_a_verb_importing_a_verb():
     verbs = {"pipeline.train", "pipeline.finetune", "pipeline.export"}
-    g = {"pipeline.finetune": {"pipeline.train", "pipeline.runner.train_run"}, "pipeline.export": {"core.tracking"},
-         "pipeline.runner.launch": {"pipeline.export"}, "pipeline.__main__": {"core.config"}}
+    g = {"pipeline.finetune": {"pipeline.train", "training.launch.train_run"}, "pipeline.export": {"core.tracking"},
+         "pipeline.runner.comparison": {"pipeline.export"}, "pipeline.__main__": {"core.config"}}
     assert sorted(verb_import_violations(g, verbs)) == [("pipeline.finetune", "pipeline.train"),
-                                                        ("pipeline.runner.launch", "pipeline.export")]
+                                                        ("pipeline.runner.comparison", "pipeline.export")]
 
 
 def test_every_internal_import_names_a_module_that_exists():

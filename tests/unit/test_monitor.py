@@ -1,12 +1,12 @@
-"""VisualDL's writers (training/monitor.py) and the launcher's stage imbalance (pipeline/runner/stage_report.py), on
+"""VisualDL's writers (training/metrics/visualdl_writers.py) and the launcher's stage imbalance (training/metrics/stage_report.py), on
 real VisualDL log files: a killed launch and its resume leave one curve per tag, each step once and in order."""
 from types import SimpleNamespace
 
 import pytest
 
-from core import monitor
-from pipeline.runner.stage_report import imbalance_by_step, stage_imbalance
-from training.monitor import StageWriter, VisualDLWriter
+from training.metrics import visualdl_layout
+from training.metrics.stage_report import imbalance_by_step, stage_imbalance
+from training.metrics.visualdl_writers import StageWriter, VisualDLWriter
 
 ARGS = SimpleNamespace(logging_steps=1)
 
@@ -36,9 +36,9 @@ def test_a_killed_launch_and_its_resume_leave_each_step_once_in_order(tmp_path):
     launch(logdir, range(1, 11), kill_after=9)  # killed after step 9; its newest checkpoint: step 6
     resumed = launch(logdir, range(7, 16))  # the resume trains 7..15 again from checkpoint 6, same numbers
     assert resumed.floor == 9
-    assert monitor.steps_in_order(logdir, "train/loss") == list(range(1, 16))
-    assert monitor.steps_in_order(logdir, "eval/loss") == [4, 8, 12]
-    scalars = monitor.read_scalars(logdir)
+    assert visualdl_layout.steps_in_order(logdir, "train/loss") == list(range(1, 16))
+    assert visualdl_layout.steps_in_order(logdir, "eval/loss") == [4, 8, 12]
+    scalars = visualdl_layout.read_scalars(logdir)
     assert scalars["train/loss"] == pytest.approx({s: 1 / s for s in range(1, 16)})
     assert set(scalars) == {"train/loss", "train/learning_rate", "eval/loss", "memory/max_rss_mib"}
     assert len(list(logdir.glob("vdlrecords.*.log"))) == 2  # (one file per launch: the resume appended none to it)
@@ -48,14 +48,14 @@ def test_without_the_floor_a_resume_would_repeat_steps(tmp_path, monkeypatch):
     """(what the floor prevents: the same two launches, writing whatever they log)"""
     logdir = tmp_path / "train"
     launch(logdir, range(1, 11), kill_after=9)
-    monkeypatch.setattr(monitor, "read_scalars", lambda path: {})
-    monkeypatch.setattr("training.monitor.read_scalars", lambda path: {})
+    monkeypatch.setattr(visualdl_layout, "read_scalars", lambda path: {})
+    monkeypatch.setattr("training.metrics.visualdl_writers.read_scalars", lambda path: {})
     launch(logdir, range(7, 16))
-    assert monitor.steps_in_order(logdir, "train/loss") == [*range(1, 10), *range(7, 16)]
+    assert visualdl_layout.steps_in_order(logdir, "train/loss") == [*range(1, 10), *range(7, 16)]
 
 
 def test_metric_names_become_grouped_tags():
-    assert [monitor.tag_of(k) for k in ("loss", "eval_loss", "eval_perplexity", "checkpoint_stall_s",
+    assert [visualdl_layout.tag_of(k) for k in ("loss", "eval_loss", "eval_perplexity", "checkpoint_stall_s",
                                          "tokens_per_second")] == \
         ["train/loss", "eval/loss", "eval/perplexity", "checkpoint/stall_s", "train/tokens_per_second"]
 
@@ -81,15 +81,15 @@ def stage_logs(run_dir, per_stage: list[list[tuple[float, float]]], first_step=2
 def test_every_stage_writes_the_same_tags_and_the_imbalance_is_each_steps_slowest_over_the_mean(tmp_path):
     stage_logs(tmp_path, [[(10, 20), (10, 20), (12, 24)], [(5, 10), (5, 10), (6, 12)]])
     for k in (0, 1):
-        scalars = monitor.read_scalars(tmp_path / "visualdl" / f"stage-{k}")
-        assert set(scalars) == set(monitor.STAGE_TAGS) and sorted(scalars["stage/forward_ms"]) == [2, 3, 4]
+        scalars = visualdl_layout.read_scalars(tmp_path / "visualdl" / f"stage-{k}")
+        assert set(scalars) == set(visualdl_layout.STAGE_TAGS) and sorted(scalars["stage/forward_ms"]) == [2, 3, 4]
     found = imbalance_by_step(tmp_path)
     assert found == pytest.approx({2: 30 / 22.5, 3: 30 / 22.5, 4: 36 / 27})
-    assert monitor.read_scalars(tmp_path / "visualdl" / "pipeline")[monitor.IMBALANCE_TAG] == pytest.approx(found)
+    assert visualdl_layout.read_scalars(tmp_path / "visualdl" / "pipeline")[visualdl_layout.IMBALANCE_TAG] == pytest.approx(found)
     assert imbalance_by_step(tmp_path) == {}  # (a second report writes no step again)
     stage_logs(tmp_path, [[(9, 9)], [(9, 9)]], first_step=5)  # (a resumed launch's steps: appended)
     assert imbalance_by_step(tmp_path) == {5: 1.0}
-    assert monitor.steps_in_order(tmp_path / "visualdl" / "pipeline", monitor.IMBALANCE_TAG) == [2, 3, 4, 5]
+    assert visualdl_layout.steps_in_order(tmp_path / "visualdl" / "pipeline", visualdl_layout.IMBALANCE_TAG) == [2, 3, 4, 5]
 
 
 def test_the_summary_imbalance_is_the_slowest_stages_compute_over_the_mean():
@@ -142,4 +142,4 @@ def test_what_a_checkpoint_covers_is_written_before_it_can_be_resumed_from(tmp_p
         if step % 5 == 0:
             resumed.add_metrics({"loss": 1 / step}, step)
     resumed.on_train_end(args, state(15), None)
-    assert monitor.steps_in_order(tmp_path / "train", "train/loss") == [5, 10, 15]
+    assert visualdl_layout.steps_in_order(tmp_path / "train", "train/loss") == [5, 10, 15]

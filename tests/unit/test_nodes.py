@@ -1,4 +1,4 @@
-"""Where multi-node runs meet (pipeline/runner/nodes.py) and who marks a node's checkpoints (training/rank.py), without
+"""Where multi-node runs meet (training/launch/nodes.py) and who marks a node's checkpoints (training/rank.py), without
 a launch: the config the nodes must agree on, the error that names what differs, the ranks of each node."""
 import pytest
 
@@ -11,7 +11,7 @@ def _yaml(*overrides):
 
 
 def test_nodes_agree_on_everything_but_the_places_on_their_own_disks():
-    from pipeline.runner.nodes import config_digest
+    from training.launch.nodes import config_digest
 
     base = config_digest(_yaml("training.runs_dir=/disk0/runs", "data.local_dir=/disk0/data"))
     assert config_digest(_yaml("training.runs_dir=/disk1/runs", "data.local_dir=/disk1/data",
@@ -21,7 +21,7 @@ def test_nodes_agree_on_everything_but_the_places_on_their_own_disks():
 
 
 def test_a_node_with_another_config_is_told_which_settings_differ(tmp_path, monkeypatch):
-    from pipeline.runner import nodes
+    from training.launch import nodes
 
     monkeypatch.setenv("MASTER", "127.0.0.1:1")
     monkeypatch.setenv("NODE_RANK", "1")
@@ -54,7 +54,7 @@ def test_node_0_on_an_empty_disk_continues_the_run_the_store_records(tmp_path, m
     """deploy/train-node.sh runs the first command on a disk without the run: node 0 continues the run the store
     records under that name (by its MLflow run id), a new name starts a new run."""
     from core.storage import Store
-    from pipeline.runner import train_run as train
+    from training.launch import train_run as train
 
     store = Store("s3://bucket/prefix")
     recorded = {"prefix/runs/apart/run.json": b'{"run_id": "f00d"}'}

@@ -150,7 +150,7 @@ def test_plan_and_a_dry_run_work_on_every_shipped_config(path, capsys):
     (the 512-GPU configs carry theirs), and the dry run prints the layout without launching."""
     from core.config import load_config
     from pipeline import plan
-    from pipeline.runner import train_run as train
+    from training.launch import train_run as train
 
     config = load_config(path)
     assert plan.run(config, 3, "", "") == 0

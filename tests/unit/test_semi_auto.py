@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from pipeline.runner import train_run as train
+from training.launch import train_run as train
 from core.config import load_config
 from core.errors import ConfigError
 from core.layout import ParallelLayout

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from pipeline.runner import liveness
+from training.launch import liveness
 
 from core import tracking
 
@@ -147,7 +147,7 @@ def test_resume_by_run_id_searches_the_tracking_store_the_overrides_name(tmp_pat
     """`make train RESUME=<id> ARGS="tracking.tracking_uri=..."` finds the run in that store, not the local one; an
     unknown id names the store searched (and never a password in its URI)."""
     from core.config import ConfigError, load_config
-    from pipeline.runner import train_run as train
+    from training.launch import train_run as train
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     uri = f"sqlite:///{tmp_path / 'elsewhere.db'}"

@@ -10,8 +10,8 @@
                     empty disk, nodes without a shared disk), the record of checkpoints that never arrived
     lease.py        one writer per run: a flock on this machine, a lease with conditional writes in the store
 
-The walk from `storage.uri`: pipeline/runner/train_run.py (checks the store before launch, holds the lease, resumes) ->
-pipeline/runner/rundir.py (a run restored from the store) -> store.py / lease.py -> core/storage.py (the S3 client).
+The walk from `storage.uri`: training/launch/train_run.py (checks the store before launch, holds the lease, resumes) ->
+training/launch/rundir.py (a run restored from the store) -> store.py / lease.py -> core/storage.py (the S3 client).
 Ranks: training/rank.py -> manager.py -> upload.py -> store.py -> core/storage.py. Nothing outside this package writes
 a completion marker or lists the store's checkpoints (tests/unit/test_checkpoint_room.py).
 """

@@ -11,7 +11,7 @@ node's part on its own disk (the store then says when the checkpoint is whole: u
 
 At the end of the run the owner waits for the uploads (`storage.upload_wait_s`); checkpoints that did not reach the
 store are written to `store_missing.json` in the run directory, which the launcher turns into the MLflow tag
-`pipeline.store_missing` and exit code 4 (pipeline/runner/train_run.py).
+`pipeline.store_missing` and exit code 4 (training/launch/train_run.py).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from pathlib import Path
 from paddlenlp.trainer import TrainerCallback  # (this import resets SIGTERM: handlers are installed after it)
 
 from core import tracking
-from training import progress
+from training.metrics import progress
 from training.checkpoint.local import (DONE_MARKER_PREFIX, checkpoint_info, complete_checkpoints, make_durable,
                                        mark_complete, prune)
 from training.checkpoint.store import record_missing

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from core.storage import Store, describe
-from training import progress
+from training.metrics import progress
 from training.checkpoint import lease
 from training.checkpoint.local import COMPLETE_MARKER, DONE_MARKER_PREFIX
 from training.checkpoint.store import checkpoints_prefix, mark_complete_in_store, part_key, retain

@@ -2,12 +2,12 @@
 
 resolve  the layout and the run directory (a new one, or the one `--resume` names) and where the ranks start from
 prepare  a new run directory with config, tokenizer and packed data; on resume, remove what an interruption left
-open     the MLflow run (pipeline/runner/tracked_run.py): created, or reopened on resume
-launch   the ranks of this node (pipeline/runner/launch.py, supervise.py), progress on the console (console.py)
+open     the MLflow run (training/launch/tracked_run.py): created, or reopened on resume
+launch   the ranks of this node (training/launch/ranks.py, supervise.py), progress on the console (console.py)
 close    the status: FINISHED (all ranks exited 0), KILLED (interrupted: resumable from the latest complete checkpoint)
-         or FAILED (the failing rank and why: pipeline/runner/failures.py)
+         or FAILED (the failing rank and why: training/launch/failures.py)
 
-Multi-node: node 0 does all of it; the other nodes wait for node 0's announcement (pipeline/runner/nodes.py) and
+Multi-node: node 0 does all of it; the other nodes wait for node 0's announcement (training/launch/nodes.py) and
 launch.
 """
 from __future__ import annotations
@@ -20,9 +20,9 @@ from pathlib import Path
 from core import arithmetic, tracking
 from core.config import Config, ConfigError, PerformanceConfig, load_config, with_overrides
 from core.layout import ParallelLayout
-from pipeline.runner import failures, nodes, rundir, supervise
-from pipeline.runner.launch import Launch, Outcome, launch_ranks, run_other_node
-from pipeline.runner.tracked_run import TrackedRun
+from training.launch import failures, nodes, rundir, supervise
+from training.launch.ranks import Launch, Outcome, launch_ranks, run_other_node
+from training.launch.tracked_run import TrackedRun
 from training.checkpoint import store as checkpoint_store
 
 # A resume's config waits here until the resumed run has completed a step (training/callbacks.py PromoteConfig).
@@ -126,7 +126,7 @@ def _requeued(config: Config, store) -> str:
 
 def check_before_launch(launch: Launch) -> None:
     if launch.layout.device == "gpu":  # (what `make doctor` says, before anything is written)
-        from pipeline.runner import machine
+        from training.launch import machine
 
         problems = [c for c in machine.checks(launch.config) if not c.ok]
         if problems:
@@ -230,7 +230,7 @@ def header(launch: Launch, tracked: TrackedRun) -> str:
 
 def summary(run_dir: Path, config: Config, seconds: float) -> str:
     """The end of a finished run: its eval loss, the best checkpoint, the time taken and the next commands."""
-    from pipeline.runner.console import duration
+    from training.launch.console import duration
     from training.checkpoint.local import checkpoint_info, complete_checkpoints
 
     metric = config.export.metric

@@ -8,7 +8,7 @@ compute, and forward hooks on the decoder layers split a stage's forward into de
 On GPU every stamp synchronises the device, so the numbers are compute times there too.
 
 `write()` leaves `pipeline/rank<r>.json` in the run directory; the launcher turns them into the timeline, the MLflow
-metrics and the advice (pipeline/runner/stage_report.py). Paddle's own order for this stage comes from the engine's
+metrics and the advice (training/metrics/stage_report.py). Paddle's own order for this stage comes from the engine's
 `get_static_scheduler()` (it prints the schedule without running it).
 """
 from __future__ import annotations
@@ -89,7 +89,7 @@ class StageTimer:
                 layer.register_forward_post_hook(self._decoder_end)
 
     def _step_done(self) -> None:
-        """This step's own times (ms): what `take_last` hands the stage's VisualDL writer (training/monitor.py)."""
+        """This step's own times (ms): what `take_last` hands the stage's VisualDL writer (training/metrics/visualdl_writers.py)."""
         seen = {k: self.totals[k] for k in self._seen}
         delta = {k: 1000 * (seen[k] - self._seen[k]) for k in seen}
         self._seen = seen

@@ -2,7 +2,7 @@
 
 A new run is created with what the run is (config params, layout, versions, data statistics, tokenizer); a resume
 reopens the run directory's run (`mlflow_run.json`), marks it RUNNING and records a changed layout in tags (params are
-immutable). While the launcher lives, a heartbeat stamps the run (stale runs: pipeline/runner/liveness.py). At the end the
+immutable). While the launcher lives, a heartbeat stamps the run (stale runs: training/launch/liveness.py). At the end the
 buffered records of a tracking outage are sent, the loss curve is attached, and the status is set; a failure adds the
 failing rank's log tail and the kind of failure.
 """
@@ -18,7 +18,7 @@ from core import tracking
 from core.config import Config
 from core.layout import ParallelLayout
 from core.workarounds import cpu_runtime
-from pipeline.runner import liveness
+from training.launch import liveness
 
 RUN_INFO = "mlflow_run.json"
 
@@ -33,7 +33,7 @@ TAG_LAYOUT_HISTORY = "pipeline.layout_history"
 
 
 class Heartbeat(threading.Thread):
-    """Stamps the MLflow run every `interval_s` while the launcher lives (stale runs: pipeline/runner/liveness.py)."""
+    """Stamps the MLflow run every `interval_s` while the launcher lives (stale runs: training/launch/liveness.py)."""
 
     def __init__(self, mlflow_client, run_id: str, interval_s: float):
         super().__init__(daemon=True)
@@ -161,8 +161,8 @@ class TrackedRun:
             self.client.set_tag(self.run_id, "failure_kind", failure["kind"])
 
     def record_stages(self, run_dir: Path, layout: ParallelLayout) -> None:
-        """A pipeline run's per-stage times and advice (pipeline/runner/stage_report.py); never costs the run its status."""
-        from pipeline.runner import stage_report
+        """A pipeline run's per-stage times and advice (training/metrics/stage_report.py); never costs the run its status."""
+        from training.metrics import stage_report
 
         try:
             message = stage_report.report(self.client, self.run_id, run_dir, layout)
@@ -173,7 +173,7 @@ class TrackedRun:
 
     def close(self, run_dir: Path, status: str) -> None:
         """Send what a tracking outage buffered, attach the loss curve of a finished run, set the status."""
-        from pipeline.runner.loss_plot import plot_run_losses
+        from training.metrics.loss_plot import plot_run_losses
 
         if self.heartbeat:
             self.heartbeat.done.set()

@@ -1,5 +1,5 @@
 """What `make train` shows a person: progress while the ranks train, from the events rank 0 writes to
-`<run dir>/progress.jsonl` (training/progress.py). On a terminal a progress bar (tqdm: step/max, loss, latest eval
+`<run dir>/progress.jsonl` (training/metrics/progress.py). On a terminal a progress bar (tqdm: step/max, loss, latest eval
 loss, tokens/s, ETA); elsewhere (CI, Slurm logs) a plain line at every evaluation and at most every `every_s`
 seconds between them. PaddleNLP's own output stays in the rank logs under `<run dir>/logs/`.
 """
@@ -11,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-from training.progress import PROGRESS_FILE
+from training.metrics.progress import PROGRESS_FILE
 
 TIMED_STEPS = 3  # logging events before an ETA is trusted
 

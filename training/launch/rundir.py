@@ -11,7 +11,7 @@ from pathlib import Path
 
 from core import REPO_ROOT, tracking
 from core.config import Config, ConfigError, load_config
-from pipeline.runner.supervise import stop_signal_handler
+from training.launch.supervise import stop_signal_handler
 
 
 def find(resume: str, uri: str) -> Path:
@@ -52,7 +52,7 @@ def restore(run, uri: str, resume: str) -> Path:
                           "storage.uri=s3://... so that checkpoints outlive a disk")
     name = Path(recorded).name or run.info.run_name
     run_dir = runs_root(config) / name
-    from pipeline.runner.tracked_run import RUN_INFO, write_run_info
+    from training.launch.tracked_run import RUN_INFO, write_run_info
 
     if _run_id_of(run_dir / RUN_INFO) == run.info.run_id:
         return run_dir  # (restored here before: this machine's copy of the run, under its own runs_dir)
@@ -82,8 +82,8 @@ def restore(run, uri: str, resume: str) -> Path:
 
 def _record_unresumed(client, run, config: Config, line: str) -> None:
     """A resume the store stopped: the line on the MLflow run (`pipeline.resume_failed`), and a RUNNING run whose
-    launcher is gone marked FAILED as pipeline/runner/liveness.py marks it (still resumable)."""
-    from pipeline.runner import liveness
+    launcher is gone marked FAILED as training/launch/liveness.py marks it (still resumable)."""
+    from training.launch import liveness
 
     try:
         client.set_tag(run.info.run_id, "pipeline.resume_failed", line[:5000])

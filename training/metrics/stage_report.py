@@ -1,6 +1,6 @@
 """The end of a pipeline run: per-stage times, the measured timeline next to the schedule's bubble, balancing advice.
 
-Reads the ranks' `pipeline/rank<r>.json` (training/stage_timing.py), draws the timeline from the order Paddle's
+Reads the ranks' `pipeline/rank<r>.json` (training/metrics/stage_timing.py), draws the timeline from the order Paddle's
 engine reported for each stage, placed with the measured per-micro-batch forward/backward times of that stage
 (core/schedules.py), logs it as `pipeline/timeline.png` + `pipeline/stages.json` and the per-stage metrics to
 MLflow, and says which stage is the bottleneck and which `parallel.stage_layers` would even the stages out.
@@ -89,32 +89,32 @@ def imbalance_by_step(run_dir: Path) -> dict[int, float]:
     """Each step's stage imbalance from the stages' VisualDL logs (visualdl/stage-<k>/: the same timer's per-step
     forward + backward), for the steps every stage logged; the steps not yet in visualdl/pipeline/ are written there
     (a resumed run's report adds its own steps, never one again). {step: imbalance} of the steps written now."""
-    from core import monitor
+    from training.metrics import visualdl_layout
 
-    logs = Path(run_dir) / monitor.LOGDIR
+    logs = Path(run_dir) / visualdl_layout.LOGDIR
     stages = sorted(logs.glob("stage-*"), key=lambda d: int(d.name.split("-")[1]))
     if len(stages) < 2:
         return {}
     per_stage = []
     for directory in stages:
-        scalars = monitor.read_scalars(directory)
+        scalars = visualdl_layout.read_scalars(directory)
         forward, backward = scalars.get("stage/forward_ms", {}), scalars.get("stage/backward_ms", {})
         per_stage.append({step: forward[step] + backward.get(step, 0.0) for step in forward})
-    done = set(monitor.read_scalars(logs / "pipeline").get(monitor.IMBALANCE_TAG, {})) \
+    done = set(visualdl_layout.read_scalars(logs / "pipeline").get(visualdl_layout.IMBALANCE_TAG, {})) \
         if (logs / "pipeline").is_dir() else set()
     steps = sorted(set.intersection(*(set(s) for s in per_stage)) - done)
     found = {step: _slowest_over_mean([s[step] for s in per_stage]) for step in steps}
     if found:
         from visualdl import LogWriter
 
-        with LogWriter(logdir=str(logs / "pipeline"), file_name=monitor.new_file_name()) as writer:
+        with LogWriter(logdir=str(logs / "pipeline"), file_name=visualdl_layout.new_file_name()) as writer:
             for step, value in found.items():
-                writer.add_scalar(monitor.IMBALANCE_TAG, value, step)
+                writer.add_scalar(visualdl_layout.IMBALANCE_TAG, value, step)
     return found
 
 
 def report(mlflow_client, run_id: str | None, run_dir: Path, layout: ParallelLayout) -> str | None:
-    from training.stage_timing import read
+    from training.metrics.stage_timing import read
 
     records = read(run_dir)
     if layout.pp < 2 or len({r["stage"] for r in records}) < layout.pp:

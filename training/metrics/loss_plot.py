@@ -1,5 +1,5 @@
 """Loss-curve plots (train and eval loss by step) of MLflow runs: one run's, attached when it finishes
-(pipeline/runner/tracked_run.py), and an experiment's side by side (`make compare`)."""
+(training/launch/tracked_run.py), and an experiment's side by side (`make compare`)."""
 from __future__ import annotations
 
 from pathlib import Path

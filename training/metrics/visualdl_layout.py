@@ -1,4 +1,4 @@
-"""VisualDL logs' layout, shared by the writers (training/monitor.py), the launcher's stage report and the dashboard
+"""VisualDL logs' layout, shared by the writers (training/metrics/visualdl_writers.py), the launcher's stage report and the dashboard
 (pipeline/runner/): a run's logs under runs/<run>/visualdl/, one directory per writer (train/, stage-<k>/,
 pipeline/), and their tags; read back here."""
 from __future__ import annotations

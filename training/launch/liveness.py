@@ -1,5 +1,5 @@
 """Which MLflow runs are really running, and marking the dead ones (`make runs`, and every `make train`
-before it starts: pipeline/runner/tracked_run.py).
+before it starts: training/launch/tracked_run.py).
 
 A run whose launcher was killed with SIGKILL, or whose node was lost, cannot close its MLflow run: it would stay
 RUNNING forever. Each launcher therefore tags its run with who it is (`pipeline.launcher` = host:pid:start time) and

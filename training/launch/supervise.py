@@ -18,7 +18,7 @@ from core import REPO_ROOT
 from core.config import Config
 from core.layout import ParallelLayout
 from core.processes import child_dies_with_parent, descendants, signal_pids
-from pipeline.runner import nodes
+from training.launch import nodes
 
 
 def launch_command(layout: ParallelLayout, run_dir: Path, resume_from: Path | None,
@@ -114,7 +114,7 @@ def run_ranks(cmd: list[str], env: dict, run_dir: Path, log_dir: Path, single: b
                   on_start=lambda: None) -> int:
     """Run the ranks; their output (PaddleNLP's, Paddle's) goes to the logs under `log_dir`, not to the console:
     one process writes logs/workerlog.0 itself, paddle.distributed.launch writes workerlog.<rank> and its own
-    output (which repeats rank 0's) to launcher.log. The console shows pipeline/runner/console.py's progress instead."""
+    output (which repeats rank 0's) to launcher.log. The console shows training/launch/console.py's progress instead."""
     log_dir.mkdir(parents=True, exist_ok=True)
     # Own session: signals reach the ranks only through the Stopper. The child gets SIGTERM if this process dies.
     options = dict(env=env, cwd=REPO_ROOT, start_new_session=True, preexec_fn=child_dies_with_parent())

@@ -4,9 +4,9 @@
                learning rate, tokens/s, step time, eval loss and perplexity, checkpoint stall; the run's settings as
                hparams (runs of a sweep compare on one page)
     stage-<k>/ a pipeline run, one writer per stage (its first tensor / data replica): forward, backward, step and
-               idle ms of each step (training/stage_timing.py), the same tags on every stage, so that the stages are
+               idle ms of each step (training/metrics/stage_timing.py), the same tags on every stage, so that the stages are
                lines of one chart
-    pipeline/  written by the launcher at the run's end (pipeline/runner/stage_report.py): the stage imbalance of each
+    pipeline/  written by the launcher at the run's end (training/metrics/stage_report.py): the stage imbalance of each
                step (slowest stage's compute / the mean), from the stage writers' own records
 
 Exactly once across a kill and a resume: a writer writes and flushes its records at each logging step's end (each
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from paddlenlp.trainer import TrainerCallback
 
-from core.monitor import LOGDIR, new_file_name, read_scalars, tag_of
+from training.metrics.visualdl_layout import LOGDIR, new_file_name, read_scalars, tag_of
 
 COST_FILE = "writer_cost.json"
 
@@ -113,7 +113,7 @@ class VisualDLWriter(TrainerCallback):
 
 
 class StageWriter(VisualDLWriter):
-    """A pipeline stage's per-step times (training/stage_timing.py StageTimer.last) as `stage/*` scalars."""
+    """A pipeline stage's per-step times (training/metrics/stage_timing.py StageTimer.last) as `stage/*` scalars."""
 
     def __init__(self, logdir: Path):
         super().__init__(logdir)

@@ -1,7 +1,7 @@
 """What the training ranks tell the person at the console, as events in `<run dir>/progress.jsonl`.
 
 PaddleNLP's own output (its argument dump, INFO lines every logging step, Paddle's warnings) goes to the rank logs
-under `<run dir>/logs/` only; the launcher (pipeline/runner/console.py) follows this file instead and shows a progress bar
+under `<run dir>/logs/` only; the launcher (training/launch/console.py) follows this file instead and shows a progress bar
 on a terminal, or plain lines elsewhere. Rank 0 writes it: `start` (steps, tokens per step, the corpus size),
 `log` (step, loss, learning rate, tokens/s), `eval`, `checkpoint`, `note` (a message for people: tracking outages,
 retention), `end`. One JSON object per line, appended as it happens (rank 0 runs on node 0, whose launcher

@@ -1,4 +1,4 @@
-"""Running one node's ranks for `make train` (pipeline/runner/train_run.py): what a launch is, the ranks started and
+"""Running one node's ranks for `make train` (training/launch/train_run.py): what a launch is, the ranks started and
 supervised (supervise.py) with progress on the console (console.py), and how they ended; nodes other than 0 join
 node 0's launch (nodes.py)."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 from core import tracking
 from core.config import Config
 from core.layout import ParallelLayout
-from pipeline.runner import console, nodes, rundir, supervise
-from pipeline.runner.tracked_run import TrackedRun
+from training.launch import console, nodes, rundir, supervise
+from training.launch.tracked_run import TrackedRun
 
 
 @dataclass
