@@ -117,7 +117,7 @@ def _stats(values: list[float]) -> dict:
 
 
 def rank_memory(out: Path, files: list[Path], uri: str, steps: int) -> dict:
-    """A short default training run on the prepared set: the rank's peak RSS over the run (training/callbacks.py
+    """A short default training run on the prepared set: the rank's peak RSS over the run (training/metrics/mlflow_logger.py
     PeakMemory) and the launcher's."""
     name = f"data-rank-{files[0].parent.name}-{time.strftime('%H%M%S')}"
     cmd = [sys.executable, "-m", "pipeline", "train", "data.source=files",

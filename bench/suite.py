@@ -413,7 +413,7 @@ def plan_vs_measured(runs: dict, peak_gflops: float) -> dict:
 
     def estimate(name: str, utilisation: float) -> float:
         config = load_config(SMALL_CONFIG, [*BASE, *LAYOUTS[name]])
-        c = ParallelLayout.from_config(config)
+        c = config.layout()
         world = c.world_size
         cluster = dataclasses.replace(config.cluster, gpus=world, gpus_per_node=world, utilisation=utilisation,
                                       peak_tflops=peak_gflops / 1000 / world, intra_node_gbps=LOOPBACK_GBPS,
@@ -446,7 +446,7 @@ def pipeline_schedules(runs: dict) -> dict:
 
 
 def peak_memory_mib(run_dir: str) -> float:
-    """The largest per-rank peak of tensor memory (training/callbacks.py PeakMemory)."""
+    """The largest per-rank peak of tensor memory (training/metrics/mlflow_logger.py PeakMemory)."""
     files = (Path(run_dir) / "memory").glob("rank*.json")
     return max(json.loads(f.read_text())["peak_allocated_bytes"] for f in files) / 2**20
 

@@ -96,7 +96,7 @@ def project_step_times(config, run_dir: Path, steps: int, scratch: Path) -> list
     from model.llama import build_model
     from training.rank import make_trainer, prepare_model, training_arguments
 
-    layout = ParallelLayout.from_config(config)
+    layout = config.layout()
     ends: list[float] = []
 
     class StepClock(TrainerCallback):
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     import paddle
 
     paddle.set_device("cpu")
-    threads = ParallelLayout.from_config(config).threads_per_rank()
+    threads = config.layout().threads_per_rank()
     cpu_runtime.apply_threads(threads)
     peak = matmul_peak()
     ours = project_step_times(config, run_dir, args.steps, Path(args.scratch))

@@ -45,10 +45,12 @@ def layer_parameters(m) -> int:
 def vocabulary(config, vocab_size: int | None = None) -> int:
     """The embedding's rows: `vocab_size`, else model.vocab_size (an imported model's), else the tokenizer's
     configured maximum (a BPE's vocab_size, a character vocabulary's max_vocab_size)."""
-    if vocab_size or config.model.vocab_size:
-        return vocab_size or config.model.vocab_size
-    t = config.tokenizer
-    return t.vocab_size if t.kind == "bpe" else t.max_vocab_size
+    return vocab_size or rows(config.model, config.tokenizer)
+
+
+def rows(m, t) -> int:
+    """The embedding's rows from the model and tokenizer sections (`vocabulary` without a known tokenizer)."""
+    return m.vocab_size or (t.vocab_size if t.kind == "bpe" else t.max_vocab_size)
 
 
 def parameters(config, vocab_size: int | None = None) -> int:

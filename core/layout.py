@@ -36,16 +36,16 @@ class ParallelLayout:
     recompute: bool = False
 
     @classmethod
-    def from_config(cls, config) -> "ParallelLayout":
-        """The layout of a core.config.Config, checked by its own rules (core/config.py adds the rules that join it
-        to the model and the batch)."""
-        p, m = config.parallel, config.model
+    def of(cls, p, m, t) -> "ParallelLayout":
+        """The layout of config sections parallel (`p`), model (`m`) and tokenizer (`t`: the embedding's rows, for a
+        balanced stage split), checked by its own rules (core/config.py Config.layout adds the rules that join it to
+        the batch and the machine)."""
         layout = cls(
             device=p.device, dp=p.data, tp=p.tensor, pp=p.pipeline, sharding_stage=p.sharding_stage,
             sharding_degree=p.sharding_degree, micro_batch_size=p.micro_batch_size,
             accumulation_steps=p.accumulation_steps, nnodes=p.nnodes, num_layers=m.num_layers, amp_dtype=p.amp_dtype,
             cpu_threads=p.cpu_threads, pipeline_schedule=p.schedule, virtual_stages=p.virtual_stages,
-            stage_split=resolve_stage_split(config), mode=p.mode, recompute=p.recompute,
+            stage_split=resolve_stage_split(p, m, t), mode=p.mode, recompute=p.recompute,
         )
         layout._validate()
         return layout
@@ -244,9 +244,9 @@ class ParallelLayout:
                     "(an even share)")
 
 
-def resolve_stage_split(config) -> tuple:
+def resolve_stage_split(parallel, model, tokenizer) -> tuple:
     """parallel.stage_layers -> decoder layers per stage: uniform, balanced by parameter count, or as listed."""
-    p, layers, spec = config.parallel.pipeline, config.model.num_layers, config.parallel.stage_layers
+    p, layers, spec = parallel.pipeline, model.num_layers, parallel.stage_layers
     if isinstance(spec, list):
         require(all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in spec) and len(spec) == p
                 and sum(spec) == layers, f"parallel.stage_layers: {spec} must list {p} counts of decoder layers "
@@ -260,9 +260,9 @@ def resolve_stage_split(config) -> tuple:
         require(layers % p == 0, f"model.num_layers ({layers}) must be divisible by parallel.pipeline ({p}) for "
                 "parallel.stage_layers=uniform; or list the layers per stage, e.g. parallel.stage_layers=[3, 1]")
         return (layers // p,) * p
-    per_layer = arithmetic.layer_parameters(config.model)
-    embedding = arithmetic.embedding_parameters(config)
-    return balanced_split([per_layer] * layers, p, first=embedding, last=embedding + config.model.hidden_size)
+    per_layer = arithmetic.layer_parameters(model)
+    embedding = arithmetic.rows(model, tokenizer) * model.hidden_size
+    return balanced_split([per_layer] * layers, p, first=embedding, last=embedding + model.hidden_size)
 
 
 def balanced_split(costs: list[float], stages: int, first: float = 0.0, last: float = 0.0) -> tuple:

@@ -130,7 +130,7 @@ def build_model(config: Config, tokenizer, tensor_parallel_degree: int, tensor_p
     cls = pipeline_model_class() if pipeline else LlamaForCausalLM
     model_config = llama_config(config, tokenizer, tensor_parallel_degree, tensor_parallel_rank)
     if pipeline:
-        layout = ParallelLayout.from_config(config)
+        layout = config.layout()
         model_config.virtual_pp_degree = layout.virtual_stages
         model_config.stage_boundaries = None if layout.uniform_split else layout.stage_boundaries()
     if config.model.init_from:

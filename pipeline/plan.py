@@ -25,7 +25,6 @@ from pathlib import Path
 
 from core import arithmetic
 from core.config import Config, ConfigError
-from core.config_checks import checked_layout
 from core.layout import ParallelLayout
 
 HELP = "memory and step-time estimates of every layout of a model on a cluster"
@@ -56,9 +55,9 @@ def with_layout(config: Config, **parallel) -> Config:
 def candidate(config: Config, dp: int, tp: int, pp: int, sharding_stage: int, sharding_degree: int,
               micro_batch_size: int, accumulation_steps: int, recompute: bool) -> ParallelLayout:
     """The layout with these degrees on the cluster, validated as a config would be (ConfigError if not valid)."""
-    return checked_layout(with_layout(
+    return with_layout(
         config, data=dp, tensor=tp, pipeline=pp, sharding_stage=sharding_stage, sharding_degree=sharding_degree,
-        micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps, recompute=recompute))
+        micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps, recompute=recompute).layout()
 
 
 def parallel_settings(layout: ParallelLayout) -> dict:
@@ -176,7 +175,7 @@ def run(config: Config, top: int = 10, csv_path: str = "", write: str = "") -> i
     cl = config.cluster
     print(f"model: {arithmetic.parameters(config) / 1e9:.1f}B parameters; cluster: {cl.gpus} GPUs "
           f"({cl.gpus_per_node} per node, {cl.gpu_memory_gb:g} GB)")
-    own = checked_layout(config)
+    own = config.layout()
     if own.world_size == cl.gpus:
         _print_own_layout(config, own)
     dp_only = candidate(config, cl.gpus, 1, 1, 0, 1, 1, max(1, config.training.global_batch_size // cl.gpus), False) \

@@ -26,8 +26,8 @@ from pathlib import Path
 from core import REPO_ROOT, tracking
 
 from core.workarounds import cpu_runtime
-from core.config import Config, ConfigError, load_config, parse_override
-from core.layout import ParallelLayout
+from core.config import Config, ConfigError, load_config
+from core.settings import parse_override
 
 HELP = "train a grid of overrides (key=v1,v2 ...), N at a time, then compare them"
 OWN_OVERRIDES = True  # (a grid, not one config)
@@ -64,7 +64,7 @@ def plan(config_path: str, overrides: list[str], sweep_id: str) -> tuple[list[di
         name = f"{sweep_id}-{i:02d}"
         configs.append(load_config(config_path, [*point, f"training.run_name={name}", f"tracking.sweep={sweep_id}"]))
         points.append({"name": name, "overrides": point, "varies": [o for o in point if o not in fixed],
-                       "world_size": ParallelLayout.from_config(configs[-1]).world_size})
+                       "world_size": configs[-1].layout().world_size})
     return points, configs[0]
 
 

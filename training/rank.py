@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     run_dir = Path(args.run_dir)
     pending = Path(args.pending_config) if args.pending_config else None
     config = load_config(pending or run_dir / "config.yaml")
-    layout = ParallelLayout.from_config(config)
+    layout = config.layout()
     set_up_process(config, layout)
 
     from paddlenlp.data import default_data_collator
@@ -320,7 +320,8 @@ def callbacks(config: Config, layout: ParallelLayout, run_dir: Path, pending: Pa
               first_process: bool, train_blocks: int) -> list:
     """Stop on a signal (`graceful_stop`), promote a resume's config, measure memory, mark checkpoints complete (and prune, upload), and on the first
     process: MLflow records and the console's progress events."""
-    from training.callbacks import FinalStepCallback, MlflowLogger, PeakMemory, PromoteConfig
+    from training.callbacks import FinalStepCallback, PromoteConfig
+    from training.metrics.mlflow_logger import MlflowLogger, PeakMemory
     from training.checkpoint import manager
 
     monitors = visualdl_writers(config, layout, run_dir, first_process)

@@ -195,7 +195,7 @@ MEMORY_BAND = (0.65, 1.10)
 
 def test_plan_memory_estimate_matches_the_measured_peak(world):
     """`make plan`'s per-device memory model against each rank's measured peak tensor memory over the first step
-    (training/callbacks.py PeakMemory); the most loaded rank is what the plan estimates."""
+    (training/metrics/mlflow_logger.py PeakMemory); the most loaded rank is what the plan estimates."""
     from pipeline import plan
     from core.config import load_config
     from core.layout import ParallelLayout
@@ -207,8 +207,8 @@ def test_plan_memory_estimate_matches_the_measured_peak(world):
         if not (runs / layout / "memory").exists():
             train(world, layout)
         config = load_config(world["config"], [*LAYOUTS[layout], f"tokenizer.max_vocab_size={vocab}"])
-        estimate = plan.memory(config, ParallelLayout.from_config(config))["total"]
-        world_size = ParallelLayout.from_config(config).world_size
+        estimate = plan.memory(config, config.layout())["total"]
+        world_size = config.layout().world_size
         records = [json.loads(p.read_text()) for p in sorted((runs / layout / "memory").glob("rank*.json"))]
         assert sorted(r["rank"] for r in records) == list(range(world_size)) and all(r["step"] == 1 for r in records)
         ratios[layout] = max(r["peak_allocated_bytes"] for r in records) / estimate

@@ -3,7 +3,6 @@ import pytest
 
 from core import REPO_ROOT
 from core.config import DEFAULT_CONFIG, ConfigError, load_config
-from core.layout import ParallelLayout
 
 
 def write(tmp_path, text):
@@ -19,7 +18,7 @@ def test_defaults_and_shipped_configs_validate():
     small = load_config(REPO_ROOT / "configs" / "tiny-small.yaml")
     for path in shipped:
         config = load_config(path)
-        layout = ParallelLayout.from_config(config)
+        layout = config.layout()
         assert config.name == path.stem, path
         if path.stem in ("tiny", "tiny-small"):
             assert layout.name == "single", path
@@ -123,7 +122,7 @@ def test_invalid_layouts(overrides, message):
 def test_layout_coordinates_follow_fleet_order():
     config = load_config(None, ["parallel.data=2", "parallel.tensor=2", "parallel.pipeline=2",
                                 "parallel.micro_batch_size=2", "parallel.accumulation_steps=4"])
-    layout = ParallelLayout.from_config(config)
+    layout = config.layout()
     assert layout.world_size == 8 and layout.global_batch_size == 16
     # model axis fastest, then sharding, pipe, data
     assert layout.coordinates(0) == {"data": 0, "pipe": 0, "sharding": 0, "model": 0}
@@ -135,15 +134,15 @@ def test_layout_coordinates_follow_fleet_order():
 
 
 def test_amp_on_cpu_is_accepted_but_inactive():
-    layout = ParallelLayout.from_config(load_config(None, ["parallel.amp_dtype=bfloat16"]))
+    layout = load_config(None, ["parallel.amp_dtype=bfloat16"]).layout()
     assert not layout.amp_effective and layout.as_params()["amp_effective"] == "false"
-    gpu = ParallelLayout.from_config(load_config(None, ["parallel.amp_dtype=bfloat16", "parallel.device=gpu"]))
+    gpu = load_config(None, ["parallel.amp_dtype=bfloat16", "parallel.device=gpu"]).layout()
     assert gpu.amp_effective
 
 
 def test_512_gpu_layout_validates_and_describes():
     config = load_config(REPO_ROOT / "configs" / "llama-100b-512gpu.yaml")
-    layout = ParallelLayout.from_config(config)
+    layout = config.layout()
     assert (layout.tp, layout.pp, layout.dp, layout.world_size) == (8, 16, 4, 512)
     text = layout.describe()
     assert "world size 512" in text and "pipeline stage 15" in text
@@ -158,10 +157,10 @@ def test_too_many_processes_for_this_machine(monkeypatch):
     """CPU: at most 2 processes per core (the machine's core count is pinned so the test means the same anywhere)."""
     monkeypatch.setattr("core.workarounds.cpu_runtime.available_cores", lambda: 2)
     fits = load_config(None, ["parallel.data=4", "parallel.micro_batch_size=4"])
-    ParallelLayout.from_config(fits).check_fits_machine()
+    fits.layout().check_fits_machine()
     config = load_config(None, ["parallel.data=8", "parallel.micro_batch_size=2"])
     with pytest.raises(ConfigError, match="needs 8 processes on this node but only 4 CPU processes"):
-        ParallelLayout.from_config(config).check_fits_machine()
+        config.layout().check_fits_machine()
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -3,7 +3,6 @@ import pytest
 
 from core.workarounds import cpu_runtime
 from core.config import ConfigError, load_config
-from core.layout import ParallelLayout
 
 
 @pytest.mark.parametrize("vendor, version, environ, expected", [
@@ -42,12 +41,11 @@ def test_threads_per_process(configured, processes, cores, expected):
 
 def test_threads_override_must_fit_the_cores(monkeypatch):
     monkeypatch.setattr("core.workarounds.cpu_runtime.available_cores", lambda: 4)
-    ok = ParallelLayout.from_config(load_config(None, ["parallel.data=2", "parallel.micro_batch_size=8",
-                                                       "parallel.cpu_threads=2"]))
+    ok = load_config(None, ["parallel.data=2", "parallel.micro_batch_size=8", "parallel.cpu_threads=2"]).layout()
     ok.check_fits_machine()
     assert ok.threads_per_rank() == 2
-    too_many = ParallelLayout.from_config(load_config(None, ["parallel.data=2", "parallel.micro_batch_size=8",
-                                                             "parallel.cpu_threads=3"]))
+    too_many = load_config(None, ["parallel.data=2", "parallel.micro_batch_size=8",
+                               "parallel.cpu_threads=3"]).layout()
     with pytest.raises(ConfigError, match=r"2 processes x 3 threads = 6 > the 4 cores"):
         too_many.check_fits_machine()
     with pytest.raises(ConfigError, match="parallel.cpu_threads: must be >= 0"):

@@ -1,18 +1,20 @@
-"""Docs that cannot drift: every config key is in README's configuration reference, and every module of the code is
-in docs/architecture.md's module map."""
+"""Docs that cannot drift: every config key is in README's configuration reference with its declared default and
+allowed values (core/config.py, core/settings.py `option`), and every module of the code is in docs/architecture.md's
+module map."""
 import dataclasses
 import re
 
 from core import REPO_ROOT
 from core.config import Config
+from core.settings import declared
 
 README = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
 ARCHITECTURE = (REPO_ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
 
 
-def reference_rows() -> dict[str, str]:
+def reference_rows(readme: str = README) -> dict[str, str]:
     """README's `| `section` | keys ... |` rows of the config reference."""
-    table = README.split("## Config reference", 1)[1].split("\n## ", 1)[0]
+    table = readme.split("## Config reference", 1)[1].split("\n## ", 1)[0]
     return {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+)` \| (.*)\|$", table, re.M)}
 
 
@@ -28,6 +30,76 @@ def test_every_config_key_is_in_the_configuration_reference():
             if f"`{key.name}`" not in row:
                 missing.append(f"{section.name}.{key.name}")
     assert not missing, f"not in README's config reference: {', '.join(missing)}"
+
+
+def declarations() -> dict[str, dict[str, dict]]:
+    """section -> key -> its declared default and rules."""
+    return {f.name: declared(type(getattr(Config(), f.name))) for f in dataclasses.fields(Config)
+            if dataclasses.is_dataclass(getattr(Config(), f.name))}
+
+
+def _parenthesis(row: str, key: str) -> str | None:
+    """What README says in the parenthesis right after `key`, nested ones included."""
+    found = re.search(rf"`{key}` \(", row)
+    if not found:
+        return None
+    depth, end = 1, found.end()
+    while depth and end < len(row):
+        depth += {"(": 1, ")": -1}.get(row[end], 0)
+        end += 1
+    return row[found.end():end - 1]
+
+
+def _literal(text: str, default):
+    """The parenthesis' first clause read as a value of the default's type; None when it is prose."""
+    word = text.strip().strip("`")
+    if isinstance(default, bool):
+        return {"true": True, "false": False}.get(word)
+    if isinstance(default, (int, float)):
+        try:
+            return type(default)(float(word))
+        except ValueError:
+            return None
+    if isinstance(default, str):
+        return "" if word == '""' else word if re.fullmatch(r"[\w.@/+-]+", word) else None
+    return None
+
+
+def reference_mismatches(readme: str, sections: dict[str, dict[str, dict]]) -> list[str]:
+    """A key's parenthesis in README begins with its allowed values (`a/b/c`, the default first) when it has some,
+    else with its default where it gives one as a value (`(8)`, `(true)`, `("")`); either must be the declared one."""
+    rows, wrong = reference_rows(readme), []
+    for section, keys in sections.items():
+        for key, declared_as in keys.items():
+            text = _parenthesis(rows.get(section, ""), key)
+            if text is None:
+                wrong += [f"{section}.{key}: no (allowed values)"] if "allowed" in declared_as else []
+                continue
+            clause = re.split(r"[:;]| = |, ", text, maxsplit=1)[0]
+            if "allowed" in declared_as:
+                said = [v.strip().strip("`").strip() for v in clause.split("/")]
+                if said != list(declared_as["allowed"]):
+                    wrong.append(f"{section}.{key}: README says {'/'.join(said)}, declared "
+                                 f"{'/'.join(declared_as['allowed'])}")
+            elif _literal(clause, declared_as["default"]) not in (None, declared_as["default"]):
+                wrong.append(f"{section}.{key}: README says {clause}, declared default {declared_as['default']!r}")
+    return wrong
+
+
+def test_the_configuration_reference_gives_the_declared_defaults_and_allowed_values():
+    assert reference_mismatches(README, declarations()) == []
+
+
+def test_the_reference_check_sees_a_wrong_value_planted_on_either_side():
+    sections = declarations()
+    assert reference_mismatches(README.replace("`lora_rank` (8)", "`lora_rank` (9)"), sections) == [
+        "finetune.lora_rank: README says 9, declared default 8"]
+    assert reference_mismatches(README.replace("(cosine/linear/constant)", "(cosine/linear/step)"), sections) == [
+        "training.lr_scheduler: README says cosine/linear/step, declared cosine/linear/constant"]
+    planted = {**sections, "serving": {**sections["serving"], "scheduler": {
+        "default": "continuous", "allowed": ("continuous", "static", "priority")}}}
+    assert reference_mismatches(README, planted) == [
+        "serving.scheduler: README says continuous/static, declared continuous/static/priority"]
 
 
 def module_map(text: str) -> set[str]:

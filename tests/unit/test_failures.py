@@ -1,6 +1,5 @@
 """Which rank failed and why, from the ranks' logs (training/launch/failures.py), on hand-written logs. Fast."""
 from core.config import load_config
-from core.layout import ParallelLayout
 from training.launch.failures import diagnose, failing_rank, rank_logs
 
 STEP = "loss: 5.1, global_step: 3\n"
@@ -48,7 +47,7 @@ def test_rank_logs_of_several_nodes_get_global_rank_numbers(tmp_path):
 
 
 def test_diagnosis_lines(tmp_path):
-    layout = ParallelLayout.from_config(load_config(None, ["parallel.data=2", "parallel.micro_batch_size=8", "training.global_batch_size=16"]))
+    layout = load_config(None, ["parallel.data=2", "parallel.micro_batch_size=8", "training.global_batch_size=16"]).layout()
     (tmp_path / "checkpoints").mkdir()
     kind, line = diagnose(tmp_path, layout, 1, "raised an exception", {1: "OSError: [Errno 28] No space left on device"})
     assert kind == "disk_full" and f"make train RESUME={tmp_path}" in line and "MiB free" in line

@@ -7,7 +7,6 @@ import pytest
 
 from core import REPO_ROOT
 from core.config import ConfigError, load_config
-from core.layout import ParallelLayout
 
 GPU_100B = REPO_ROOT / "configs" / "llama-100b-512gpu.yaml"
 # Every setting of the section on, in two configs (PaddleNLP allows data- or sharding-overlap, not both).
@@ -37,7 +36,7 @@ def translate(config, tokenizer):
     from model.llama import llama_config
     from training.rank import training_argument_values
 
-    layout = ParallelLayout.from_config(config)
+    layout = config.layout()
     values = training_argument_values(config, layout, Path("unused"))
     unknown = set(values) - {f.name for f in dataclasses.fields(TrainingArguments)}
     assert not unknown, unknown  # every key is an argument PaddleNLP 2.8.1 knows

@@ -3,7 +3,6 @@ import pytest
 
 from core import REPO_ROOT, arithmetic
 from core.config import load_config
-from core.config_checks import checked_layout
 from pipeline import plan
 
 # hidden 1024, 4 layers, 8 heads (= KV heads), intermediate 4096, vocabulary 1000, 128-token sequences.
@@ -69,13 +68,13 @@ def test_the_100b_example(tmp_path):
     rows = plan.rank(config, plan.enumerate_layouts(config))
     assert all(r["parallel"].tp <= 8 for r in rows)  # tensor groups stay inside a node
     fitting = [r["layout"] for r in rows if r["fits"]]
-    assert plan.label(checked_layout(config)) in fitting  # tp8 x pp16 x dp4 fits (20.7 GB of 72)
+    assert plan.label(config.layout()) in fitting  # tp8 x pp16 x dp4 fits (20.7 GB of 72)
     assert not any(r["fits"] for r in rows if r["parallel"].tp * r["parallel"].pp == 1 and
                    r["parallel"].sharding_stage == 0)
     assert [r["step_s"] for r in rows if r["fits"]] == sorted(r["step_s"] for r in rows if r["fits"])
     assert plan.run(config, top=3, csv_path=str(tmp_path / "plan.csv"), write=str(tmp_path / "chosen.yaml")) == 0
     written = load_config(tmp_path / "chosen.yaml")
-    assert ParallelLayout.from_config(written).world_size == 512 and written.parallel.nnodes == 64
+    assert written.layout().world_size == 512 and written.parallel.nnodes == 64
     assert len((tmp_path / "plan.csv").read_text().splitlines()) == len(rows) + 1
 
 
@@ -133,7 +132,7 @@ def test_the_100b_plan_shows_flash_attention_and_sequence_parallelism_side_by_si
     from core import REPO_ROOT
     config = load_config(REPO_ROOT / "configs" / "llama-100b-512gpu.yaml", ["cluster.gpus=512"])
     assert config.performance.flash_attention and config.performance.sequence_parallel
-    variants = dict(plan.performance_variants(config, checked_layout(config)))
+    variants = dict(plan.performance_variants(config, config.layout()))
     assert list(variants) == ["as configured", "without flash attention", "without sequence parallelism",
                               "without either"]
     act = {k: v["activations"] for k, v in variants.items()}
@@ -157,5 +156,5 @@ def test_plan_and_a_dry_run_work_on_every_shipped_config(path, capsys):
     out = capsys.readouterr().out
     assert " fit; " in out and " 0 fit" not in out
     assert train.run(config, dry_run=True) == 0
-    layout = checked_layout(config)
+    layout = config.layout()
     assert f"layout {layout.name}: world size {layout.world_size} = " in capsys.readouterr().out

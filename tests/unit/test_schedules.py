@@ -72,7 +72,7 @@ def test_render_text_marks_idle_and_order():
 
 
 def layout(*overrides: str, config: str = PP2) -> ParallelLayout:
-    return ParallelLayout.from_config(load_config(config, list(overrides)))
+    return load_config(config, list(overrides)).layout()
 
 
 def test_stage_split_from_list_uniform_and_parameters():

@@ -7,7 +7,6 @@ import pytest
 from training.launch import train_run as train
 from core.config import load_config
 from core.errors import ConfigError
-from core.layout import ParallelLayout
 from training import semi_auto
 @pytest.mark.parametrize("layer,param,expected", [
     ("llama.layers.0.self_attn.q_proj", "weight", ("R", "S1")),  # column parallel: [in, out] split on out
@@ -25,7 +24,7 @@ def test_placements(layer, param, expected):
 
 
 def test_semi_auto_layouts_and_refusals():
-    layout = ParallelLayout.from_config(load_config("configs/tiny-dp2tp2.yaml", ["parallel.mode=semi_auto"]))
+    layout = load_config("configs/tiny-dp2tp2.yaml", ["parallel.mode=semi_auto"]).layout()
     assert layout.name == "dp2-tp2-semi-auto" and layout.as_params()["mode"] == "semi_auto"
     with pytest.raises(ConfigError, match="pipeline or sharding, which need parallel.mode=manual"):
         load_config("configs/tiny-pp2.yaml", ["parallel.mode=semi_auto"])

@@ -39,7 +39,7 @@ class Check:
 def checks(config: Config) -> list[Check]:
     import paddle
 
-    layout = ParallelLayout.from_config(config)
+    layout = config.layout()
     if not paddle.is_compiled_with_cuda():
         out = [Check("paddle", True, f"{paddle.__version__}, CPU build")]
         if layout.device == "gpu":

@@ -49,7 +49,7 @@ def worker_env(config: Config, layout: ParallelLayout, uri: str, run_id: str | N
     if run_id:
         env["PIPELINE_MLFLOW_RUN_ID"] = run_id
     # A tracking-server outage must not stall training in MLflow's own retry loop (7 retries with backoff by
-    # default): fail fast, and the logger buffers and re-sends (training/callbacks.py).
+    # default): fail fast, and the logger buffers and re-sends (training/metrics/mlflow_logger.py).
     env["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
     env.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
     if layout.device == "cpu":

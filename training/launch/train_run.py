@@ -89,7 +89,7 @@ def resumed_config(resume: str, overrides: list[str]) -> Config:
 
 
 def resolve(config: Config, resume: str, dry_run: bool = False) -> Launch:
-    layout = ParallelLayout.from_config(config)
+    layout = config.layout()
     store = nodes.meeting_store(config)
     if not resume and store is not None and nodes.node_rank() == 0 and config.training.run_name and not dry_run:
         resume = _requeued(config, store)

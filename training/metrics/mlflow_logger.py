@@ -27,7 +27,7 @@ class MlflowLogger(TrainerCallback):
 
     def __init__(self, client, run_id: str, seq_length: int, run_dir: Path, max_uploads: int = 2, mirror=None):
         self.client, self.run_id, self.seq_length, self.run_dir = client, run_id, seq_length, run_dir
-        self.mirror = mirror  # (metrics, step) -> None: VisualDL's writer gets the same numbers (training/monitor.py)
+        self.mirror = mirror  # (metrics, step) -> None: VisualDL's writer gets the same numbers (training/metrics/visualdl_writers.py)
         self.max_uploads = max_uploads
         self.pending: list[dict] = []  # not yet handed to the sender
         self.sending: list[dict] = []  # the sender's current batch

@@ -1,6 +1,6 @@
 """VisualDL, Paddle's training dashboard, for every run (docs/monitoring.md): `runs/<run>/visualdl/`.
 
-    train/     rank 0: the numbers MLflow gets (training/callbacks.py MlflowLogger hands each one here too): loss,
+    train/     rank 0: the numbers MLflow gets (training/metrics/mlflow_logger.py MlflowLogger hands each one here too): loss,
                learning rate, tokens/s, step time, eval loss and perplexity, checkpoint stall; the run's settings as
                hparams (runs of a sweep compare on one page)
     stage-<k>/ a pipeline run, one writer per stage (its first tensor / data replica): forward, backward, step and
