@@ -1,7 +1,7 @@
 """The one typed config of the pipeline: a section per component, each option declared once.
 
-Each option is declared in its section with its type and default, and its allowed values or bound (core/settings.py
-`option`); each section checks itself beside its fields (`check`), and the rules that join sections are in one place
+Each option is declared in its section with its type and default, and its allowed values or bound (`option`
+below); each section checks itself beside its fields (`check`), and the rules that join sections are in one place
 (`_cross_section_rules`, the layout's `_layout_rules`). YAML files in `configs/` and `key=value` overrides are read
 into these declarations and checked before anything starts, each error naming the key and what is allowed. A component
 is handed its own section (`config.storage`, `config.serving`, ...), not the whole Config.
@@ -21,7 +21,50 @@ from core import REPO_ROOT, hf_checkpoint
 from core.errors import ConfigError, require  # noqa: F401  (ConfigError: every caller imports it from here)
 from core.files import DATA_CACHE
 from core.layout import ParallelLayout
-from core.settings import apply_override, build, check_declared, option, parse_override, read_yaml
+from core.config_loading import apply_override, build, parse_override, read_yaml
+
+# -- how an option is declared and checked -----------------------------------------------------------------------
+def option(default: Any = dataclasses.MISSING, *, factory=None, allowed: tuple | None = None,
+           above: float | None = None, minimum: float | None = None):
+    """A field with its checks in its declaration: `allowed` values (the default first), a value `above` a bound
+    (> it) or at least `minimum` (>= it). README's config reference is checked against these
+    (tests/unit/test_docs.py)."""
+    rules = {k: v for k, v in (("allowed", allowed), ("above", above), ("minimum", minimum)) if v is not None}
+    if allowed is not None:
+        assert (factory() if factory else default) == allowed[0], "the default is the first allowed value"
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=rules)
+    return dataclasses.field(default=default, metadata=rules)
+
+
+def one_of(key: str, value: Any, allowed: tuple) -> None:
+    require(value in allowed, f"{key}: {value!r} is not allowed; use one of {', '.join(map(repr, allowed))}")
+
+
+def positive(key: str, value: float) -> None:
+    require(value > 0, f"{key}: must be > 0, got {value}")
+
+
+def check_declared(section, prefix: str) -> None:
+    """The rules `option` declared on `section`'s fields, in declaration order."""
+    for f in dataclasses.fields(section):
+        key, value, rules = f"{prefix}.{f.name}", getattr(section, f.name), f.metadata
+        if "allowed" in rules:
+            one_of(key, value, rules["allowed"])
+        if "above" in rules:
+            require(value > rules["above"], f"{key}: must be > {rules['above']:g}, got {value}")
+        if "minimum" in rules:
+            require(value >= rules["minimum"], f"{key}: must be >= {rules['minimum']:g}, got {value}")
+
+
+def declared(section_class) -> dict[str, dict]:
+    """field name -> {"default": ..., and the rules `option` declared}, for the docs' checks."""
+    out = {}
+    for f in dataclasses.fields(section_class):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        out[f.name] = {"default": default, **f.metadata}
+    return out
+
 
 # The config every verb uses when none is given (the Makefile's CONFIG default too).
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "tiny.yaml"
@@ -728,7 +771,7 @@ def _performance_rules(perf: PerformanceConfig, p: ParallelConfig) -> None:
             "placements name the unfused q/k/v and gate/up weights)")
 
 
-# -- loading: YAML -> the dataclasses (core/settings.py), our own migrations, then the checks ------------------------
+# -- loading: YAML -> the dataclasses (core/config_loading.py), our own migrations, then the checks ----------------
 def _earlier_keys(data: dict) -> None:
     """A run's config.yaml written by an earlier version, read as today's: model.rope_scaling_factor (a linear
     factor, 1 = none) is model.rope_scaling, Hugging Face's object."""

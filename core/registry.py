@@ -38,7 +38,7 @@ def resolve(config: Config, model: str = "") -> Path:
         path = Path(model).resolve()
         exportdir.read_meta(path)  # a clear error when it is not an export directory
         return path
-    uri = tracking.tracking_uri(config)
+    uri = tracking.tracking_uri(config.tracking)
     tracking.check_reachable(uri)
     client = tracking.client(uri)
     name, version, alias = parse_models_uri(model) if model else (config.export.registered_model_name, "latest", None)

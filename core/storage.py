@@ -105,9 +105,8 @@ class Store:
                               read_timeout=60, max_pool_connections=max(10, threads * 2)))
 
     @classmethod
-    def of(cls, config, uri: str = "", attempts: int = 3) -> "Store":
-        """The store `uri` (default storage.uri) with the config's storage settings (retries, transfer threads)."""
-        s = config.storage
+    def of(cls, s, uri: str = "", attempts: int = 3) -> "Store":
+        """The store `uri` (default storage.uri) with the storage section's settings (retries, transfer threads)."""
         return cls(uri or s.uri, attempts=attempts, retry_s=s.retry_s, threads=s.transfer_threads)
 
     def name(self) -> str:

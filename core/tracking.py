@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 from core import REPO_ROOT
-from core.config import Config, ConfigError
+from core.config import Config, ConfigError, TrackingConfig
 
 MLFLOW_DIR = REPO_ROOT / "mlflow"
 # MLflow 3.x refuses the plain ./mlruns file store, so the default local store is SQLite with artifacts beside it.
@@ -25,10 +25,11 @@ TAG_LAUNCHER = "pipeline.launcher"  # host:pid:start-time of the `make train` pr
 UNSENT_RECORDS = "unsent_records.jsonl"
 
 
-def tracking_uri(config: Config | None = None) -> str:
-    """The config's URI, else $MLFLOW_TRACKING_URI, else the local SQLite store under mlflow/."""
-    if config is not None and config.tracking.tracking_uri:
-        return config.tracking.tracking_uri
+def tracking_uri(section: TrackingConfig | None = None) -> str:
+    """The config's URI (its `tracking` section), else $MLFLOW_TRACKING_URI, else the local SQLite store under
+    mlflow/."""
+    if section is not None and section.tracking_uri:
+        return section.tracking_uri
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{LOCAL_STORE}"
 
 

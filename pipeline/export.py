@@ -50,7 +50,7 @@ def run(base: Config, experiment: str = "", metric: str = "", run_id: str = "",
     metric and tracking URI to select from."""
     quiet_libraries()
     began = time.time()
-    uri = tracking.tracking_uri(base)
+    uri = tracking.tracking_uri(base.tracking)
     tracking.check_reachable(uri)
     client = tracking.client(uri)
     chosen = select(client, experiment or base.tracking.experiment, metric or base.export.metric, run_id)

@@ -100,7 +100,7 @@ def _from_directory(path: Path, tokenizer_path: str = "") -> Base:
 
 def _from_run(config: Config, run_id: str, step: int | None = None, uri: str = "") -> Base:
     source_run.quiet_libraries()
-    tracking_uri = tracking.tracking_uri(config)
+    tracking_uri = tracking.tracking_uri(config.tracking)
     tracking.check_reachable(tracking_uri)
     client = tracking.client(tracking_uri)
     try:
@@ -108,7 +108,7 @@ def _from_run(config: Config, run_id: str, step: int | None = None, uri: str = "
     except Exception as exc:  # noqa: BLE001  (ExportError: no such run / experiment / checkpoint)
         raise ConfigError(f"the base model: {exc}" + ("" if run_id else "; train one first (make train), or pass "
                                                       "MODEL=<run id, checkpoint directory or models:/...>")) from None
-    kept = rundir.runs_root(config) / ".bases" / chosen.run_id
+    kept = rundir.runs_root(config.training) / ".bases" / chosen.run_id
     downloaded = kept / Path(chosen.info.get("artifact", "-")).name
     if chosen.local_checkpoint is None and (downloaded / "config.json").is_file():  # (downloaded before)
         checkpoint, recorded, tokenizer = downloaded, kept / "config.yaml", kept / "tokenizer"
@@ -124,7 +124,7 @@ def _from_version(config: Config, uri: str) -> Base:
     """A registered version's source run and the checkpoint it was exported from."""
     from core.registry import model_version
 
-    client = tracking.client(tracking.tracking_uri(config))
+    client = tracking.client(tracking.tracking_uri(config.tracking))
     version = model_version(client, uri)
     name = uri.split(":/", 1)[1].split("/")[0].split("@")[0]
     return _from_run(config, version.run_id, int(version.tags["checkpoint_step"]),

@@ -43,7 +43,7 @@ def run(config: Config, model: str, alias: str = "champion", metric: str = "eval
                           "others lower)")
     if not alias.replace("-", "_").isidentifier():
         raise ConfigError(f"ALIAS={alias}: a plain name such as champion")
-    client = tracking.client(tracking.tracking_uri(config))
+    client = tracking.client(tracking.tracking_uri(config.tracking))
     candidate = _version(client, name, version)
     holder = _holder(client, name, alias)
     evidence = judge(candidate, holder, alias, metric, force)

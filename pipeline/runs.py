@@ -19,7 +19,7 @@ def arguments(p) -> None:
 
 def main(config: Config, args) -> int:
     experiment, stale_after_s = args.experiment or config.tracking.experiment, config.tracking.stale_after_s
-    client = tracking.client(tracking.tracking_uri(config))
+    client = tracking.client(tracking.tracking_uri(config.tracking))
     found = running(client, experiment, stale_after_s)
     print(f"{len(found)} RUNNING run(s) in experiment {experiment!r}")
     for run, state, why in found:

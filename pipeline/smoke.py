@@ -29,7 +29,7 @@ def smoke(config: Config) -> int:
     state = read_state(default_state_dir(config))
     if not state:
         raise ConfigError("no running server; start it with `make serve`")
-    failures = run_smoke(state, tracking.client(tracking.tracking_uri(config)))
+    failures = run_smoke(state, tracking.client(tracking.tracking_uri(config.tracking)))
     print("SMOKE", "PASS" if not failures else f"FAIL ({len(failures)} checks)")
     if not failures:
         print(samples(state, config.serving.default_max_new_tokens))

@@ -27,7 +27,7 @@ from core import REPO_ROOT, tracking
 
 from core.workarounds import cpu_runtime
 from core.config import Config, ConfigError, load_config
-from core.settings import parse_override
+from core.config_loading import parse_override
 
 HELP = "train a grid of overrides (key=v1,v2 ...), N at a time, then compare them"
 OWN_OVERRIDES = True  # (a grid, not one config)
@@ -91,7 +91,7 @@ def run(config: Config, config_path: str, overrides: list[str], sweep_id: str = 
     widest = max(p["world_size"] for p in points)
     at_once = parallel or max(1, cores // widest)
     threads = max(1, cores // (at_once * widest))
-    uri = tracking.tracking_uri(base)
+    uri = tracking.tracking_uri(base.tracking)
     client = tracking.client(uri)
     experiment = base.tracking.experiment
     print(f"sweep {sweep_id}: {len(points)} runs, {at_once} at a time ({threads} thread(s) per process); logs "

@@ -188,7 +188,7 @@ def training_argument_values(config, layout: ParallelLayout, output_dir: Path) -
         # Full (merged) tensors in safetensors: export and resume do not depend on the training layout.
         unified_checkpoint=not semi_auto,
         # PaddleNLP's async branch (host snapshot), written by our writer thread: training/checkpoint/async_write.py
-        unified_checkpoint_config="async_save" if async_write.enabled(config, layout) else "",
+        unified_checkpoint_config="async_save" if async_write.enabled(config.training, layout) else "",
         ignore_save_lr_and_optim=semi_auto,  # see training/semi_auto.py
         device=layout.device,
         no_cuda=layout.device == "cpu",
@@ -322,7 +322,7 @@ def callbacks(config: Config, layout: ParallelLayout, run_dir: Path, pending: Pa
     process: MLflow records and the console's progress events."""
     from training.callbacks import FinalStepCallback, PromoteConfig
     from training.metrics.mlflow_logger import MlflowLogger, PeakMemory
-    from training.checkpoint import manager
+    from training.checkpoint import async_write, manager
 
     monitors = visualdl_writers(config, layout, run_dir, first_process)
     mlflow_logger = None
@@ -335,7 +335,10 @@ def callbacks(config: Config, layout: ParallelLayout, run_dir: Path, pending: Pa
                                      mirror=monitors[0].add_metrics if monitors and first_process else None)
     import paddle.distributed as dist
 
-    checkpoints = manager.for_rank(config, layout, run_dir, dist.get_rank(), mlflow_logger)
+    checkpoints = manager.for_rank(config.storage, layout, run_dir, dist.get_rank(), mlflow_logger,
+                                   async_save=async_write.enabled(config.training, layout),
+                                   upload_mode=config.tracking.checkpoint_artifacts, metric=config.export.metric,
+                                   keep=config.training.keep_checkpoints)
     found = [FinalStepCallback(), graceful_stop, PromoteConfig(pending, run_dir / "config.yaml", checkpoints.owner),
              PeakMemory(run_dir, layout.device), checkpoints]
     if mlflow_logger:
@@ -367,7 +370,7 @@ def visualdl_writers(config: Config, layout: ParallelLayout, run_dir: Path, firs
     logdir = run_dir / writers.LOGDIR
     found = []
     if first_process:
-        found.append(writers.VisualDLWriter(logdir / "train", writers.hparams(config),
+        found.append(writers.VisualDLWriter(logdir / "train", writers.hparams(config.model, config.training, config.parallel),
                                             ("train/loss", "eval/loss", "train/tokens_per_second")))
     if layout.pp > 1 and config.parallel.mode != "semi_auto":
         stage = writers.stage_writer_rank()

@@ -26,14 +26,14 @@ LOGDIR = "visualdl"  # (training/metrics/visualdl_writers.py LOGDIR: a run's log
 
 
 def state_dir(config: Config) -> Path:
-    return runs_root(config) / "visualdl-server"
+    return runs_root(config.training) / "visualdl-server"
 
 
 def logdir_for(config: Config, run: str) -> tuple[Path, str]:
     """(the directory VisualDL reads, what it shows): RUN= a run directory or a run's name under runs_dir (one run),
     an MLflow experiment (its runs side by side, through a directory of links named after the runs), or "" (the
     newest run that has logs)."""
-    root = runs_root(config)
+    root = runs_root(config.training)
     if run and (Path(run) / LOGDIR).is_dir():
         return Path(run).resolve() / LOGDIR, f"run {Path(run).name}"
     if run and (root / run / LOGDIR).is_dir():
@@ -43,11 +43,11 @@ def logdir_for(config: Config, run: str) -> tuple[Path, str]:
         if not runs:
             raise ConfigError(f"no run under {root} has VisualDL logs yet; train one (make train), or RUN=<run>")
         return runs[-1], f"run {runs[-1].parent.name} (the newest)"
-    client = tracking.client(tracking.tracking_uri(config))
+    client = tracking.client(tracking.tracking_uri(config.tracking))
     experiment = client.get_experiment_by_name(run)
     if experiment is None:
         raise ConfigError(f"RUN={run}: neither a run (a directory, or a name under {root}) nor an MLflow experiment "
-                          f"in {tracking.display_uri(tracking.tracking_uri(config))}")
+                          f"in {tracking.display_uri(tracking.tracking_uri(config.tracking))}")
     view = state_dir(config) / f"experiment-{experiment.experiment_id}"
     view.mkdir(parents=True, exist_ok=True)
     for link in view.iterdir():

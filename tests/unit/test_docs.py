@@ -1,12 +1,11 @@
 """Docs that cannot drift: every config key is in README's configuration reference with its declared default and
-allowed values (core/config.py, core/settings.py `option`), and every module of the code is in docs/architecture.md's
+allowed values (core/config.py `option`), and every module of the code is in docs/architecture.md's
 module map."""
 import dataclasses
 import re
 
 from core import REPO_ROOT
-from core.config import Config
-from core.settings import declared
+from core.config import Config, declared
 
 README = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
 ARCHITECTURE = (REPO_ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")

@@ -44,7 +44,7 @@ def test_who_marks_a_checkpoint_complete(shared, owners, peers_of_3):
     config = load_config(None, ["parallel.nnodes=2", "parallel.data=4", "parallel.micro_batch_size=4",
                                 "storage.uri=s3://bucket/p", f"storage.shared_filesystem={str(shared).lower()}"])
     layout = config.layout()
-    roles = [checkpoint_roles(config, layout, rank) for rank in range(4)]
+    roles = [checkpoint_roles(config.storage, layout, rank) for rank in range(4)]
     assert [rank for rank, (owner, _) in enumerate(roles) if owner] == owners
     assert roles[3][1] == peers_of_3
 

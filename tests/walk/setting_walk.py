@@ -4,8 +4,10 @@ climbs back from a lower layer to a higher one (layers: tests/unit/test_layers.p
 
     python tests/walk/setting_walk.py finetune.method -- python -m pipeline finetune --model <run> ...
 
-A file entered, left for a lower layer and entered again counts once in `files`; every step up counts in `climbs`.
-Each process is traced by tests/walk/sitecustomize.py (sys.setprofile), so ranks started by the launcher count too.
+A file entered, left for a lower layer and entered again counts once in `files`; every step up counts in `climbs`. A
+method of the value itself (`config.layout()`, a section's `check()`) is the value, not a hand-off: counted only in
+`files_with_own_methods` / `climbs_with_own_methods`. Each process is traced by tests/walk/sitecustomize.py
+(sys.setprofile), so ranks started by the launcher count too.
 """
 from __future__ import annotations
 
@@ -33,15 +35,26 @@ def layer(path: str) -> int:
     return LAYERS.get(path.split("/")[0], -1)
 
 
+def _collapsed(seq: list[str]) -> list[str]:
+    return [f for i, f in enumerate(seq) if i == 0 or seq[i - 1] != f]
+
+
 def walk(records: list[list[str]]) -> dict:
-    files = sorted({f for seq in records for f in seq})
-    climbs = sum(1 for seq in records for a, b in zip(seq, seq[1:]) if layer(b) > layer(a))
-    entered = {}
-    for seq in records:
-        for f in seq:
-            entered[f] = entered.get(f, 0) + 1
-    return {"files": len(files), "climbs": climbs, "processes": len(records),
-            "packages": sorted({f.split("/")[0] for f in files}), "entered": dict(sorted(entered.items()))}
+    """`files` and `climbs` count the files whose functions are handed the value; `*_with_own_methods` also count
+    entering a file through a method of the value itself (Config.layout(), a section's check())."""
+    out = {}
+    for suffix, keep in (("", lambda f: not f.endswith("#own")), ("_with_own_methods", lambda f: True)):
+        seqs = [_collapsed([f.removesuffix("#own") for f in seq if keep(f)]) for seq in records]
+        files = sorted({f for seq in seqs for f in seq})
+        out["files" + suffix] = len(files)
+        out["climbs" + suffix] = sum(1 for seq in seqs for a, b in zip(seq, seq[1:]) if layer(b) > layer(a))
+        if not suffix:
+            entered = {}
+            for seq in seqs:
+                for f in seq:
+                    entered[f] = entered.get(f, 0) + 1
+            out.update(packages=sorted({f.split("/")[0] for f in files}), entered=dict(sorted(entered.items())))
+    return {**out, "processes": len(records)}
 
 
 def main() -> int:

@@ -31,8 +31,11 @@ def _profile(frame, event, arg):
         return
     names = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
     local = frame.f_locals
-    if any(_carries(local.get(n)) for n in names):
-        relative = os.path.relpath(path, _ROOT)
+    handed = [n for n in names if _carries(local.get(n))]
+    if handed:
+        # (a method of the carrier itself -- config.layout(), a section's check() -- is the value, not a hand-off)
+        own = handed == ["self"] and type(local["self"]).__name__ in _TYPES
+        relative = os.path.relpath(path, _ROOT) + ("#own" if own else "")
         if not _files or _files[-1] != relative:
             _files.append(relative)
         call = f"{relative}:{code.co_name}"

@@ -65,9 +65,10 @@ class Writer(threading.Thread):
         self.check()
 
 
-def enabled(config, layout) -> bool:
-    """training.async_checkpoint applies to unified checkpoints (semi_auto saves its own way, synchronously)."""
-    return config.training.async_checkpoint and layout.mode != "semi_auto"
+def enabled(training, layout) -> bool:
+    """training.async_checkpoint (the training section's) applies to unified checkpoints (semi_auto saves its own
+    way, synchronously)."""
+    return training.async_checkpoint and layout.mode != "semi_auto"
 
 
 def writer() -> Writer:

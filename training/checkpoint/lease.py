@@ -168,14 +168,14 @@ class Held:
         self.lock.release()
 
 
-def hold(run_dir: Path, config, on_lost) -> Held:
+def hold(run_dir: Path, storage, on_lost) -> Held:
     """Become the run's one writer (this process, for the ranks it starts: $PIPELINE_WRITER_ID), or raise
     ConfigError naming the holder. `on_lost`: called if the store's lease is lost while training."""
     holder = writer_id()
     lock = LocalLock(run_dir, holder)
     store_lease = None
-    if config.storage.uri:
-        store_lease = StoreLease(Store.of(config), run_dir.name, holder, config.storage.lease_s, on_lost)
+    if storage.uri:  # (the config's storage section)
+        store_lease = StoreLease(Store.of(storage), run_dir.name, holder, storage.lease_s, on_lost)
         try:
             print(store_lease.acquire(), flush=True)
         except BaseException:

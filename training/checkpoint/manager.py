@@ -28,11 +28,11 @@ from training.checkpoint.local import (DONE_MARKER_PREFIX, checkpoint_info, comp
 from training.checkpoint.store import record_missing
 
 
-def checkpoint_roles(config, layout, rank: int) -> tuple[bool, range]:
+def checkpoint_roles(storage, layout, rank: int) -> tuple[bool, range]:
     """Whether `rank` marks checkpoints complete, and over which ranks' parts: rank 0 over every rank (one run
     directory), or, when the nodes share no filesystem (storage.shared_filesystem=false), each node's first rank
     over its node's ranks (`--rank NODE_RANK` gives node k the ranks k*n .. k*n+n-1)."""
-    if config.storage.shared_filesystem or layout.nnodes == 1:
+    if storage.shared_filesystem or layout.nnodes == 1:
         return rank == 0, range(layout.world_size)
     first = rank - rank % layout.procs_per_node
     return rank == first, range(first, first + layout.procs_per_node)
@@ -48,29 +48,29 @@ def should_upload(mode: str, metric: str, info: dict, earlier: list[dict]) -> bo
     return all(info[metric] < e[metric] for e in earlier if metric in e)
 
 
-def for_rank(config, layout, run_dir: Path, rank: int, mlflow_logger) -> "CheckpointManager":
-    """This rank's manager: its role, the asynchronous writer (training.async_checkpoint) and, on an owner with
-    storage.uri, the uploader."""
+def for_rank(storage, layout, run_dir: Path, rank: int, mlflow_logger, *, async_save: bool, upload_mode: str,
+             metric: str, keep: int) -> "CheckpointManager":
+    """This rank's manager: its role, the asynchronous writer (`async_save`: training/checkpoint/async_write.py
+    enabled) and, on an owner with storage.uri (`storage`: the config's section), the uploader; `upload_mode`
+    (tracking.checkpoint_artifacts), `metric` (export.metric) and `keep` (training.keep_checkpoints) as named."""
     from training.checkpoint import async_write
 
     writer = None
-    if async_write.enabled(config, layout):
+    if async_save:
         async_write.apply()
         writer = async_write.writer()
-    owner, peers = checkpoint_roles(config, layout, rank)
+    owner, peers = checkpoint_roles(storage, layout, rank)
     uploader = None
-    if config.storage.uri and owner:
+    if storage.uri and owner:
         from core.storage import Store
         from training.checkpoint.upload import StoreUploader
 
-        uploader = StoreUploader(Store.of(config), run_dir, config.training.keep_checkpoints, config.export.metric,
-                                 config.storage.max_pending, node=peers.start // len(peers),
-                                 nnodes=layout.world_size // len(peers))
-        for _, path in complete_checkpoints(run_dir)[-config.storage.max_pending:]:  # (a resume: what an earlier
-            uploader.submit(path, checkpoint_info(path))  # launch left un-uploaded; those in the store are skipped)
-    return CheckpointManager(mlflow_logger, config.tracking.checkpoint_artifacts, config.export.metric,
-                             config.training.keep_checkpoints, writer, owner=owner, peers=peers, store=uploader,
-                             store_wait_s=config.storage.upload_wait_s)
+        uploader = StoreUploader(Store.of(storage), run_dir, keep, metric, storage.max_pending,
+                                 node=peers.start // len(peers), nnodes=layout.world_size // len(peers))
+        for _, path in complete_checkpoints(run_dir)[-storage.max_pending:]:  # (a resume: what an earlier launch
+            uploader.submit(path, checkpoint_info(path))  # left un-uploaded; those in the store are skipped)
+    return CheckpointManager(mlflow_logger, upload_mode, metric, keep, writer, owner=owner, peers=peers,
+                             store=uploader, store_wait_s=storage.upload_wait_s)
 
 
 class CheckpointManager(TrainerCallback):

@@ -36,11 +36,10 @@ def run_index_size(config, manifest: dict) -> dict:
 
 def check_size_early(config) -> None:
     """Before anything starts (MLflow, paddle): refuse a step count whose index cannot be built, when the config's
-    data set is prepared already (else `for_run` checks once it is)."""
+    data set is prepared already (else `for_run` checks once it is). A pretraining run's: fine-tuning reads its own
+    examples (training/finetune/data.py)."""
     from training.data.prepare import find_prepared
 
-    if config.fine_tuning:  # (fine-tuning reads its own examples: training/finetune/data.py)
-        return
     manifest = find_prepared(config)
     if manifest is not None:
         check_index(run_index_size(config, manifest), config.training.max_steps, available_memory())

@@ -36,7 +36,7 @@ def local_root(config) -> Path:
 
 
 def open_store(config):
-    return Store.of(config, store_uri(config))
+    return Store.of(config.storage, store_uri(config))
 
 
 def manifest(store, key: str) -> dict | None:

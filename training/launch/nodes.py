@@ -55,13 +55,14 @@ def log_dir(run_dir: Path, nnodes: int) -> Path:
     return run_dir / "logs" / f"node{node_rank()}" if nnodes > 1 else run_dir / "logs"
 
 
-def meeting_store(config):
-    """The object store where the nodes meet, when they share no filesystem; None when they share one."""
-    if config.storage.shared_filesystem or config.parallel.nnodes <= 1:
+def meeting_store(storage, nnodes: int):
+    """The object store where the nodes meet (the storage section's), when they share no filesystem; None when they
+    share one."""
+    if storage.shared_filesystem or nnodes <= 1:
         return None
     from core.storage import Store
 
-    return Store.of(config)
+    return Store.of(storage)
 
 
 def _store_key(store, run_dir: Path, name: str) -> str:

@@ -45,7 +45,7 @@ def launch_ranks(launch: Launch, tracked: TrackedRun, stopper: supervise.Stopper
     if launch.pending is not None:  # (the new config, maybe another layout, goes live after the first step)
         launch.pending.write_text(config.to_yaml(), encoding="utf-8")
     if layout.nnodes > 1:
-        nodes.announce(run_dir, config.to_yaml(), launch.resume_from, launch.pending, nodes.meeting_store(config),
+        nodes.announce(run_dir, config.to_yaml(), launch.resume_from, launch.pending, nodes.meeting_store(config.storage, config.parallel.nnodes),
                        tracked.run_id)
     stopped = run_dir / STOPPED_MARKER
     stopped.unlink(missing_ok=True)
@@ -60,7 +60,7 @@ def launch_ranks(launch: Launch, tracked: TrackedRun, stopper: supervise.Stopper
     try:
         returncode = supervise.run_ranks(
             supervise.launch_command(layout, run_dir, launch.resume_from, launch.pending),
-            supervise.worker_env(config, layout, tracked.uri, tracked.run_id), run_dir,
+            supervise.worker_env(config.parallel, layout, tracked.uri, tracked.run_id), run_dir,
             nodes.log_dir(run_dir, layout.nnodes), layout.world_size == 1, stopper, started)
     finally:
         progress.stop()
@@ -87,8 +87,8 @@ def _ranks_stopped_directly(stopped: Path, stopper: supervise.Stopper, returncod
 def run_other_node(launch: Launch) -> int:
     """Node k > 0: wait for node 0's run directory and launch announcement, then run this node's ranks."""
     config, layout = launch.config, launch.layout
-    run_dir = launch.run_dir or rundir.runs_root(config) / config.training.run_name
-    store = nodes.meeting_store(config)
+    run_dir = launch.run_dir or rundir.runs_root(config.training) / config.training.run_name
+    store = nodes.meeting_store(config.storage, config.parallel.nnodes)
     info = nodes.wait_for_launch(run_dir, config.to_yaml(), config.parallel.node_wait_s, store=store)
     if store is not None:  # (this node's own disk: its run directory made here, the checkpoint from the store)
         resume_from, pending = rundir.join_locally(config, run_dir, info, store)
@@ -102,7 +102,7 @@ def run_other_node(launch: Launch) -> int:
     log_dir = nodes.log_dir(run_dir, layout.nnodes)
     print(f"node {nodes.node_rank()}: ranks' logs in {log_dir}; progress is shown on node 0", flush=True)
     returncode = supervise.run_ranks(supervise.launch_command(layout, run_dir, resume_from, pending),
-                                     supervise.worker_env(config, layout, tracking.tracking_uri(config), None),
+                                     supervise.worker_env(config.parallel, layout, tracking.tracking_uri(config.tracking), None),
                                      run_dir, log_dir, False, stopper)
     print(f"node {nodes.node_rank()}: ranks exited with code {returncode}; node 0 records the run's status "
           f"(run directory {run_dir})", flush=True)

@@ -51,14 +51,14 @@ def restore(run, uri: str, resume: str) -> Path:
                           "storage.uri to restore it from; resume on the machine that has it, or train with "
                           "storage.uri=s3://... so that checkpoints outlive a disk")
     name = Path(recorded).name or run.info.run_name
-    run_dir = runs_root(config) / name
+    run_dir = runs_root(config.training) / name
     from training.launch.tracked_run import RUN_INFO, write_run_info
 
     if _run_id_of(run_dir / RUN_INFO) == run.info.run_id:
         return run_dir  # (restored here before: this machine's copy of the run, under its own runs_dir)
     if run_dir.exists():
         raise ConfigError(f"RESUME={resume}: {run_dir} exists but is not the run's directory ({recorded}); move it")
-    store = Store.of(config)
+    store = Store.of(config.storage)
     try:
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         run_dir.mkdir()
@@ -127,14 +127,15 @@ def join_locally(config: Config, run_dir: Path, info: dict, store) -> tuple[Path
     return resume_from, pending
 
 
-def runs_root(config: Config) -> Path:
-    return (REPO_ROOT / config.training.runs_dir).resolve()
+def runs_root(training) -> Path:
+    """training.runs_dir (the config's training section), resolved."""
+    return (REPO_ROOT / training.runs_dir).resolve()
 
 
 def claim(config: Config) -> Path:
     """A new, empty run directory, claimed atomically (mkdir): runs started at the same moment never share one.
     Default names are `<config>-<UTC time>`, with `-2`, `-3`, ... when that second's name is taken."""
-    root = runs_root(config)
+    root = runs_root(config.training)
     root.mkdir(parents=True, exist_ok=True)
     if config.training.run_name:
         try:

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 from core import REPO_ROOT
-from core.config import Config
 from core.layout import ParallelLayout
 from core.processes import child_dies_with_parent, descendants, signal_pids
 from training.launch import nodes
@@ -39,7 +38,8 @@ def launch_command(layout: ParallelLayout, run_dir: Path, resume_from: Path | No
     return cmd + [str(REPO_ROOT / "training" / "rank.py"), *worker]
 
 
-def worker_env(config: Config, layout: ParallelLayout, uri: str, run_id: str | None) -> dict:
+def worker_env(parallel, layout: ParallelLayout, uri: str, run_id: str | None) -> dict:
+    """The ranks' environment (`parallel`: the config's section, for the collectives' timeout)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env["MLFLOW_TRACKING_URI"] = uri
@@ -56,8 +56,8 @@ def worker_env(config: Config, layout: ParallelLayout, uri: str, run_id: str | N
         # 1F1B on gloo deadlocks unless sends are synchronous (read by fleet at import time).
         env["PADDLE_P2P_SYNC_SEND"] = "1"
     # Bounded collectives: a dead peer must end the job, not hang it.
-    env.setdefault("FLAGS_gloo_timeout_seconds", str(config.parallel.collective_timeout_s))
-    env.setdefault("FLAGS_nccl_timeout", str(config.parallel.collective_timeout_s))
+    env.setdefault("FLAGS_gloo_timeout_seconds", str(parallel.collective_timeout_s))
+    env.setdefault("FLAGS_nccl_timeout", str(parallel.collective_timeout_s))
     return env
 
 

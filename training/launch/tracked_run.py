@@ -49,7 +49,7 @@ class Heartbeat(threading.Thread):
 
 class TrackedRun:
     def __init__(self, config: Config):
-        self.config, self.uri = config, tracking.tracking_uri(config)
+        self.config, self.uri = config, tracking.tracking_uri(config.tracking)
         self.client = None
         self.run_id: str | None = None
         self.previous_status: str | None = None  # a resumed run's status before this launch

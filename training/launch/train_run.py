@@ -77,7 +77,7 @@ def resumed_config(resume: str, overrides: list[str]) -> Config:
     is looked up in the tracking store the overrides name (tracking.tracking_uri=...), else $MLFLOW_TRACKING_URI's,
     else the local one."""
     given = load_config(None, [o for o in overrides if o.split("=", 1)[0].startswith("tracking.")])
-    run_dir = rundir.find(resume, tracking.tracking_uri(given))
+    run_dir = rundir.find(resume, tracking.tracking_uri(given.tracking))
     recorded = load_config(run_dir / "config.yaml")
     config = with_overrides(recorded, overrides)
     latest = _latest(run_dir)
@@ -90,12 +90,12 @@ def resumed_config(resume: str, overrides: list[str]) -> Config:
 
 def resolve(config: Config, resume: str, dry_run: bool = False) -> Launch:
     layout = config.layout()
-    store = nodes.meeting_store(config)
+    store = nodes.meeting_store(config.storage, config.parallel.nnodes)
     if not resume and store is not None and nodes.node_rank() == 0 and config.training.run_name and not dry_run:
         resume = _requeued(config, store)
     if not resume:
         return Launch(config, layout, None)
-    run_dir = rundir.find(resume, tracking.tracking_uri(config))
+    run_dir = rundir.find(resume, tracking.tracking_uri(config.tracking))
     if store is not None and nodes.node_rank() == 0:  # (the nodes' disks differ: the store says what is complete)
         return Launch(config, layout, run_dir, _latest_in_store(store, run_dir, config), run_dir / PENDING_CONFIG)
     return Launch(config, layout, run_dir, _latest(run_dir), run_dir / PENDING_CONFIG)
@@ -116,7 +116,7 @@ def _latest_in_store(store, run_dir: Path, config: Config) -> Path | None:
 def _requeued(config: Config, store) -> str:
     """Node 0 of nodes that share no filesystem, started as a new run: a run of that name that node 0 began
     before (on another disk) continues, by its MLflow run id; "" for a new run."""
-    run_dir = rundir.runs_root(config) / config.training.run_name
+    run_dir = rundir.runs_root(config.training) / config.training.run_name
     run_id = "" if run_dir.exists() else nodes.recorded_run_id(store, run_dir)
     if run_id:
         print(f"{config.training.run_name}: begun before on another disk (MLflow run {run_id}); continuing it from "
@@ -138,13 +138,14 @@ def check_before_launch(launch: Launch) -> None:
     if launch.config.fine_tuning and f.data != "reviews" and not Path(f.data).expanduser().is_file():
         raise ConfigError(f"finetune.data={f.data}: no such file (DATA= takes reviews or a .jsonl file)")
     launch.layout.check_fits_machine()
-    from training.data import check_size_early
+    if not launch.config.fine_tuning:  # (fine-tuning reads its own examples: training/finetune/data.py)
+        from training.data import check_size_early
 
-    check_size_early(launch.config)  # (a step count at no scale: refused now, not after MLflow and paddle start)
+        check_size_early(launch.config)  # (a step count at no scale: refused now, not after MLflow and paddle start)
     if launch.config.storage.uri:  # (endpoint, credentials, bucket and a write, before any training time)
         from core.storage import Store
 
-        seconds = Store.of(launch.config, attempts=1).check()
+        seconds = Store.of(launch.config.storage, attempts=1).check()
         print(f"store: {launch.config.storage.uri} answers, accepts the credentials and a write ({seconds:.2f}s)",
               flush=True)
     if launch.layout.nnodes > 1 and not os.environ.get("MASTER"):
@@ -165,9 +166,9 @@ def prepare(launch: Launch, stopper: supervise.Stopper) -> None:
 
     if launch.run_dir is None:
         launch.run_dir = rundir.create(launch.config)
-        launch.writer = lease.hold(launch.run_dir, launch.config, lost)
+        launch.writer = lease.hold(launch.run_dir, launch.config.storage, lost)
         return
-    launch.writer = lease.hold(launch.run_dir, launch.config, lost)
+    launch.writer = lease.hold(launch.run_dir, launch.config.storage, lost)
     from training.checkpoint.local import remove_partial
 
     (launch.run_dir / checkpoint_store.NOT_UPLOADED).unlink(missing_ok=True)
@@ -183,7 +184,7 @@ def close(launch: Launch, tracked: TrackedRun, outcome: Outcome) -> None:
     MLflow run's status)."""
     run_dir, layout = launch.run_dir, launch.layout
     if layout.nnodes > 1:
-        nodes.withdraw(run_dir, nodes.meeting_store(launch.config))
+        nodes.withdraw(run_dir, nodes.meeting_store(launch.config.storage, launch.config.parallel.nnodes))
     started = not launch.resumed or not launch.pending.exists()
     if not started:
         launch.pending.unlink(missing_ok=True)

@@ -130,9 +130,9 @@ class StageWriter(VisualDLWriter):
         return super().on_step_end(args, state, control, **kwargs)
 
 
-def hparams(config) -> dict:
-    """The settings a sweep varies, as VisualDL's hparams (scalars and short strings only)."""
-    m, t, p = config.model, config.training, config.parallel
+def hparams(m, t, p) -> dict:
+    """The settings a sweep varies (of the model, training and parallel sections), as VisualDL's hparams (scalars
+    and short strings only)."""
     return {"learning_rate": t.learning_rate, "hidden_size": m.hidden_size, "num_layers": m.num_layers,
             "seq_length": t.seq_length, "global_batch_size": t.global_batch_size, "max_steps": t.max_steps,
             "layout": f"dp{p.data}-tp{p.tensor}-pp{p.pipeline}-sh{p.sharding_degree}"}

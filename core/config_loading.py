@@ -1,11 +1,9 @@
-"""How an option is declared, read and checked: the machinery under core/config.py, which declares the options
-themselves. It knows none of them.
+"""Reading a config: YAML files (with `extends:`) and `key=value` overrides into core/config.py's dataclasses, each
+value's type checked and each unknown key named. It knows none of the options.
 
-    option(default, allowed=..., above=..., minimum=...)   a field's default with its allowed values or its bound,
-                                                           in the one declaration (core/config.py's sections)
-    check_declared(section, prefix)                        those checked, each failure one line naming the key
-    build(cls, data, prefix)                               a mapping -> the dataclass, types checked, keys named
-    read_yaml(path) / parse_override / apply_override      YAML files (with `extends:`) and `key=value` overrides
+    read_yaml(path)                      a file, its `extends:` chain merged under it
+    parse_override / apply_override      `section.key=value` (the value read as YAML) onto the mapping
+    build(cls, data, prefix)             a mapping -> the dataclass, types coerced and checked, keys named
 """
 from __future__ import annotations
 
@@ -16,52 +14,9 @@ from typing import Any
 
 import yaml
 
-from core.errors import ConfigError, require
+from core.errors import ConfigError
 
 
-def option(default: Any = dataclasses.MISSING, *, factory=None, allowed: tuple | None = None,
-           above: float | None = None, minimum: float | None = None):
-    """A field with its checks in its declaration: `allowed` values (the default first), a value `above` a bound
-    (> it) or at least `minimum` (>= it). README's config reference is checked against these (tests/unit/
-    test_docs.py)."""
-    rules = {k: v for k, v in (("allowed", allowed), ("above", above), ("minimum", minimum)) if v is not None}
-    if allowed is not None:
-        assert (factory() if factory else default) == allowed[0], "the default is the first allowed value"
-    if factory is not None:
-        return dataclasses.field(default_factory=factory, metadata=rules)
-    return dataclasses.field(default=default, metadata=rules)
-
-
-def one_of(key: str, value: Any, allowed: tuple) -> None:
-    require(value in allowed, f"{key}: {value!r} is not allowed; use one of {', '.join(map(repr, allowed))}")
-
-
-def positive(key: str, value: float) -> None:
-    require(value > 0, f"{key}: must be > 0, got {value}")
-
-
-def check_declared(section, prefix: str) -> None:
-    """The rules `option` declared on `section`'s fields, in declaration order."""
-    for f in dataclasses.fields(section):
-        key, value, rules = f"{prefix}.{f.name}", getattr(section, f.name), f.metadata
-        if "allowed" in rules:
-            one_of(key, value, rules["allowed"])
-        if "above" in rules:
-            require(value > rules["above"], f"{key}: must be > {rules['above']:g}, got {value}")
-        if "minimum" in rules:
-            require(value >= rules["minimum"], f"{key}: must be >= {rules['minimum']:g}, got {value}")
-
-
-def declared(section_class) -> dict[str, dict]:
-    """field name -> {"default": ..., and the rules `option` declared}, for the docs' checks."""
-    out = {}
-    for f in dataclasses.fields(section_class):
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        out[f.name] = {"default": default, **f.metadata}
-    return out
-
-
-# -- reading ----------------------------------------------------------------------------------------------------------
 def _type_name(tp) -> str:
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list"}.get(tp, str(tp))
 
