@@ -106,8 +106,6 @@ def logits_parity(python: Path, export_dir: Path, hf_dir: Path, out: Path) -> fl
 def generated_flops(hf_dir: Path, table: Path, export_dir: Path, new_tokens: int) -> float:
     """FLOPs of a generated token of this model (core/arithmetic.py decode_flops_per_token: 2 N' + 4 L h P) at the
     rows' mean cached length P (prompt + half the answer)."""
-    from types import SimpleNamespace
-
     from core import arithmetic, hf_checkpoint
     from core.config import ModelConfig
     from serving.engine.exported import ExportedModel
@@ -116,8 +114,7 @@ def generated_flops(hf_dir: Path, table: Path, export_dir: Path, new_tokens: int
     model = ExportedModel(export_dir)
     prompts = [json.loads(line)["prompt"] for line in table.read_text(encoding="utf-8").splitlines()]
     past = statistics.mean(len(model.encode(p)) for p in prompts) + new_tokens / 2
-    return arithmetic.decode_flops_per_token(SimpleNamespace(model=ModelConfig(**settings)), settings["vocab_size"],
-                                             past)
+    return arithmetic.decode_flops_per_token(ModelConfig(**settings), settings["vocab_size"], past)
 
 
 def training_shape(config, run_dir: Path, target: Path) -> Path:

@@ -52,8 +52,8 @@ def run(out: Path, quick: bool, peer_python: Path | None = None) -> dict:
                                          vocab, m.max_position_embeddings)
         decode = decode_step.decode_times(model, ("format 2",), (1, 64), 1 if quick else 3,
                                           2.0 if quick else 12.0)["format 2"]
-        fpt = arithmetic.decode_flops_per_token(config, vocab, decode_step.PAST)
-        row = {"hidden": hidden, "parameters": arithmetic.parameters(config, vocab),
+        fpt = arithmetic.decode_flops_per_token(config.model, vocab, decode_step.PAST)
+        row = {"hidden": hidden, "parameters": arithmetic.parameters(config.model, config.tokenizer, vocab),
                "train_tokens_per_s": train["tokens_per_s"], "train_mfu": train["mfu"],
                "matmul_peak_gflops": train["matmul_peak_gflops"], "decode_ops": decode["ops"],
                "one_thread_peak_gflops": peak_1 / 1e9,

@@ -42,41 +42,37 @@ def layer_parameters(m) -> int:
     return attention_parameters(m) + 3 * m.hidden_size * m.intermediate_size + 2 * m.hidden_size
 
 
-def vocabulary(config, vocab_size: int | None = None) -> int:
+def vocabulary(m, t, vocab_size: int | None = None) -> int:
     """The embedding's rows: `vocab_size`, else model.vocab_size (an imported model's), else the tokenizer's
-    configured maximum (a BPE's vocab_size, a character vocabulary's max_vocab_size)."""
-    return vocab_size or rows(config.model, config.tokenizer)
+    configured maximum (a BPE's vocab_size, a character vocabulary's max_vocab_size). `m`, `t`: the config's model
+    and tokenizer sections."""
+    return vocab_size or m.vocab_size or (t.vocab_size if t.kind == "bpe" else t.max_vocab_size)
 
 
-def rows(m, t) -> int:
-    """The embedding's rows from the model and tokenizer sections (`vocabulary` without a known tokenizer)."""
-    return m.vocab_size or (t.vocab_size if t.kind == "bpe" else t.max_vocab_size)
-
-
-def parameters(config, vocab_size: int | None = None) -> int:
-    """Llama weights: decoder layers (with Qwen2's q/k/v biases), the embedding and the untied LM head (vocabulary:
-    `vocabulary`) and the final norm."""
-    m, vocab = config.model, vocabulary(config, vocab_size)
+def parameters(m, t, vocab_size: int | None = None) -> int:
+    """Llama weights (`m`, `t`: the model and tokenizer sections): decoder layers (with Qwen2's q/k/v biases), the
+    embedding and the untied LM head (vocabulary: `vocabulary`) and the final norm."""
+    vocab = vocabulary(m, t, vocab_size)
     biases = (m.hidden_size + 2 * kv_dim(m)) * m.num_layers if m.attention_bias else 0
     return m.num_layers * layer_parameters(m) + biases + 2 * vocab * m.hidden_size + m.hidden_size
 
 
-def embedding_parameters(config, vocab_size: int | None = None) -> int:
-    return vocabulary(config, vocab_size) * config.model.hidden_size
+def embedding_parameters(m, t, vocab_size: int | None = None) -> int:
+    return vocabulary(m, t, vocab_size) * m.hidden_size
 
 
 def flops_per_token(config, vocab_size: int | None = None) -> float:
     """Training FLOPs per token, forward + backward: 6 N' + 12 L h s, N' = weights without the input embedding."""
-    m = config.model
-    weights = parameters(config, vocab_size) - embedding_parameters(config, vocab_size)
+    m, t = config.model, config.tokenizer
+    weights = parameters(m, t, vocab_size) - embedding_parameters(m, t, vocab_size)
     return 6 * weights + 12 * m.num_layers * m.hidden_size * config.training.seq_length
 
 
-def decode_flops_per_token(config, vocab_size: int | None, past: int) -> float:
-    """FLOPs of generating one token over `past` cached positions: 2 N' (a multiply-add per weight, N' without the
-    input embedding) + 4 L h P (the scores and the weighted values)."""
-    m = config.model
-    weights = parameters(config, vocab_size) - embedding_parameters(config, vocab_size)
+def decode_flops_per_token(m, vocab_size: int, past: int) -> float:
+    """FLOPs of generating one token (`m`: the model section, `vocab_size` its embedding's rows) over `past` cached
+    positions: 2 N' (a multiply-add per weight, N' without the input embedding) + 4 L h P (the scores and the
+    weighted values)."""
+    weights = parameters(m, None, vocab_size) - embedding_parameters(m, None, vocab_size)
     return 2 * weights + 4 * m.num_layers * m.hidden_size * past
 
 
@@ -89,7 +85,7 @@ def recompute_flops_per_token(config, layout) -> float:
     scores = 4 * m.num_layers * s * m.hidden_size
     granularity = config.performance.recompute_granularity
     if granularity == "full":
-        return 2 * parameters(config)
+        return 2 * parameters(config.model, config.tokenizer)
     if granularity == "full_attn":
         return 2 * m.num_layers * attention_parameters(m) + scores
     return scores
@@ -120,7 +116,7 @@ def layer_activations(config, layout) -> tuple[float, float]:
 def memory_per_device(config, layout) -> dict[str, float]:
     """Bytes per device of the most loaded device, by part, and their total."""
     width = value_bytes(layout)
-    n = parameters(config) / (layout.tp * layout.pp)
+    n = parameters(config.model, config.tokenizer) / (layout.tp * layout.pp)
     shard, stage = layout.sharding_degree, layout.sharding_stage
     params = n * width / (shard if stage >= 3 else 1)
     grads = n * width / (shard if stage >= 2 else 1)
@@ -134,7 +130,7 @@ def memory_per_device(config, layout) -> dict[str, float]:
         activations = (kept * rc_layers + (kept + recomputed) * (layers - rc_layers)) * in_flight + recomputed
     else:
         activations = (kept + recomputed) * layers * in_flight
-    one = config.training.seq_length * layout.micro_batch_size * vocabulary(config) * 4
+    one = config.training.seq_length * layout.micro_batch_size * vocabulary(config.model, config.tokenizer) * 4
     tp = layout.tp
     logits = one * (1 / tp + 2) if tp > 1 and layout.device == "cpu" else 2 * one / tp
     total = params + grads + optimizer + activations + logits

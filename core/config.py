@@ -2,7 +2,7 @@
 
 Each option is declared in its section with its type and default, and its allowed values or bound (`option`
 below); each section checks itself beside its fields (`check`), and the rules that join sections are in one place
-(`_cross_section_rules`, the layout's `_layout_rules`). YAML files in `configs/` and `key=value` overrides are read
+(Config `_check_across`, the layout's `_checked_layout`). YAML files in `configs/` and `key=value` overrides are read
 into these declarations and checked before anything starts, each error naming the key and what is allowed. A component
 is handed its own section (`config.storage`, `config.serving`, ...), not the whole Config.
 """
@@ -45,18 +45,6 @@ def positive(key: str, value: float) -> None:
     require(value > 0, f"{key}: must be > 0, got {value}")
 
 
-def check_declared(section, prefix: str) -> None:
-    """The rules `option` declared on `section`'s fields, in declaration order."""
-    for f in dataclasses.fields(section):
-        key, value, rules = f"{prefix}.{f.name}", getattr(section, f.name), f.metadata
-        if "allowed" in rules:
-            one_of(key, value, rules["allowed"])
-        if "above" in rules:
-            require(value > rules["above"], f"{key}: must be > {rules['above']:g}, got {value}")
-        if "minimum" in rules:
-            require(value >= rules["minimum"], f"{key}: must be >= {rules['minimum']:g}, got {value}")
-
-
 def declared(section_class) -> dict[str, dict]:
     """field name -> {"default": ..., and the rules `option` declared}, for the docs' checks."""
     out = {}
@@ -66,12 +54,30 @@ def declared(section_class) -> dict[str, dict]:
     return out
 
 
+class Section:
+    """A config section: `check` is its own rules, beside its fields; `check_declared` those `option` declared."""
+
+    def check(self) -> None:
+        pass
+
+    def check_declared(self, prefix: str) -> None:
+        """The rules `option` declared on the fields, in declaration order."""
+        for f in dataclasses.fields(self):
+            key, value, rules = f"{prefix}.{f.name}", getattr(self, f.name), f.metadata
+            if "allowed" in rules:
+                one_of(key, value, rules["allowed"])
+            if "above" in rules:
+                require(value > rules["above"], f"{key}: must be > {rules['above']:g}, got {value}")
+            if "minimum" in rules:
+                require(value >= rules["minimum"], f"{key}: must be >= {rules['minimum']:g}, got {value}")
+
+
 # The config every verb uses when none is given (the Makefile's CONFIG default too).
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "tiny.yaml"
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Section):
     """A Llama-architecture causal LM (PaddleNLP `LlamaForCausalLM`), randomly initialised unless `init_from` is set."""
 
     hidden_size: int = option(128, above=0)
@@ -94,7 +100,7 @@ class ModelConfig:
     init_from: str = ""
 
     def check(self) -> None:
-        check_declared(self, "model")
+        self.check_declared("model")
         require(self.hidden_size % self.num_attention_heads == 0,
                 f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_attention_heads "
                 f"({self.num_attention_heads})")
@@ -109,7 +115,7 @@ class ModelConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Section):
     """The corpus and how `make data` prepares it (training/data/, docs/data.md): token shards in PaddleNLP's mmap
     format, addressed by content under `cache_dir`."""
 
@@ -139,7 +145,7 @@ class DataConfig:
     ray_address: str = ""  # engine ray: "" = start a local Ray instance, "auto" or host:port = an existing cluster
 
     def check(self) -> None:
-        check_declared(self, "data")
+        self.check_declared("data")
         require("://" not in self.cache_dir, f"data.cache_dir={self.cache_dir}: a local directory, or `store` for the "
                 "object store that storage.uri names (one setting names the store: storage.uri=s3://<bucket>"
                 "[/<prefix>] data.cache_dir=store puts the sets under <prefix>/data)")
@@ -182,7 +188,7 @@ def _check_files(key: str, files: Any) -> None:
 
 
 @dataclass
-class TokenizerConfig:
+class TokenizerConfig(Section):
     """A character-level vocabulary built from the training split, wrapped as a PaddleNLP ErnieTokenizer (kind
     chars), or a byte-level BPE trained on it (kind bpe, `make tokenizer`: core/tokenizer.py train_bpe); or an
     existing tokenizer directory (`path`, e.g. the tokenizer of the model in model.init_from)."""
@@ -198,13 +204,13 @@ class TokenizerConfig:
     path: str = ""
 
     def check(self) -> None:
-        check_declared(self, "tokenizer")
+        self.check_declared("tokenizer")
         require(self.vocab_size >= 300, f"tokenizer.vocab_size: at least 300 (the 256 bytes and merges), got "
                 f"{self.vocab_size}")
 
 
 @dataclass
-class TrainingConfig:
+class TrainingConfig(Section):
     max_steps: int = option(200, above=0)
     seq_length: int = option(64, above=0)
     global_batch_size: int = option(16, above=0)
@@ -236,7 +242,7 @@ class TrainingConfig:
     async_checkpoint: bool = True
 
     def check(self) -> None:
-        check_declared(self, "training")
+        self.check_declared("training")
         require(0 <= self.warmup_steps < self.max_steps, f"training.warmup_steps: must be in [0, training.max_steps), "
                 f"got {self.warmup_steps}")
         require(self.weight_decay >= 0, "training.weight_decay: must be >= 0")
@@ -252,7 +258,7 @@ class TrainingConfig:
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(Section):
     """The hybrid-parallel layout; `core.layout.ParallelLayout` derives and validates everything from it."""
 
     device: str = option("cpu", allowed=("cpu", "gpu"))
@@ -286,13 +292,13 @@ class ParallelConfig:
     mode: str = option("manual", allowed=("manual", "semi_auto"))
 
     def check(self) -> None:
-        check_declared(self, "parallel")
+        self.check_declared("parallel")
         require(self.cpu_threads >= 0, f"parallel.cpu_threads: must be >= 0 (0 = an even share of the cores), got "
                 f"{self.cpu_threads}")
 
 
 @dataclass
-class PerformanceConfig:
+class PerformanceConfig(Section):
     """GPU-grade settings, passed to PaddleNLP exactly (LlamaConfig / TrainingArguments; training/rank.py
     `performance_arguments`), checked against the layout and device before launch. Off by default; the GPU example
     configs turn on what PaddleNLP's reference Llama pretraining turns on (llm/config/llama/pretrain_argument.json)."""
@@ -315,11 +321,11 @@ class PerformanceConfig:
     distributed_dataloader: bool = False  # only the first rank of a tensor/pipeline group reads the data
 
     def check(self) -> None:
-        check_declared(self, "performance")
+        self.check_declared("performance")
 
 
 @dataclass
-class TrackingConfig:
+class TrackingConfig(Section):
     tracking_uri: str = ""  # "" = $MLFLOW_TRACKING_URI, else the local SQLite store under mlflow/
     experiment: str = "tiny-zh-llama"
     # Complete checkpoints uploaded as run artifacts, so export and resume work from the MLflow run alone:
@@ -333,14 +339,14 @@ class TrackingConfig:
     sweep: str = ""
 
     def check(self) -> None:
-        check_declared(self, "tracking")
+        self.check_declared("tracking")
         require(bool(self.experiment.strip()), "tracking.experiment: must be a non-empty name")
         require(self.stale_after_s >= 2 * self.heartbeat_s,
                 "tracking.stale_after_s: must be at least 2 x tracking.heartbeat_s")
 
 
 @dataclass
-class ExportConfig:
+class ExportConfig(Section):
     registered_model_name: str = "tiny-zh-llama"
     metric: str = "eval_loss"  # lower is better
     # The parity gates' bound on the worst logit difference, relative to the logits' scale (max |logit|, at least 1)
@@ -351,13 +357,13 @@ class ExportConfig:
     hf: bool = False
 
     def check(self) -> None:
-        check_declared(self, "export")
+        self.check_declared("export")
         require(bool(self.registered_model_name.strip()), "export.registered_model_name: must be non-empty")
         require(self.metric.startswith("eval_"), "export.metric: must be an eval metric, e.g. eval_loss")
 
 
 @dataclass
-class ServingConfig:
+class ServingConfig(Section):
     """The endpoint (serving/): Paddle Serving's HTTP and gRPC, the OpenAI-compatible + health routes, metrics;
     generation worker processes (`workers`, 0 = one per core), each batching its requests between decode steps
     (docs/serving.md)."""
@@ -432,7 +438,7 @@ class ServingConfig:
             require(1024 <= getattr(self, key) <= 65535, f"serving.{key}: must be a port in 1024..65535")
         require(len({getattr(self, key) for key in self.PORTS}) == len(self.PORTS),
                 f"serving.{', serving.'.join(self.PORTS)}: must all differ")
-        check_declared(self, "serving")
+        self.check_declared("serving")
         require(self.follow_interval_s >= 0, "serving.follow_interval_s: must be >= 0 (0: only on `make reload`)")
         require(self.max_queue >= -1, "serving.max_queue: must be >= 0, or -1 (enough for 128 requests in flight)")
         require(self.device == "gpu" or self.precision == "float32", f"serving.precision: {self.precision} needs "
@@ -445,7 +451,7 @@ class ServingConfig:
 
 
 @dataclass
-class ClusterConfig:
+class ClusterConfig(Section):
     """The machines `make plan` plans a layout for (defaults: nodes of 8 A100 80 GB). Not used by training."""
 
     gpus: int = option(8, above=0)
@@ -459,7 +465,7 @@ class ClusterConfig:
     inter_node_gbps: float = option(25.0, above=0)  # GB/s per GPU between nodes (200 Gb/s InfiniBand)
 
     def check(self) -> None:
-        check_declared(self, "cluster")
+        self.check_declared("cluster")
         require(self.gpus % self.gpus_per_node == 0 or self.gpus < self.gpus_per_node,
                 f"cluster.gpus ({self.gpus}) must be a multiple of cluster.gpus_per_node ({self.gpus_per_node})")
         require(0 <= self.headroom < 1, "cluster.headroom: must be in [0, 1)")
@@ -470,7 +476,7 @@ S3_URI = r"s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?"
 
 
 @dataclass
-class StorageConfig:
+class StorageConfig(Section):
     """An object store for what must outlive a machine (docs/storage.md): complete checkpoints are uploaded there in
     the background and a resume on a machine with an empty disk starts from it. Endpoint and credentials come from
     the standard environment (AWS_ENDPOINT_URL or MLFLOW_S3_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)."""
@@ -494,7 +500,7 @@ class StorageConfig:
         require(not self.uri or re.fullmatch(S3_URI, self.uri) is not None,
                 f"storage.uri: expected s3://<bucket>[/<prefix>] (an S3 bucket name: lower case, digits, '.', '-'), "
                 f"got {self.uri!r}")
-        check_declared(self, "storage")
+        self.check_declared("storage")
         require(1 <= self.transfer_threads <= 64, f"storage.transfer_threads: 1..64, got {self.transfer_threads}")
         require(self.lease_s >= 3, f"storage.lease_s: must be >= 3 (seconds; renewed every lease_s / 3), got "
                 f"{self.lease_s}")
@@ -503,7 +509,7 @@ class StorageConfig:
 
 
 @dataclass
-class FinetuneConfig:
+class FinetuneConfig(Section):
     """Supervised fine-tuning (`make finetune`, docs/finetune.md): a run that starts from a trained model
     (`model.init_from`), trains on instruction data rendered with the chat template (core/chat.py), with the loss on
     the answer tokens only. Unset `data` = pretraining."""
@@ -537,7 +543,7 @@ class FinetuneConfig:
     def check(self) -> None:
         if not self.data:  # (a pretraining run: the rest is not read)
             return
-        check_declared(self, "finetune")
+        self.check_declared("finetune")
         require(self.data == "reviews" or self.data.endswith(".jsonl"),
                 f"finetune.data: 'reviews' (the built-in task) or a .jsonl file, got {self.data!r}")
         require(isinstance(self.lora_targets, list) and len(self.lora_targets) > 0 and all(
@@ -551,7 +557,7 @@ class FinetuneConfig:
 
 
 @dataclass
-class GatewayConfig:
+class GatewayConfig(Section):
     """`make gateway` (docs/gateway.md): nginx in front of the serving replicas, the one listener meant for clients:
     keys per consumer, requests per minute per key, token use per consumer (counted by the replicas from the
     consumer header nginx sets), a weighted split between pools of replicas, retries on another replica."""
@@ -596,7 +602,8 @@ class GatewayConfig:
                     f"split need gateway.models), got {sorted(self.split)} for pools "
                     f"{sorted(self.backends) if isinstance(self.backends, dict) else ['default']}")
             require(all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in self.split.values())
-                    and sum(self.split.values()) == 100, f"gateway.split: whole percents summing to 100, got {self.split}")
+                    and sum(self.split.values()) == 100,
+                    f"gateway.split: whole percents summing to 100, got {self.split}")
         else:
             require(not isinstance(self.backends, dict) or len(self.backends) == 1 or self.models,
                     "gateway.backends: several pools need gateway.split (their shares of the requests) or "
@@ -616,7 +623,7 @@ class GatewayConfig:
 
 
 @dataclass
-class VisualDLConfig:
+class VisualDLConfig(Section):
     """VisualDL, the training dashboard (docs/monitoring.md): every run writes runs/<run>/visualdl/ (the run's
     numbers, and each pipeline stage's times); `make visualdl` serves a run or an experiment's runs."""
 
@@ -660,13 +667,49 @@ class Config:
             section = getattr(self, f.name)
             if dataclasses.is_dataclass(section):
                 section.check()
-        _cross_section_rules(self)
+        self._check_across()
+
+    def with_overrides(self, overrides: list[str] | tuple[str, ...]) -> Config:
+        """This config with `key=value` overrides on top, checked (the YAML is not read again)."""
+        return _from_data(self.to_dict(), overrides)
 
     def layout(self) -> ParallelLayout:
         """The parallel layout, checked by its own rules (core/layout.py) and by the rules that join it to the model
-        and the batch (`_layout_rules`)."""
+        and the batch (`_checked_layout`)."""
         self.parallel.check()
-        return _layout_rules(self)
+        return self._checked_layout()
+
+    # -- the rules that join sections ------------------------------------------------------------------------------
+    def _check_across(self) -> None:
+        tr, m, s, g = self.training, self.model, self.serving, self.gateway
+        require(tr.seq_length <= m.max_position_embeddings,
+                f"training.seq_length ({tr.seq_length}) must be <= model.max_position_embeddings "
+                f"({m.max_position_embeddings})")
+        require(g.port not in (s.http_port, s.rpc_port, s.api_port, s.metrics_port),
+                f"gateway.port: {g.port} is one of the server's own ports")
+        require(self.data.cache_dir != "store" or bool(self.storage.uri), "data.cache_dir=store: the data sets go to "
+                "the object store storage.uri names; set storage.uri=s3://<bucket>[/<prefix>]")
+        require(not self.fine_tuning or self.parallel.mode == "manual" or self.finetune.method == "full",
+                "finetune.method=lora: PaddleNLP's LoRA wraps fleet's hybrid-parallel layers, not the semi-automatic "
+                "API's; use parallel.mode=manual")
+        self._checked_layout()
+        _performance_rules(self.performance, self.parallel)
+
+    def _checked_layout(self) -> ParallelLayout:
+        m, tr = self.model, self.training
+        layout = ParallelLayout.of(self.parallel, m, self.tokenizer)
+        for key in ("num_attention_heads", "num_key_value_heads", "hidden_size", "intermediate_size"):
+            require(getattr(m, key) % layout.tp == 0, f"model.{key} ({getattr(m, key)}) must be divisible by "
+                    f"parallel.tensor ({layout.tp}); change one of them")
+        require(not tr.compile or (layout.tp == 1 and layout.pp == 1),
+                f"training.compile: the compiled forward supports single-device models only, not tensor/pipeline "
+                f"parallel layout {layout.name}; set training.compile=false")
+        require(layout.global_batch_size == tr.global_batch_size,
+                f"training.global_batch_size ({tr.global_batch_size}) must equal parallel.micro_batch_size "
+                f"({layout.micro_batch_size}) x parallel.accumulation_steps ({layout.accumulation_steps}) x "
+                f"parallel.data ({layout.dp}) x parallel.sharding_degree ({layout.sharding_degree}) = "
+                f"{layout.global_batch_size}")
+        return layout
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -688,39 +731,6 @@ class Config:
         """A short hash of the model-defining parts of the config (recorded with exports)."""
         text = yaml.safe_dump({"model": self.to_dict()["model"], "tokenizer": self.to_dict()["tokenizer"]})
         return hashlib.sha256(text.encode()).hexdigest()[:12]
-
-
-# -- the rules that join sections ---------------------------------------------------------------------------------
-def _cross_section_rules(config: Config) -> None:
-    tr, m, s, g = config.training, config.model, config.serving, config.gateway
-    require(tr.seq_length <= m.max_position_embeddings,
-            f"training.seq_length ({tr.seq_length}) must be <= model.max_position_embeddings "
-            f"({m.max_position_embeddings})")
-    require(g.port not in (s.http_port, s.rpc_port, s.api_port, s.metrics_port),
-            f"gateway.port: {g.port} is one of the server's own ports")
-    require(config.data.cache_dir != "store" or bool(config.storage.uri), "data.cache_dir=store: the data sets go to "
-            "the object store storage.uri names; set storage.uri=s3://<bucket>[/<prefix>]")
-    require(not config.fine_tuning or config.parallel.mode == "manual" or config.finetune.method == "full",
-            "finetune.method=lora: PaddleNLP's LoRA wraps fleet's hybrid-parallel layers, not the semi-automatic "
-            "API's; use parallel.mode=manual")
-    _layout_rules(config)
-    _performance_rules(config.performance, config.parallel)
-
-
-def _layout_rules(config: Config) -> ParallelLayout:
-    m = config.model
-    layout = ParallelLayout.of(config.parallel, m, config.tokenizer)
-    for key in ("num_attention_heads", "num_key_value_heads", "hidden_size", "intermediate_size"):
-        require(getattr(m, key) % layout.tp == 0, f"model.{key} ({getattr(m, key)}) must be divisible by "
-                f"parallel.tensor ({layout.tp}); change one of them")
-    require(not config.training.compile or (layout.tp == 1 and layout.pp == 1),
-            f"training.compile: the compiled forward supports single-device models only, not tensor/pipeline "
-            f"parallel layout {layout.name}; set training.compile=false")
-    require(layout.global_batch_size == config.training.global_batch_size,
-            f"training.global_batch_size ({config.training.global_batch_size}) must equal parallel.micro_batch_size "
-            f"({layout.micro_batch_size}) x parallel.accumulation_steps ({layout.accumulation_steps}) x parallel.data "
-            f"({layout.dp}) x parallel.sharding_degree ({layout.sharding_degree}) = {layout.global_batch_size}")
-    return layout
 
 
 # GPU kernels or GPU-only collectives: refused on CPU (Paddle 2.6.2 has no CPU kernels for them, or gloo lacks the
@@ -802,11 +812,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         data = read_yaml(Path(path))
         data.setdefault("name", Path(path).stem)
     return _from_data(data, overrides)
-
-
-def with_overrides(config: Config, overrides: list[str] | tuple[str, ...]) -> Config:
-    """A loaded config with `key=value` overrides on top, validated (the YAML is not read again)."""
-    return _from_data(config.to_dict(), overrides)
 
 
 def _from_data(data: dict, overrides) -> Config:

@@ -261,7 +261,7 @@ def resolve_stage_split(parallel, model, tokenizer) -> tuple:
                 "parallel.stage_layers=uniform; or list the layers per stage, e.g. parallel.stage_layers=[3, 1]")
         return (layers // p,) * p
     per_layer = arithmetic.layer_parameters(model)
-    embedding = arithmetic.rows(model, tokenizer) * model.hidden_size
+    embedding = arithmetic.embedding_parameters(model, tokenizer)
     return balanced_split([per_layer] * layers, p, first=embedding, last=embedding + model.hidden_size)
 
 

@@ -87,15 +87,14 @@ def llama_config(config: Config, tokenizer, tensor_parallel_degree: int = 1, ten
     )
     # Set after construction, as PaddleNLP's own llm/run_pretrain.py does: in 2.8.1 LlamaConfig(use_flash_attention=
     # True) ends up False (PretrainedConfig.__init__ resets it from kwargs it no longer has).
-    for key, value in performance_model_settings(config).items():
+    for key, value in performance_model_settings(config.performance).items():
         setattr(model_config, key, value)
     return model_config
 
 
-def performance_model_settings(config: Config) -> dict:
-    """config.performance -> LlamaConfig keyword arguments, exactly (validated in core/config.py: the GPU kernels
-    are refused on CPU). Export always converts to the plain, unfused model (export/convert.py)."""
-    perf = config.performance
+def performance_model_settings(perf) -> dict:
+    """The config's performance section -> LlamaConfig keyword arguments, exactly (validated in core/config.py: the
+    GPU kernels are refused on CPU). Export always converts to the plain, unfused model (export/convert.py)."""
     return {"use_flash_attention": perf.flash_attention, "use_fused_rms_norm": perf.fused_rms_norm,
             "use_fused_rope": perf.fused_rope, "fuse_attention_qkv": perf.fuse_attention_qkv,
             "fuse_attention_ffn": perf.fuse_attention_ffn, "sequence_parallel": perf.sequence_parallel,

@@ -88,10 +88,9 @@ def held_out_set(config: Config, client, export_dir: Path, meta: dict, data: str
     from training.data import read
 
     if data:
-        from core.config import with_overrides
         from training.data.prepare import prepare
 
-        prepared = prepare(with_overrides(config, ["data.source=files", f"data.files={json.dumps([data])}",
+        prepared = prepare(config.with_overrides(["data.source=files", f"data.files={json.dumps([data])}",
                                                    "data.blend=[]", f"tokenizer.path={export_dir / 'tokenizer'}",
                                                    "data.max_documents=0"]), log=lambda line: None)
         seq = config.training.seq_length

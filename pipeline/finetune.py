@@ -18,7 +18,7 @@ from pathlib import Path
 
 from core import tracking
 from core.hf_checkpoint import rope_scaling_of
-from core.config import Config, ConfigError, load_config, with_overrides
+from core.config import Config, ConfigError, load_config
 from training.launch import rundir, train_run
 from pipeline.runner import source_run
 
@@ -67,7 +67,7 @@ def finetune_config(config: Config, base: Base, data: str = "") -> Config:
     if base.config is not None:  # (the same held-out documents as the base's pretraining)
         values += [f"data.split_seed={base.config.data.split_seed}",
                    f"data.validation_fraction={base.config.data.validation_fraction}"]
-    return with_overrides(config, values)
+    return config.with_overrides(values)
 
 
 def resolve_base(config: Config, model: str) -> Base:

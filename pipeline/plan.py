@@ -93,7 +93,7 @@ def step_time(config: Config, layout: ParallelLayout) -> dict[str, float]:
     pipe_bw = (cl.inter_node_gbps if crosses_nodes else cl.intra_node_gbps) * GB
     pipe = 2 * micro * message / pipe_bw * (c.pp - 1) / c.pp if c.pp > 1 else 0.0
     replicas = c.dp * c.sharding_degree
-    grad_bytes = arithmetic.parameters(config) / (c.tp * c.pp) * arithmetic.value_bytes(c)
+    grad_bytes = arithmetic.parameters(config.model, config.tokenizer) / (c.tp * c.pp) * arithmetic.value_bytes(c)
     data_bw = (cl.inter_node_gbps if gpus > cl.gpus_per_node and c.tp * c.pp < gpus else cl.intra_node_gbps) * GB
     data = 2 * (replicas - 1) / replicas * grad_bytes / data_bw if replicas > 1 else 0.0
     if c.sharding_stage >= 3:  # parameters gathered for the forward and again for the backward of every micro-batch
@@ -173,7 +173,7 @@ def performance_variants(config: Config, layout: ParallelLayout) -> list[tuple[s
 
 def run(config: Config, top: int = 10, csv_path: str = "", write: str = "") -> int:
     cl = config.cluster
-    print(f"model: {arithmetic.parameters(config) / 1e9:.1f}B parameters; cluster: {cl.gpus} GPUs "
+    print(f"model: {arithmetic.parameters(config.model, config.tokenizer) / 1e9:.1f}B parameters; cluster: {cl.gpus} GPUs "
           f"({cl.gpus_per_node} per node, {cl.gpu_memory_gb:g} GB)")
     own = config.layout()
     if own.world_size == cl.gpus:

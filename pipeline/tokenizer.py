@@ -8,7 +8,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from core.config import Config, with_overrides
+from core.config import Config
 
 HELP = "learn a byte-level BPE from the corpus (tokenizer.vocab_size): a Hugging Face tokenizer for tokenizer.path"
 
@@ -25,7 +25,7 @@ def main(config: Config, args) -> int:
     from core import REPO_ROOT, dataset
     from training.data.prepare import prepare
 
-    config = with_overrides(config, ["tokenizer.kind=bpe", "tokenizer.path="])
+    config = config.with_overrides(["tokenizer.kind=bpe", "tokenizer.path="])
     prepared = prepare(config, log=lambda line: print(line, flush=True))
     output = Path(args.output).expanduser() if args.output else REPO_ROOT / config.training.runs_dir / "tokenizer"
     if output.exists():

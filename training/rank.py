@@ -132,7 +132,7 @@ def performance_values(config, layout: ParallelLayout) -> dict:
     from model.llama import performance_model_settings
 
     values = training_argument_values(config, layout, Path("."))
-    return {"LlamaConfig": performance_model_settings(config),
+    return {"LlamaConfig": performance_model_settings(config.performance),
             "TrainingArguments": {k: values[k] for k in PERFORMANCE_ARGUMENTS}}
 
 

@@ -26,10 +26,9 @@ IMAGE = "nginx:1.22"
 def manifest(config, consumers: dict) -> str:
     import tempfile
 
-    from core.config import with_overrides
     from serving.gateway import nginx
 
-    config = with_overrides(config, [f"gateway.backends=[{SERVICE}]", "gateway.split={}", "gateway.models={}",
+    config = config.with_overrides([f"gateway.backends=[{SERVICE}]", "gateway.split={}", "gateway.models={}",
                                      f"gateway.paddle_backends=[{PADDLE_SERVICE}]", "gateway.host=0.0.0.0"])
     with tempfile.TemporaryDirectory() as scratch:  # (render writes limits.d/requests.conf beside the state)
         conf, limits = nginx.render(config, Path(scratch), KEYS_DIR, consumers)

@@ -156,7 +156,7 @@ def test_a_data_set_is_published_whole_and_fetched_once(s3, tmp_path, monkeypatc
     whose manifest is missing in the store (a publish cut short) is never taken; another machine fetches the whole
     set into its local directory, byte for byte, and a second preparation there reuses that copy."""
     from core import dataset, storage
-    from core.config import load_config, with_overrides
+    from core.config import load_config
     from training.data.prepare import content_key, prepare
     from training.data.corpus import corpora
 
@@ -166,7 +166,7 @@ def test_a_data_set_is_published_whole_and_fetched_once(s3, tmp_path, monkeypatc
     uri = "s3://pipeline/data-tests"
 
     def machine(name):
-        return with_overrides(load_config(tmp_path / "t.yaml"), [f"storage.uri={uri}", "data.cache_dir=store",
+        return load_config(tmp_path / "t.yaml").with_overrides([f"storage.uri={uri}", "data.cache_dir=store",
                                                                  f"data.local_dir={tmp_path / name}"])
     first = prepare(machine("a"), log=print)
     key = content_key(machine("a"), corpora(machine("a").data))

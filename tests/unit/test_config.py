@@ -150,7 +150,7 @@ def test_512_gpu_layout_validates_and_describes():
     assert "rank  511 (node 63): dp 3 pp 15 sharding 0 tp 7" in text
     from core.arithmetic import parameters as estimate_parameters
 
-    assert 95e9 < estimate_parameters(config) < 105e9
+    assert 95e9 < estimate_parameters(config.model, config.tokenizer) < 105e9
 
 
 def test_too_many_processes_for_this_machine(monkeypatch):

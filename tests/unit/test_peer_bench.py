@@ -102,14 +102,12 @@ def test_generation_is_reported_against_the_machines_ceiling():
 
 def test_a_generated_tokens_flops_follow_the_models_shape(tmp_path):
     """2 N' + 4 L h P for the HF copy's shape: Qwen2.5-0.5B's at P = 40 is 0.99 GFLOP (its untied head included)."""
-    from types import SimpleNamespace
-
     from core import arithmetic
     from core.config import ModelConfig
 
     shape = ModelConfig(hidden_size=896, intermediate_size=4864, num_layers=24, num_attention_heads=14,
                         num_key_value_heads=2, vocab_size=151936, attention_bias=True)
-    flops = arithmetic.decode_flops_per_token(SimpleNamespace(model=shape), 151936, 40)
+    flops = arithmetic.decode_flops_per_token(shape, 151936, 40)
     layer = 896 * (896 + 2 * 128) + 896 * 896 + 3 * 896 * 4864 + 2 * 896 + (896 + 2 * 128)  # (norms, biases)
     assert flops == 2 * (24 * layer + 151936 * 896 + 896) + 4 * 24 * 896 * 40
     assert 0.98e9 < flops < 1.0e9

@@ -58,13 +58,13 @@ def restore(run, uri: str, resume: str) -> Path:
         return run_dir  # (restored here before: this machine's copy of the run, under its own runs_dir)
     if run_dir.exists():
         raise ConfigError(f"RESUME={resume}: {run_dir} exists but is not the run's directory ({recorded}); move it")
-    store = Store.of(config.storage)
     try:
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         run_dir.mkdir()
         with _removed_on_failure(run_dir):
             _fill(config, run_dir)
             write_run_info(run_dir, run.info.run_id, run.info.experiment_id, uri)
+            store = Store.of(config.storage)
             fetched = checkpoint_store.fetch_latest(store, run_dir)
             if fetched:
                 checkpoint, size, seconds = fetched

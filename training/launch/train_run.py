@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from core import arithmetic, tracking
-from core.config import Config, ConfigError, PerformanceConfig, load_config, with_overrides
+from core.config import Config, ConfigError, PerformanceConfig, load_config
 from core.layout import ParallelLayout
 from training.launch import failures, nodes, rundir, supervise
 from training.launch.ranks import Launch, Outcome, launch_ranks, run_other_node
@@ -79,7 +79,7 @@ def resumed_config(resume: str, overrides: list[str]) -> Config:
     given = load_config(None, [o for o in overrides if o.split("=", 1)[0].startswith("tracking.")])
     run_dir = rundir.find(resume, tracking.tracking_uri(given.tracking))
     recorded = load_config(run_dir / "config.yaml")
-    config = with_overrides(recorded, overrides)
+    config = recorded.with_overrides(overrides)
     latest = _latest(run_dir)
     if "semi_auto" in (recorded.parallel.mode, config.parallel.mode) and latest:
         raise ConfigError(f"RESUME={resume}: parallel.mode=semi_auto checkpoints hold the model's weights but no "
@@ -210,7 +210,7 @@ def close(launch: Launch, tracked: TrackedRun, outcome: Outcome) -> None:
 def describe(launch: Launch) -> str:
     """The dry run: model size, layout, pipeline schedule, performance settings."""
     config, layout = launch.config, launch.layout
-    params = arithmetic.parameters(config)
+    params = arithmetic.parameters(config.model, config.tokenizer)
     parts = [f"model: {_count(params)} parameters (vocabulary <= {config.tokenizer.max_vocab_size}), about "
              f"{_count(params / (layout.tp * layout.pp))} per rank\n" + layout.describe()]
     if layout.pp > 1:
