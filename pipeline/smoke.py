@@ -55,13 +55,13 @@ def chat_task(state: dict, meta: dict, shown: int = 3) -> str:
     """A fine-tuned model's held-out task through the served /v1/chat/completions (the real `openai` client, 8 at a
     time, greedy): `shown` examples, the accuracy over all of them and per expected answer (their mean: the
     balanced accuracy), and how often the first MULTI_TURN answers stay the same behind EARLIER_TURNS."""
-    from collections import Counter
     from concurrent.futures import ThreadPoolExecutor
 
     import openai
 
     from core import chat
     from core.config import load_config
+    from evaluation.grading import task_accuracy
     from training.finetune.data import held_out
 
     run_config = load_config(Path(meta["run_dir"]) / "config.yaml")
@@ -80,21 +80,19 @@ def chat_task(state: dict, meta: dict, shown: int = 3) -> str:
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(ask, [t["messages"] for t in task]))
         later = list(pool.map(ask, [EARLIER_TURNS + t["messages"] for t in task[:MULTI_TURN]]))
-    right = sum(a == t["answer"] for a, t in zip(answers, task))
+    score = task_accuracy(task, answers)
     lines = [f"chat (/v1/chat/completions, {run_config.finetune.data}, held out):"]
     for example, answer in list(zip(task, answers))[:shown]:
         question = example["messages"][-1]["content"].replace("\n", " ")
         lines.append(f"  {question[:60]}{'...' if len(question) > 60 else ''} -> {answer!r} (expected "
                      f"{example['answer']})")
-    lines.append(f"  task accuracy {right / max(len(task), 1):.4f}: {right} of {len(task)} held-out examples "
+    lines.append(f"  task accuracy {score['accuracy']:.4f}: {score['right']} of {score['total']} held-out examples "
                  "answered exactly")
-    expected = Counter(t["answer"] for t in task)
-    if 1 < len(expected) <= 10:  # (a classification task: each answer's share, and the balanced accuracy)
-        recall = {e: sum(a == e for a, t in zip(answers, task) if t["answer"] == e) / n for e, n in expected.items()}
-        lines.append(f"  per expected answer: " + ", ".join(f"{e} {recall[e]:.4f} of {n}" for e, n in
-                                                             sorted(expected.items())) +
-                     f"; balanced accuracy {sum(recall.values()) / len(recall):.4f}; answers given: " +
-                     ", ".join(f"{a!r} {n}" for a, n in Counter(answers).most_common(4)))
+    if score["balanced"] is not None:  # (a classification task: each answer's recall, and the balanced accuracy)
+        lines.append("  per expected answer: " + ", ".join(f"{e} {r:.4f} of {n}" for e, (r, n) in
+                                                           score["recall"].items()) +
+                     f"; balanced accuracy {score['balanced']:.4f}; answers given: " +
+                     ", ".join(f"{a!r} {n}" for a, n in score["given"].most_common(4)))
     asked = [(a, b) for a, b in zip(answers, later) if b is not None]
     same = sum(a == b for a, b in asked)
     lines.append(f"  multi-turn: {same} of {len(asked)} answers unchanged after a system prompt and two unrelated "
@@ -114,6 +112,7 @@ def tool_task(state: dict, meta: dict, count: int = TOOL_QUESTIONS) -> str:
 
     import openai
 
+    from evaluation.grading import task_accuracy
     from training.finetune import data as sft
 
     reviews = sft.records(load_config(Path(meta["run_dir"]) / "config.yaml"))["validation"][:count]
@@ -121,9 +120,9 @@ def tool_task(state: dict, meta: dict, count: int = TOOL_QUESTIONS) -> str:
                            max_retries=2)
     asked = dict(model=meta["registered_model_name"], tools=[sft.REVIEW_TOOL], max_tokens=64, temperature=0)
 
-    def ask(k: int) -> tuple[bool, bool, bool | None, bool]:
-        """(needs the tool, called it, the label right after the tool's result: None when not asked, the call's
-        number that of the question)"""
+    def ask(k: int) -> tuple[bool, bool, str | None, bool]:
+        """(needs the tool, called it, the answer after the tool's result: None when not asked or refused, the
+        call's number that of the question)"""
         item, needed = reviews[k], k % 2 == 0
         question = sft.by_number(k + 1) if needed else sft.review_message(item["review"], sft.TOOL_REVIEW_CHARS)
         messages = [{"role": "user", "content": question}]
@@ -136,18 +135,19 @@ def tool_task(state: dict, meta: dict, count: int = TOOL_QUESTIONS) -> str:
             final = client.chat.completions.create(messages=messages + [first.model_dump(exclude_none=True), result],
                                                    **asked).choices[0].message
         except openai.BadRequestError:  # (longer than serving.max_prompt_chars: counted as a wrong label)
-            return needed, True, False, n == k + 1
-        return needed, True, (final.content or "").strip() == item["answer"], n == k + 1
+            return needed, True, None, n == k + 1
+        return needed, True, final.content or "", n == k + 1
 
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(ask, range(len(reviews))))
     need = [a for a in answers if a[0]]
     free = [a for a in answers if not a[0]]
-    labelled = [a[2] for a in need if a[1]]
+    called = [k for k, a in enumerate(answers) if a[0] and a[1]]
+    labels = task_accuracy([reviews[k] for k in called], [answers[k][2] for k in called])
     return (f"tools (/v1/chat/completions, tool_choice auto, the review tool offered): called on "
             f"{sum(a[1] for a in need)} of {len(need)} held-out questions that need it, on {sum(a[1] for a in free)} "
             f"of {len(free)} that do not ({sum(a[3] for a in need)} calls with the question's number); after the "
-            f"tool's result, {sum(labelled)} of {len(labelled)} labels right")
+            f"tool's result, {labels['right']} of {labels['total']} labels right")
 
 
 def samples(state: dict, max_new_tokens: int) -> str:

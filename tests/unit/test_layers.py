@@ -3,7 +3,7 @@ lazy imports included.
 
     top      bench/ (the benchmark suite: drives the verbs)
              pipeline/ (the verbs, one module each; pipeline/runner/: what they share that belongs to no stage)
-             export/ (checkpoint -> export directory, checked with serving's runtime)
+             export/ (checkpoint -> export directory, checked with serving's runtime)   evaluation/ (a version judged)
     stages   training/                    serving/          (neither imports the other)
              model/ (the model: training and export build it)
     bottom   core/ (shared vocabulary, platform workarounds: imports nothing above it)
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from core import REPO_ROOT
-LAYERS = {"core": 0, "model": 1, "training": 2, "serving": 2, "export": 3, "pipeline": 4, "bench": 5}
+LAYERS = {"core": 0, "model": 1, "training": 2, "serving": 2, "export": 3, "evaluation": 3, "pipeline": 4, "bench": 5}
 PACKAGES = tuple(LAYERS)
 
 
@@ -269,3 +269,38 @@ def test_fine_tuning_is_asked_one_way():
                "e.py": "    if config.finetune.data == \"reviews\":\n",
                "core/config.py": "    if config.finetune.data:\n", "f.py": "    return json.loads(t).get(\"kind\") == \"sft\"\n"}
     assert fine_tuning_asked_elsewhere(planted) == ["a.py:1", "b.py:1", "c.py:1", "d.py:1", "f.py:1"]
+
+
+def test_no_launcher_under_pipeline():
+    """A training run's launcher is training/launch/ (it starts the ranks); pipeline/ only calls it."""
+    sources = {p.relative_to(REPO_ROOT).as_posix(): p.read_text(encoding="utf-8") for p in modules().values()}
+    assert launchers_in_pipeline(sources) == []
+    planted = {"pipeline/runner/ranks.py": "cmd = [sys.executable, '-m', 'paddle.distributed.launch', rank]\n",
+               "pipeline/train.py": "subprocess.Popen([python, str(REPO_ROOT / 'training' / 'rank.py')])\n",
+               "training/launch/supervise.py": "'-m', 'paddle.distributed.launch'\n"}
+    assert launchers_in_pipeline(planted) == ["pipeline/runner/ranks.py", "pipeline/train.py"]
+
+
+def launchers_in_pipeline(sources: dict[str, str]) -> list[str]:
+    starts_ranks = re.compile(r"paddle\.distributed\.launch|['\"]rank\.py['\"]|training\.rank['\"]")
+    return sorted(name for name, text in sources.items() if name.startswith("pipeline/") and starts_ranks.search(text))
+
+
+# A task's answers are graded in one place (evaluation/grading.py task_accuracy): make evaluate and the smoke test
+# once computed the accuracy each their own way, with different figures.
+GRADING = re.compile(r"\bdef \w*accuracy\w*\(|==\s*\w+\[[\"']answer[\"']\]|\[[\"']answer[\"']\]\s*==")
+
+
+def graded_elsewhere(sources: dict[str, str]) -> list[str]:
+    return sorted(f"{name}:{n}" for name, text in sources.items() if name != "evaluation/grading.py"
+                  for n, line in enumerate(text.splitlines(), 1) if GRADING.search(line))
+
+
+def test_one_task_accuracy_function():
+    sources = {p.relative_to(REPO_ROOT).as_posix(): p.read_text(encoding="utf-8") for p in modules().values()}
+    assert graded_elsewhere(sources) == []
+    assert all("task_accuracy(" in sources[verb] for verb in ("pipeline/evaluate.py", "pipeline/smoke.py"))
+    planted = {"pipeline/smoke.py": "    right = sum(a == t[\"answer\"] for a, t in zip(answers, task))\n",
+               "pipeline/evaluate.py": "def task_accuracy(export_dir, task):\n",
+               "evaluation/grading.py": "def task_accuracy(task, answers):\n"}
+    assert graded_elsewhere(planted) == ["pipeline/evaluate.py:1", "pipeline/smoke.py:1"]
