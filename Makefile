@@ -56,7 +56,8 @@ train: $(STAMP)
 	$(PY) -m pipeline train --config $(CONFIG) $(if $(RESUME),--resume $(RESUME)) $(if $(DRY_RUN),--dry-run) --args "$$ARGS"
 
 # Supervised fine-tuning (docs/finetune.md): make finetune [MODEL=<run id|checkpoint dir|models:/...>] [DATA=<file.jsonl>]
-# (default: LoRA on the built-in review task, from the best run of tiny-zh-llama); RESUME=<run> continues one.
+# (default: full fine-tuning on the built-in review task, from the best run of tiny-zh-llama: configs/tiny-chat.yaml;
+# finetune.method=lora for LoRA); RESUME=<run> continues one.
 FINETUNE_CONFIG := $(if $(filter command line environment,$(origin CONFIG)),$(CONFIG),configs/tiny-chat.yaml)
 finetune: $(STAMP)
 	$(PY) -m pipeline finetune --config $(FINETUNE_CONFIG) $(if $(MODEL),--model $(MODEL)) $(if $(DATA),--data $(DATA)) $(if $(RESUME),--resume $(RESUME)) $(if $(DRY_RUN),--dry-run) --args "$$ARGS"

@@ -51,12 +51,12 @@ def cost(out: Path, uri: str, rounds: int) -> dict:
 def balance(out: Path, uri: str, name: str, overrides: list[str]) -> dict:
     """The unequal split's imbalance, the report's suggestion applied, its imbalance."""
     first = train_run(f"{name}-unequal-{int(time.time())}", overrides, out, uri)
-    stages = json.loads((Path(first["run_dir"]) / "pipeline" / "stages.json").read_text())
+    stages = json.loads((Path(first["run_dir"]) / "pipeline_parallel" / "stages.json").read_text())
     suggested = stages["suggested_stage_layers"]
     applied = [o for o in overrides if not o.startswith("parallel.stage_layers=")]
     second = train_run(f"{name}-suggested-{int(time.time())}", [*applied, f"parallel.stage_layers={suggested}"],
                        out, uri)
-    after = json.loads((Path(second["run_dir"]) / "pipeline" / "stages.json").read_text())
+    after = json.loads((Path(second["run_dir"]) / "pipeline_parallel" / "stages.json").read_text())
     result = {"unequal": [s["decoder_layers"] for s in stages["stages"]], "imbalance": stages["stage_imbalance"],
               "suggested": suggested, "imbalance_after": after["stage_imbalance"],
               "step_time_s": [first["step_time_s"], second["step_time_s"]]}

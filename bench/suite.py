@@ -437,7 +437,7 @@ def pipeline_schedules(runs: dict) -> dict:
     out from the measured stage times (training/metrics/stage_report.py)."""
     out = {}
     for name, r in runs.items():
-        stages = json.loads((Path(r["run_dir"]) / "pipeline" / "stages.json").read_text())
+        stages = json.loads((Path(r["run_dir"]) / "pipeline_parallel" / "stages.json").read_text())
         out[name] = {"schedule": stages["schedule"], "virtual_stages": stages["virtual_stages"],
                      "analytic_bubble": stages["analytic_bubble"],
                      "measured_idle_fraction": max(s["idle_fraction"] for s in stages["stages"]),

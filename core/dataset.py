@@ -14,7 +14,7 @@ A set is built in `.staging-<key>/` and renamed into place once complete, so a r
 
 Why this module writes `.idx` itself instead of PaddleNLP's `MMapIndexedDatasetBuilder`: the builder's module
 imports paddle (~1.5 s and ~250 MB in every preparation worker) and keeps the sizes in Python lists; the bytes written
-here are the same (tests/unit/test_dataset.py reads them back with PaddleNLP's reader).
+here are the same (tests/unit/test_data.py reads them back with PaddleNLP's reader).
 """
 from __future__ import annotations
 

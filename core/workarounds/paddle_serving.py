@@ -13,10 +13,11 @@
     `quiet_channel_wakeups()` wakes one thread per item where that is exact: one producer, one consumer Op (all its
     threads take any item), an unbounded queue (no producer ever waits on the condition), not
     `channel_recv_frist_arrive`; every other case, and `stop()`, keep Paddle Serving's code;
-  * `pipeline/logger.py` sets the root logger to DEBUG, so each request built ~30 debug records that no handler
-    keeps, and wrote 5 INFO lines to PipelineServingLogs/pipeline.log (~170 bytes a request: up to 20 x 512 MB of
-    rotated files on a busy server). `quiet_pipeline_log()` sets Paddle Serving's own loggers to WARNING: its
-    warnings and errors still reach pipeline.log and pipeline.log.wf; requests are counted by serving/server/metrics.py.
+  * Paddle Serving's `paddle_serving_server/pipeline/logger.py` sets the root logger to DEBUG, so each request
+    built ~30 debug records that no handler keeps, and wrote 5 INFO lines to PipelineServingLogs/pipeline.log (~170
+    bytes a request: up to 20 x 512 MB of rotated files on a busy server). `quiet_pipeline_log()` sets Paddle
+    Serving's own loggers to WARNING: its warnings and errors still reach pipeline.log and pipeline.log.wf; requests
+    are counted by serving/server/metrics.py.
   `PIPELINE_SERVING_FIXES=off` leaves both as shipped (benchmarks: before/after in one run).
 - its gRPC server binds `[::]:<rpc_port>`, every interface, hard-coded (pipeline_server.py): `grpc_bind(host)` makes
   that `<serving.host>:<rpc_port>` (loopback by default, behind the gateway). Its Go HTTP gateway

@@ -21,8 +21,8 @@ from core.config import Config, ConfigError
 from core.files import atomic_write
 from core.processes import group_alive, log_tail, port_in_use, start_group, stop_recorded, wait_ready
 from training.launch.rundir import runs_root
+from training.metrics.visualdl_layout import LOGDIR  # (a run's logs under runs/<run>/visualdl/)
 
-LOGDIR = "visualdl"  # (training/metrics/visualdl_writers.py LOGDIR: a run's logs under runs/<run>/visualdl/)
 
 
 def state_dir(config: Config) -> Path:

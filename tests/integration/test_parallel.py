@@ -71,7 +71,7 @@ def test_layout_matches_single_process(world, single, layout):
 def assert_stage_report(world, run, layout: str) -> None:
     """A pipeline run records Paddle's own order per stage (equal to core/schedules.py's), per-stage times in
     MLflow, the timeline PNG, and a split suggestion that covers every decoder layer."""
-    stages = json.loads((world["root"] / "runs" / layout / "pipeline" / "stages.json").read_text())
+    stages = json.loads((world["root"] / "runs" / layout / "pipeline_parallel" / "stages.json").read_text())
     assert stages["order_matches_paddle"] is True
     assert [s["stage"] for s in stages["stages"]] == [0, 1]
     assert all(s["steps"] == 5 and s["forward_ms"] > 0 and s["backward_ms"] > 0 for s in stages["stages"])
@@ -83,8 +83,8 @@ def assert_stage_report(world, run, layout: str) -> None:
     for key in ("stage0_forward_ms", "stage1_backward_ms", "pipeline_measured_idle_fraction"):
         assert metrics[key] > 0
     client = tracking.client(world["uri"])
-    assert {"pipeline/timeline.png", "pipeline/stages.json"} <= {
-        f.path for f in client.list_artifacts(run.info.run_id, "pipeline")}
+    assert {"pipeline_parallel/timeline.png", "pipeline_parallel/stages.json"} <= {
+        f.path for f in client.list_artifacts(run.info.run_id, "pipeline_parallel")}
     assert_stage_charts(world["root"] / "runs" / layout, stages, client, run.info.run_id)
 
 
@@ -105,7 +105,7 @@ def assert_stage_charts(run_dir: Path, stages: dict, client, run_id: str) -> Non
         assert set(scalars) == set(visualdl_layout.STAGE_TAGS) and sorted(scalars["stage/forward_ms"]) == list(range(2, 7))
         busy = [scalars["stage/forward_ms"][s] + scalars["stage/backward_ms"][s] for s in range(2, 7)]
         assert sum(busy) / len(busy) == pytest.approx(record["busy_ms_per_step"], rel=1e-4)
-    imbalance = visualdl_layout.read_scalars(logs / "pipeline")[visualdl_layout.IMBALANCE_TAG]
+    imbalance = visualdl_layout.read_scalars(logs / "pipeline_parallel")[visualdl_layout.IMBALANCE_TAG]
     assert sorted(imbalance) == list(range(2, 7)) and all(v >= 1.0 for v in imbalance.values())
     assert metric_history(client, run_id, "stage_imbalance_by_step") == pytest.approx(imbalance, rel=1e-6)
     assert client.get_run(run_id).data.metrics["stage_imbalance"] == pytest.approx(stages["stage_imbalance"])

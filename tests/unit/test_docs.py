@@ -148,3 +148,51 @@ def test_readme_says_which_targets_are_not_python_m_pipeline():
     assert {"train", "test", "mlflow-ui", "bench"} <= set(targets)
     assert not_the_pipeline(targets, README) == []
     assert not_the_pipeline(targets, README.replace("`mlflow-ui`", "mlflow-ui")) == ["mlflow-ui"]
+
+
+# A path of this repository named in the code, the docs, the configs or the Makefile, optionally followed by a name in
+# it (`core/config.py Config`, training/rank.py `training_arguments`): the file exists and defines the name.
+POINTER = re.compile(r"(?<![\w./<>@-])((?:core|training|serving|pipeline|model|export|evaluation|bench|tests|configs|docs|"
+                     r"deploy|requirements|\.ci)/[\w./-]*\.(?:py|md|yaml|yml|json|sh|txt|toml|conf|html))(?![\w<>/])"
+                     r"(?: `?([A-Z][A-Za-z0-9_]+|[a-z_][a-z0-9_]{2,})`?)?")
+# (a missing file named on purpose: the test of a config that does not exist, a planted example of a rule's test)
+NOT_FILES = {("tests/unit/test_config.py", "configs/nope.yaml"), ("tests/unit/test_layers.py", "pipeline/runner/ranks.py")}
+PLANTED = "tests/unit/test_docs.py"  # (this file: its planted examples)
+
+
+def false_pointers(texts: dict[str, str], exists, defines) -> list[str]:
+    wrong = []
+    for name, text in texts.items():
+        for found in POINTER.finditer(text):
+            path, symbol = found.group(1).rstrip("."), found.group(2)
+            if (name, path) in NOT_FILES:
+                continue
+            if not exists(path):
+                wrong.append(f"{name}: {path} does not exist")
+            elif symbol and path.endswith(".py") and (symbol[0].isupper() or "`" in found.group(0)) \
+                    and not defines(path, symbol):
+                wrong.append(f"{name}: {path} has no {symbol}")
+    return sorted(set(wrong))
+
+
+def _defines(path: str, symbol: str) -> bool:
+    text = (REPO_ROOT / path).read_text(encoding="utf-8")
+    return re.search(rf"^\s*(?:async )?(?:def|class) {symbol}\b|^\s*(?:\w+\s*,\s*)*{symbol}\s*(?:,\s*\w+\s*)*[:=]",
+                     text, re.M) is not None
+
+
+def test_every_file_the_code_and_docs_point_at_exists_and_has_the_name():
+    import subprocess
+
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO_ROOT, capture_output=True, text=True).stdout.split()
+    texts = {f: (REPO_ROOT / f).read_text(encoding="utf-8") for f in tracked
+             if f.endswith((".py", ".md", ".yaml", ".toml", ".sh", ".txt")) or f == "Makefile"
+             if not f.startswith("mlflow/") and f != PLANTED and (REPO_ROOT / f).is_file()}
+    assert false_pointers(texts, lambda p: (REPO_ROOT / p).exists(), _defines) == []
+
+
+def test_the_pointer_check_sees_a_moved_file_and_a_renamed_name():
+    texts = {"a.py": "# (VisualDL's writers: training/monitor.py)\n",
+             "b.md": "see `core/config.py Config` and core/config.py `check_everything`\n"}
+    assert false_pointers(texts, lambda p: (REPO_ROOT / p).exists(), _defines) == [
+        "a.py: training/monitor.py does not exist", "b.md: core/config.py has no check_everything"]

@@ -73,7 +73,8 @@ def test_the_parser_sees_lazy_and_from_imports(tmp_path):
 
 
 def test_a_cycle_through_an_annotation_import_is_a_cycle(tmp_path):
-    """(core/config.py and core/config_checks.py once imported each other, one side under TYPE_CHECKING, unseen)"""
+    """(the config and its value checks were once two modules that imported each other, one side under TYPE_CHECKING,
+    unseen by this test)"""
     (tmp_path / "a.py").write_text("from core import b\n")
     (tmp_path / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from core import a\n")
     known = {"core.a", "core.b"}

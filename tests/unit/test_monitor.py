@@ -85,11 +85,11 @@ def test_every_stage_writes_the_same_tags_and_the_imbalance_is_each_steps_slowes
         assert set(scalars) == set(visualdl_layout.STAGE_TAGS) and sorted(scalars["stage/forward_ms"]) == [2, 3, 4]
     found = imbalance_by_step(tmp_path)
     assert found == pytest.approx({2: 30 / 22.5, 3: 30 / 22.5, 4: 36 / 27})
-    assert visualdl_layout.read_scalars(tmp_path / "visualdl" / "pipeline")[visualdl_layout.IMBALANCE_TAG] == pytest.approx(found)
+    assert visualdl_layout.read_scalars(tmp_path / "visualdl" / "pipeline_parallel")[visualdl_layout.IMBALANCE_TAG] == pytest.approx(found)
     assert imbalance_by_step(tmp_path) == {}  # (a second report writes no step again)
     stage_logs(tmp_path, [[(9, 9)], [(9, 9)]], first_step=5)  # (a resumed launch's steps: appended)
     assert imbalance_by_step(tmp_path) == {5: 1.0}
-    assert visualdl_layout.steps_in_order(tmp_path / "visualdl" / "pipeline", visualdl_layout.IMBALANCE_TAG) == [2, 3, 4, 5]
+    assert visualdl_layout.steps_in_order(tmp_path / "visualdl" / "pipeline_parallel", visualdl_layout.IMBALANCE_TAG) == [2, 3, 4, 5]
 
 
 def test_the_summary_imbalance_is_the_slowest_stages_compute_over_the_mean():

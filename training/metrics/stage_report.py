@@ -1,8 +1,8 @@
 """The end of a pipeline run: per-stage times, the measured timeline next to the schedule's bubble, balancing advice.
 
-Reads the ranks' `pipeline/rank<r>.json` (training/metrics/stage_timing.py), draws the timeline from the order Paddle's
+Reads the ranks' `pipeline_parallel/rank<r>.json` (training/metrics/stage_timing.py), draws the timeline from the order Paddle's
 engine reported for each stage, placed with the measured per-micro-batch forward/backward times of that stage
-(core/schedules.py), logs it as `pipeline/timeline.png` + `pipeline/stages.json` and the per-stage metrics to
+(core/schedules.py), logs it as `pipeline_parallel/timeline.png` + `pipeline_parallel/stages.json` and the per-stage metrics to
 MLflow, and says which stage is the bottleneck and which `parallel.stage_layers` would even the stages out.
 
 The advice: a stage's forward splits into its decoder layers (timed by hooks) and the rest (embedding on the first
@@ -17,6 +17,8 @@ from pathlib import Path
 
 from core import schedules
 from core.layout import ParallelLayout, balanced_split
+from training.metrics import visualdl_layout
+from training.metrics.stage_timing import STAGE_DIR, read
 
 
 def stage_summary(records: list[dict]) -> list[dict]:
@@ -87,10 +89,8 @@ def _slowest_over_mean(busy: list[float]) -> float:
 
 def imbalance_by_step(run_dir: Path) -> dict[int, float]:
     """Each step's stage imbalance from the stages' VisualDL logs (visualdl/stage-<k>/: the same timer's per-step
-    forward + backward), for the steps every stage logged; the steps not yet in visualdl/pipeline/ are written there
+    forward + backward), for the steps every stage logged; the steps not yet in visualdl/pipeline_parallel/ are written there
     (a resumed run's report adds its own steps, never one again). {step: imbalance} of the steps written now."""
-    from training.metrics import visualdl_layout
-
     logs = Path(run_dir) / visualdl_layout.LOGDIR
     stages = sorted(logs.glob("stage-*"), key=lambda d: int(d.name.split("-")[1]))
     if len(stages) < 2:
@@ -100,22 +100,20 @@ def imbalance_by_step(run_dir: Path) -> dict[int, float]:
         scalars = visualdl_layout.read_scalars(directory)
         forward, backward = scalars.get("stage/forward_ms", {}), scalars.get("stage/backward_ms", {})
         per_stage.append({step: forward[step] + backward.get(step, 0.0) for step in forward})
-    done = set(visualdl_layout.read_scalars(logs / "pipeline").get(visualdl_layout.IMBALANCE_TAG, {})) \
-        if (logs / "pipeline").is_dir() else set()
+    done = set(visualdl_layout.read_scalars(logs / STAGE_DIR).get(visualdl_layout.IMBALANCE_TAG, {})) \
+        if (logs / STAGE_DIR).is_dir() else set()
     steps = sorted(set.intersection(*(set(s) for s in per_stage)) - done)
     found = {step: _slowest_over_mean([s[step] for s in per_stage]) for step in steps}
     if found:
         from visualdl import LogWriter
 
-        with LogWriter(logdir=str(logs / "pipeline"), file_name=visualdl_layout.new_file_name()) as writer:
+        with LogWriter(logdir=str(logs / STAGE_DIR), file_name=visualdl_layout.new_file_name()) as writer:
             for step, value in found.items():
                 writer.add_scalar(visualdl_layout.IMBALANCE_TAG, value, step)
     return found
 
 
 def report(mlflow_client, run_id: str | None, run_dir: Path, layout: ParallelLayout) -> str | None:
-    from training.metrics.stage_timing import read
-
     records = read(run_dir)
     if layout.pp < 2 or len({r["stage"] for r in records}) < layout.pp:
         return None
@@ -135,7 +133,7 @@ def report(mlflow_client, run_id: str | None, run_dir: Path, layout: ParallelLay
     measured = max(s["idle_fraction"] for s in summary)
     message += (f"\nidle fraction: measured {measured:.2f} (slowest-waiting stage), timeline of the measured times "
                 f"{schedules.idle_fraction(events):.2f}, analytic bubble {layout.bubble_fraction:.2f}")
-    out = run_dir / "pipeline"
+    out = run_dir / STAGE_DIR
     png = out / "timeline.png"
     schedules.render_png(events, png, f"{layout.name}: {layout.schedule}, {layout.accumulation_steps} micro-batches "
                          f"(measured stage times, ms)")
@@ -163,6 +161,6 @@ def report(mlflow_client, run_id: str | None, run_dir: Path, layout: ParallelLay
             mlflow_client.log_metric(run_id, key, value)
         mlflow_client.set_tag(run_id, "pipeline.bottleneck_stage", str(slowest))
         mlflow_client.set_tag(run_id, "pipeline.suggested_stage_layers", ",".join(map(str, suggestion)))
-        mlflow_client.log_artifact(run_id, str(png), "pipeline")
-        mlflow_client.log_artifact(run_id, str(out / "stages.json"), "pipeline")
+        mlflow_client.log_artifact(run_id, str(png), STAGE_DIR)
+        mlflow_client.log_artifact(run_id, str(out / "stages.json"), STAGE_DIR)
     return message

@@ -7,7 +7,7 @@ compute, and forward hooks on the decoder layers split a stage's forward into de
 (embedding, norm, LM head, loss) for the balancing advice. The first training step is warm-up and not counted.
 On GPU every stamp synchronises the device, so the numbers are compute times there too.
 
-`write()` leaves `pipeline/rank<r>.json` in the run directory; the launcher turns them into the timeline, the MLflow
+`write()` leaves `pipeline_parallel/rank<r>.json` in the run directory; the launcher turns them into the timeline, the MLflow
 metrics and the advice (training/metrics/stage_report.py). Paddle's own order for this stage comes from the engine's
 `get_static_scheduler()` (it prints the schedule without running it).
 """
@@ -17,7 +17,7 @@ import json
 import time
 from pathlib import Path
 
-STAGE_DIR = "pipeline"
+STAGE_DIR = "pipeline_parallel"  # (in the run directory, VisualDL's logs and the MLflow run's artifacts)
 
 
 class StageTimer:

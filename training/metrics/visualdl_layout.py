@@ -7,7 +7,7 @@ from pathlib import Path
 
 LOGDIR = "visualdl"
 STAGE_TAGS = ("stage/forward_ms", "stage/backward_ms", "stage/step_ms", "stage/idle_ms")
-IMBALANCE_TAG = "pipeline/stage_imbalance"
+IMBALANCE_TAG = "pipeline_parallel/stage_imbalance"
 
 
 def new_file_name() -> str:
