@@ -94,8 +94,9 @@ all-chat: $(STAMP)
 	$(MAKE) serve CONFIG=configs/tiny-chat.yaml
 	$(MAKE) smoke CONFIG=configs/tiny-chat.yaml; rc=$$?; $(MAKE) stop CONFIG=configs/tiny-chat.yaml; exit $$rc
 
+# make compare [EXPERIMENT=...] [METRIC=...] [FILTER="..."] [OUTPUT=<dir>, default reports/compare/<experiment>]
 compare: $(STAMP)
-	$(PY) -m pipeline compare --config $(CONFIG) $(if $(EXPERIMENT),--experiment $(EXPERIMENT)) $(if $(METRIC),--metric $(METRIC)) $(if $(FILTER),--filter "$(FILTER)")
+	$(PY) -m pipeline compare --config $(CONFIG) $(if $(EXPERIMENT),--experiment $(EXPERIMENT)) $(if $(METRIC),--metric $(METRIC)) $(if $(FILTER),--filter "$(FILTER)") $(if $(OUTPUT),--out "$(OUTPUT)")
 
 # A grid of overrides, N at a time, then compared: make sweep ARGS="training.learning_rate=1e-3,3e-3 model.num_layers=2,4"
 # SWEEP=<id> continues an interrupted sweep (finished runs are not retrained).
