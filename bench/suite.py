@@ -324,10 +324,10 @@ def checkpoint_stall(out: Path, uri: str, stamp: str, rounds: int = 3, steps: in
     end of the save callbacks on rank 0), with training.async_checkpoint off, on, and on with every checkpoint
     uploaded to a local S3 store (SeaweedFS, storage.uri), in interleaved runs; and the upload's MB/s."""
     from core.processes import free_port
-    from pipeline.runner import object_store
+    from pipeline.runner import seaweedfs
 
-    store = object_store.start(out / "object-store", free_port())
-    os.environ.update(object_store.environment(store))  # (the training subprocesses read the store's environment)
+    store = seaweedfs.start(out / "object-store", free_port())
+    os.environ.update(seaweedfs.environment(store))  # (the training subprocesses read the store's environment)
     settings = {"sync": ["training.async_checkpoint=false"], "async": ["training.async_checkpoint=true"],
                 "async+store": ["training.async_checkpoint=true", "storage.upload_wait_s=600"],
                 # (the same with one file at a time: what storage.transfer_threads' parallel uploads gain)
@@ -353,7 +353,7 @@ def checkpoint_stall(out: Path, uri: str, stamp: str, rounds: int = 3, steps: in
                 sizes.append(sum(f.stat().st_size for f in latest.rglob("*") if f.is_file()))
                 uploads_by[name] += _upload_rates(Path(r["run_dir"]))
     finally:
-        object_store.stop(out / "object-store")
+        seaweedfs.stop(out / "object-store")
     result = {name: spread(v) for name, v in stalls.items()}
     result.update(saves_per_setting=len(stalls["sync"]), checkpoint_mb=float(np.median(sizes)) / 2**20,
                   train_runtime_s={name: spread(v) for name, v in runtimes.items()},

@@ -1,5 +1,5 @@
 """The object store's client (`storage.uri` = s3://bucket/prefix): any S3 endpoint, through boto3. What is kept
-there, and how (checkpoints, markers, the writer lease), is training/checkpoint/'s; data sets: training/data/store.py.
+there, and how (checkpoints, markers, the writer lease), is training/checkpoint/'s; data sets: training/data/published.py.
 
 Endpoint and credentials come from the standard environment that boto3 and MLflow read: AWS_ENDPOINT_URL (or
 MLFLOW_S3_ENDPOINT_URL), AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION. boto3 rather than MLflow's

@@ -1,9 +1,9 @@
 """`make object-store`: a local S3 endpoint (SeaweedFS) on 127.0.0.1:8333 for `storage.uri` (docs/storage.md);
-its credentials in runs/object-store/credentials.env (pipeline/runner/object_store.py)."""
+its credentials in runs/object-store/credentials.env (pipeline/runner/seaweedfs.py)."""
 from __future__ import annotations
 
 from core.config import Config
-from pipeline.runner.object_store import STATE_DIR, start
+from pipeline.runner.seaweedfs import STATE_DIR, start
 
 HELP = "a local S3 endpoint (SeaweedFS) for storage.uri, on 127.0.0.1:8333"
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from core.config import Config
-from pipeline.runner.object_store import stop
+from pipeline.runner.seaweedfs import stop
 
 HELP = "stop the local S3 endpoint (its data is kept)"
 

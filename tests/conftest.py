@@ -84,9 +84,9 @@ def tiny_config(tmp_path) -> Path:
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
-    """A real S3 endpoint (SeaweedFS from .venv, pipeline/runner/object_store.py) on a free port, per module."""
+    """A real S3 endpoint (SeaweedFS from .venv, pipeline/runner/seaweedfs.py) on a free port, per module."""
     from core.processes import free_port
-    from pipeline.runner import object_store
+    from pipeline.runner import seaweedfs as object_store
 
     root = tmp_path_factory.mktemp("s3")
     port = free_port()

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def remote(tmp_path_factory, s3):
     from helpers import TINY_CONFIG
-    from pipeline.runner import object_store
+    from pipeline.runner import seaweedfs as object_store
 
     root = tmp_path_factory.mktemp("remote")
     port = free_port()

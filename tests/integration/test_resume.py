@@ -19,7 +19,7 @@ from helpers import (LAYOUTS, env_for, make_command, metric_history, processes_m
 from core import REPO_ROOT, tracking
 from core.processes import descendants, signal_pids
 from training.checkpoint import local as checkpoints
-from training.checkpoint import store as checkpoint_store
+from training.checkpoint import in_store as checkpoint_store
 
 pytestmark = pytest.mark.slow
 RTOL = 1e-4

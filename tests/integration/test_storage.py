@@ -17,7 +17,7 @@ import pytest
 from core import REPO_ROOT
 from core.processes import descendants, signal_pids
 from helpers import TINY_CONFIG, env_for, metric_history, progress_events, wait_until
-from training.checkpoint import store as checkpoint_store
+from training.checkpoint import in_store as checkpoint_store
 
 pytestmark = pytest.mark.slow
 MAX_STEPS = 240  # (150 once ended, on a quiet machine, before the store caught up: nothing left to resume)

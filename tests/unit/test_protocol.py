@@ -7,7 +7,7 @@ import pytest
 from serving import protocol
 from serving.protocol import GenerationSettings, Limits, RequestError
 from core import chat as core_chat
-from serving.server.openai import api_server, protocol as openai_protocol, serving_chat, serving_completion
+from serving.server.openai import api_server, wire as openai_wire, serving_chat, serving_completion
 
 LIMITS = Limits(max_prompt_chars=10, max_new_tokens_limit=8, default_max_new_tokens=4, max_request_bytes=300,
                 request_timeout_s=30.0)
@@ -125,7 +125,7 @@ def test_openai_requests():
         assert exc.value.status == status
     with pytest.raises(RequestError, match="`messages` must be a non-empty list"):
         serving_chat.parse_chat({"model": "m", "messages": []}, LIMITS, MODEL_IDS, core_chat.TEMPLATE)
-    status, body = openai_protocol.error_body(RequestError("busy", "server busy"))
+    status, body = openai_wire.error_body(RequestError("busy", "server busy"))
     assert status == 429 and body["error"]["code"] == "busy"
 
 

@@ -1,6 +1,6 @@
-"""core/storage.py and training/checkpoint/store.py without a server: where things go in the bucket, and the credentials a Store signs with."""
+"""core/storage.py and training/checkpoint/in_store.py without a server: where things go in the bucket, and the credentials a Store signs with."""
 from core.storage import Store
-from training.checkpoint.store import checkpoints_prefix, part_key
+from training.checkpoint.in_store import checkpoints_prefix, part_key
 
 
 def test_keys_follow_the_documented_layout():

@@ -25,7 +25,7 @@ from core import tracking
 from training.metrics import progress
 from training.checkpoint.local import (DONE_MARKER_PREFIX, checkpoint_info, complete_checkpoints, make_durable,
                                        mark_complete, prune)
-from training.checkpoint.store import record_missing
+from training.checkpoint.in_store import record_missing
 
 
 def checkpoint_roles(storage, layout, rank: int) -> tuple[bool, range]:

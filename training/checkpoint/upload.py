@@ -1,7 +1,7 @@
 """Complete checkpoints to the object store (`storage.uri`), in the background on rank 0: training never waits.
 
 A checkpoint is queued once it is complete on local disk (manager.py). One thread uploads its files (core/storage.py
-upload_tree: several at once), then its completion record, written last and only if absent (store.py), so a reader
+upload_tree: several at once), then its completion record, written last and only if absent (in_store.py), so a reader
 of the store never takes a partial checkpoint. Retention (training.keep_checkpoints: the newest N and the best by the
 export metric) applies in the store after each upload, only while this run's launcher holds the writer lease
 (lease.py). While the store is down the thread retries with backoff, cut short when a newer checkpoint is queued;
@@ -25,7 +25,7 @@ from core.storage import Store, describe
 from training.metrics import progress
 from training.checkpoint import lease
 from training.checkpoint.local import COMPLETE_MARKER, DONE_MARKER_PREFIX
-from training.checkpoint.store import checkpoints_prefix, mark_complete_in_store, part_key, retain
+from training.checkpoint.in_store import checkpoints_prefix, mark_complete_in_store, part_key, retain
 
 BACKOFF_S = (0.5, 1, 2, 4, 8, 15, 30)
 UPLOADED = "store: uploaded"  # (the rank log's line per checkpoint: the bench reads MB/s from it)

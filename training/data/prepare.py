@@ -33,7 +33,7 @@ from core.errors import ConfigError
 from core.tokenizer import (EOS_TOKEN, HF_FILES, SPECIAL_TOKENS, TOKENIZER_JSON, HFTokenizer, is_hf_tokenizer, read_vocab,
                             train_bpe, write_tokenizer)
 from core.files import atomic_write, cache_path
-from training.data import corpus, engines, store
+from training.data import corpus, engines, published
 
 CODE = [Path(__file__).parent / name for name in ("corpus.py", "shards.py", "prepare.py")] + \
        [REPO_ROOT / "core" / "dataset.py", REPO_ROOT / "core" / "tokenizer.py"]
@@ -49,9 +49,9 @@ class Prepared:
 
 def data_root(config, run_dir: Path | None = None) -> Path:
     """Where data sets are kept on this machine: data.cache_dir, data.local_dir when the cache is an object store
-    (training/data/store.py), or the run directory's data/ when caching is off."""
-    if store.in_store(config):
-        return store.local_root(config)
+    (training/data/published.py), or the run directory's data/ when caching is off."""
+    if published.in_store(config):
+        return published.local_root(config)
     if config.data.cache_dir:
         return cache_path(config.data.cache_dir)
     if run_dir is None:
@@ -107,10 +107,10 @@ def prepare(config, run_dir: Path | None = None, log=print) -> Prepared:
     root = data_root(config, run_dir)
     key = content_key(config, corpora)
     final = root / key
-    remote = store.open_store(config) if store.in_store(config) else None
+    remote = published.open_store(config) if published.in_store(config) else None
     if (final / dataset.MANIFEST).is_file():
         if remote is not None:
-            store.publish(remote, final, key, log)  # (made here before the store was configured)
+            published.publish(remote, final, key, log)  # (made here before the store was configured)
         return Prepared(final, dataset.check(final), True, time.time() - t0)
     root.mkdir(parents=True, exist_ok=True)
     staging = root / f".staging-{key}"
@@ -118,7 +118,7 @@ def prepare(config, run_dir: Path | None = None, log=print) -> Prepared:
     # and the next one creates a new file and locks that one, so the two build the same key at once)
     with open(root / f".staging-{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # (a concurrent preparation of the same key: wait, then reuse its set)
-        reused = (final / dataset.MANIFEST).is_file() or (remote is not None and store.fetch(remote, key, root, log))
+        reused = (final / dataset.MANIFEST).is_file() or (remote is not None and published.fetch(remote, key, root, log))
         if not reused:
             if staging.exists():
                 log(f"data: continuing the interrupted preparation in {staging}")
@@ -127,7 +127,7 @@ def prepare(config, run_dir: Path | None = None, log=print) -> Prepared:
     if reused:
         return Prepared(final, dataset.check(final), True, time.time() - t0)
     if remote is not None:
-        store.publish(remote, final, key, log)
+        published.publish(remote, final, key, log)
     manifest["prepare_seconds"] = round(time.time() - t0, 2)
     return Prepared(final, manifest, False, time.time() - t0)
 
@@ -140,7 +140,7 @@ def find_prepared(config) -> dict | None:
     path = data_root(config) / key / dataset.MANIFEST
     if path.is_file():
         return json.loads(path.read_text())
-    return store.manifest(store.open_store(config), key) if store.in_store(config) else None
+    return published.manifest(published.open_store(config), key) if published.in_store(config) else None
 
 
 def _check_tokenizer_path(path: str) -> None:

@@ -66,7 +66,7 @@ def meeting_store(storage, nnodes: int):
 
 
 def _store_key(store, run_dir: Path, name: str) -> str:
-    from training.checkpoint.store import run_prefix
+    from training.checkpoint.in_store import run_prefix
 
     return f"{run_prefix(store, run_dir.name)}/{name}"
 

@@ -37,7 +37,7 @@ def restore(run, uri: str, resume: str) -> Path:
     import tempfile
 
     from core.storage import Store, StoreError
-    from training.checkpoint import store as checkpoint_store
+    from training.checkpoint import in_store as checkpoint_store
 
     client = tracking.client(uri)
     with tempfile.TemporaryDirectory() as tmp:
@@ -114,7 +114,7 @@ def join_locally(config: Config, run_dir: Path, info: dict, store) -> tuple[Path
             _fill(config, run_dir)
     resume_from = None
     if info["resume_checkpoint"]:
-        from training.checkpoint import store as checkpoint_store
+        from training.checkpoint import in_store as checkpoint_store
 
         step = int(info["resume_checkpoint"].split("-")[1])
         resume_from = checkpoint_store.fetch_step(store, run_dir, step)

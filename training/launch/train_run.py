@@ -23,7 +23,7 @@ from core.layout import ParallelLayout
 from training.launch import failures, nodes, rundir, supervise
 from training.launch.ranks import Launch, Outcome, launch_ranks, run_other_node
 from training.launch.tracked_run import TrackedRun
-from training.checkpoint import store as checkpoint_store
+from training.checkpoint import in_store as checkpoint_store
 
 # A resume's config waits here until the resumed run has completed a step (training/callbacks.py PromoteConfig).
 PENDING_CONFIG = "config.next.yaml"

@@ -27,7 +27,7 @@ from fastapi import Request as HttpRequest  # (module level: FastAPI resolves th
 
 from serving.protocol import ROUTED_MODEL_HEADER, USAGE_HEADER, VERSION_HEADERS, Limits, RequestError, bad
 from serving.server.consumers import DIRECT, TokenBudgets, consumer_of
-from serving.server.openai.protocol import completion_body, error_body, usage_of
+from serving.server.openai.wire import completion_body, error_body, usage_of
 from serving.server.openai.serving_chat import chat_template, parse_chat
 from serving.server.openai.serving_completion import parse_completion
 from serving.server.openai.streaming import Generation, sse_events

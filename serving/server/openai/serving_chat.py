@@ -11,7 +11,7 @@ from core import chat
 from core.errors import ConfigError
 from serving.protocol import Limits, Request, bad
 from serving.server.openai import structured
-from serving.server.openai.protocol import check_body, openai_values, parse_openai, with_stream
+from serving.server.openai.wire import check_body, openai_values, parse_openai, with_stream
 
 NO_TEMPLATE = ("this model has no chat template (a base model: it continues text); use /v1/completions, or serve a "
                "fine-tuned version (make finetune)")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from serving.protocol import Limits, Request, bad
 from serving.server.openai import structured
-from serving.server.openai.protocol import check_body, openai_values, parse_openai, with_stream
+from serving.server.openai.wire import check_body, openai_values, parse_openai, with_stream
 
 
 def parse_completion(body, limits: Limits, model_ids: set[str], vocabulary=None) -> Request:

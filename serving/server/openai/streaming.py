@@ -9,7 +9,7 @@ import uuid
 
 from serving.protocol import USAGE_COMMENT, Request, RequestError
 from core.chat import TOOL_CLOSE, TOOL_OPEN
-from serving.server.openai.protocol import chat_logprobs, error_body, fingerprint, usage_of
+from serving.server.openai.wire import chat_logprobs, error_body, fingerprint, usage_of
 from serving.server.openai.structured import tool_calls
 
 
