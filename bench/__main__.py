@@ -11,17 +11,17 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from pathlib import Path
 
 from bench import Stopped, on_stop_signal
+from bench import suite
+from core.processes import die_with_parent
+from serving import controller
+from serving.state import registered, unregister
 
 
 def stop_leftovers(out) -> list[str]:
     """Servers an earlier bench left running (listed, or in this output directory): stopped now, one line each."""
-    from pathlib import Path
-
-    from serving import controller
-    from serving.state import registered, unregister
-
     lines = []
     for state_dir in dict.fromkeys([*registered("bench"), *Path(out).glob("serving-*")]):
         state = controller.running(state_dir)
@@ -37,8 +37,6 @@ def stop_leftovers(out) -> list[str]:
 
 def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, tuple[str, ...], tuple[str, ...]]:
     """The command line -> (arguments, sections, peers); an unknown section or peer ends it in one line."""
-    from bench import suite
-
     p = argparse.ArgumentParser(prog="python -m bench", description="benchmark suite (reports/bench/bench.{json,md}, "
                                                                     "MLflow experiment bench)")
     p.add_argument("--quick", action="store_true", help="tiny settings: checks the harness, not the machine")
@@ -67,10 +65,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, tuple[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench import suite
-
     args, sections, peers = parse(argv)
-    from core.processes import die_with_parent
     import paddlenlp  # noqa: F401  (its import resets SIGTERM to the default action: the handlers go after it)
 
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -17,6 +17,12 @@ import time
 from pathlib import Path
 
 from core import REPO_ROOT
+from bench import between_trials, spread
+from core.config import DEFAULT_CONFIG, load_config
+from serving.engine.exported import ExportedModel
+from serving.engine.worker import build_scheduler, generate_all
+from serving.offline.batch import read_table, request_of
+from serving.protocol import Limits
 
 VARIANTS = ("in_process", "make_generate_1_worker", "make_generate")
 WORDS = ("人工智能", "这本书", "快递很快，", "今天天气", "我们的", "中国", "学习", "电影很好看", "服务员", "价格")
@@ -38,12 +44,6 @@ def prompts(path: Path, count: int, new_tokens: int, sampled: bool = True) -> Pa
 
 
 def in_process_trial(export_dir: Path, table: Path, batch_size: int) -> dict:
-    from core.config import DEFAULT_CONFIG, load_config
-    from serving.engine.exported import ExportedModel
-    from serving.engine.worker import build_scheduler, generate_all
-    from serving.offline.batch import read_table, request_of
-    from serving.protocol import Limits
-
     s = load_config(DEFAULT_CONFIG).serving
     limits = Limits(max_prompt_chars=1 << 24, max_new_tokens_limit=s.max_new_tokens_limit)
     model = ExportedModel(export_dir)
@@ -70,9 +70,6 @@ def make_generate_trial(export_dir: Path, table: Path, out: Path, batch_size: in
 
 
 def run(export_dir: Path, out: Path, quick: bool) -> dict:
-    from bench import between_trials, spread
-    from core.config import DEFAULT_CONFIG, load_config
-
     out.mkdir(parents=True, exist_ok=True)
     count, new_tokens, rounds = (100, 8, 1) if quick else (2000, 16, 3)
     batch_size = load_config(DEFAULT_CONFIG).serving.generate_batch_size

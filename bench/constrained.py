@@ -17,8 +17,20 @@ import argparse
 import json
 import time
 from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import jsonschema
+from bench.suite import out_dir
+from core import exportdir
+from serving import controller
+from serving.engine.constraints import allowed_rows
+from serving.engine.exported import ExportedModel
+from serving.engine.generation import choose_rows
+from serving.engine.scheduler import Job
+from serving.engine.worker import build_scheduler
+from serving.protocol import GenerationSettings
+from serving.server.openai.structured import json_grammar
 
 # Bounded where a free string, number or array would let a small model run to max_tokens (as with any engine)
 SCHEMAS = [
@@ -61,11 +73,6 @@ def strict(schema):
 def mask_cost(export_dir: Path, steps: int = 40) -> dict:
     """ms per step at batch 64: the masks filled, and choose_rows with them against the same rows free."""
     import serving  # noqa: F401  (zlib first)
-    from serving.engine.constraints import allowed_rows
-    from serving.engine.exported import ExportedModel
-    from serving.engine.generation import choose_rows
-    from serving.protocol import GenerationSettings
-    from serving.server.openai.structured import json_grammar
 
     model = ExportedModel(export_dir)
     grammars, vocab = model.grammars, len(model.tokenizer)
@@ -101,11 +108,6 @@ def overlap(export_dir: Path, rounds: int = 5, rows: int = BATCH) -> dict:
     """The scheduler in process, `rows` constrained sequences at a time, masks filled during the decode step
     (overlap_masks) against in the choose step: generated tokens/s of each, rounds alternating."""
     import serving  # noqa: F401  (zlib first)
-    from serving.engine.exported import ExportedModel
-    from serving.engine.scheduler import Job
-    from serving.engine.worker import build_scheduler
-    from serving.protocol import GenerationSettings
-    from serving.server.openai.structured import json_grammar
 
     model = ExportedModel(export_dir)
     grammars = model.grammars
@@ -128,8 +130,6 @@ def overlap(export_dir: Path, rounds: int = 5, rows: int = BATCH) -> dict:
 
 def served(export_dir: Path, out: Path, rounds: int, requests_per_phase: int) -> dict:
     from bench.serving_load import server_config
-    from core import exportdir
-    from serving import controller
 
     state_dir = out / "serving-constrained"
     try:
@@ -154,9 +154,7 @@ def _phase(base_url: str, model: str, lengths: list[int] | None, count: int) -> 
     lengths[k] tokens (its constrained twin's, so that both phases generate the same tokens in requests of the same
     sizes); tokens/s, each request's tokens and (constrained) how many answers validate."""
     constrained = lengths is None
-    from concurrent.futures import ThreadPoolExecutor
 
-    import jsonschema
     import openai
 
     client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
@@ -214,7 +212,6 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=REQUESTS)
     p.add_argument("--out", default="reports/bench-constrained")
     args = p.parse_args()
-    from bench.suite import out_dir
 
     out = out_dir(args.out)
     result = {"mask": mask_cost(Path(args.export)), "overlap": overlap(Path(args.export)),

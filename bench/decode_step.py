@@ -13,6 +13,10 @@ from pathlib import Path
 import numpy as np
 
 from bench import between_trials, spread
+from core.config import DEFAULT_CONFIG, load_config
+from core.hf_checkpoint import paddle_rope
+from core.hf_checkpoint import rope_scaling as rope_scaling_object
+from serving.engine import runtime
 
 BATCHES = (1, 8, 64, 256)
 PAST = 64
@@ -28,7 +32,6 @@ def random_model(hidden: int, layers: int, heads: int, intermediate: int, vocab:
     import paddle
     from paddlenlp.transformers import LlamaConfig, LlamaForCausalLM
 
-    from core.hf_checkpoint import paddle_rope, rope_scaling as rope_scaling_object
     from model.llama import apply_architecture
 
     apply_architecture()
@@ -50,8 +53,6 @@ def random_model(hidden: int, layers: int, heads: int, intermediate: int, vocab:
 
 
 def default_model(vocab: int):
-    from core.config import DEFAULT_CONFIG, load_config
-
     m = load_config(DEFAULT_CONFIG).model
     return random_model(m.hidden_size, m.num_layers, m.num_attention_heads, m.intermediate_size, vocab,
                         m.max_position_embeddings, m.num_key_value_heads)
@@ -61,7 +62,6 @@ def decode_times(model, formats: tuple[str, ...], batches: tuple[int, ...], roun
     """{format: {"ops": n, "batch": {b: {step_ms, tokens_per_s} (median [min-max] over rounds)}}}; each round runs
     every (batch, format) pair for about budget_s / (rounds x pairs) seconds, the formats alternating."""
     from export import programs
-    from serving.engine import runtime
 
     workdir = Path(tempfile.mkdtemp(prefix="bench-decode-"))
     predictors, ops = {}, {}

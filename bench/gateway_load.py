@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+import os
 
 import numpy as np
 import requests
@@ -20,16 +21,13 @@ import requests
 from bench import between_trials
 from bench.serving_load import PROMPTS, server_config, stream_ttft
 from core import exportdir
+from serving import controller
+from serving.gateway import keys, nginx
 
 CLIENTS = 32
 
 
 def run(export_dir: Path, out: Path, quick: bool) -> dict:
-    from serving import controller
-    from serving.gateway import keys, nginx
-
-    import os
-
     model = exportdir.read_meta(export_dir)["registered_model_name"]
     half = f"serving.workers={max(1, (os.cpu_count() or 2) // 2)}"
     configs = [server_config(half), server_config(half), server_config()]

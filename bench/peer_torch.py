@@ -9,11 +9,10 @@ import statistics
 from pathlib import Path
 
 from bench import spread
+from bench.training_speed import SETTINGS, trial
 
 
 def ours_train(run_dir: Path, steps: int, out: Path) -> dict:
-    from bench.training_speed import SETTINGS, trial
-
     return trial(run_dir, list(SETTINGS)[-1], steps, out / "scratch")  # (the last setting: the project's default)
 
 

@@ -35,6 +35,18 @@ import numpy as np
 
 from bench import between_trials, peer_torch, spread
 from core import REPO_ROOT, exportdir
+from bench.batch_generate import prompts
+from bench.training_speed import prepared_run
+from core import arithmetic, hf_checkpoint
+from core.config import ModelConfig
+from core.files import user_cache
+from core.processes import free_ports, start_group, stop_group, wait_ready
+from core.tokenizer import load_tokenizer
+from export import hf
+from export.hf import hf_config
+from serving import controller
+from serving.engine import runtime
+from serving.engine.exported import ExportedModel
 
 LOCK = REPO_ROOT / "requirements" / "peer-vllm.lock"
 SIDE = Path(__file__).with_name("peer_vllm_side.py")
@@ -45,8 +57,6 @@ PARITY_TEXTS = ("人工智能", "这本书写得很好，我很喜欢，推荐�
 
 
 def cache_root() -> Path:
-    from core.files import user_cache
-
     return user_cache("peers")
 
 
@@ -89,9 +99,6 @@ def side(python: Path, *args: str, log_path: Path) -> None:
 # -- checks before timing -------------------------------------------------------------------------------------------
 def logits_parity(python: Path, export_dir: Path, hf_dir: Path, out: Path) -> float:
     """Max |transformers - the project's graph| over PARITY_TEXTS' logits."""
-    from serving.engine import runtime
-    from serving.engine.exported import ExportedModel
-
     model = ExportedModel(export_dir)
     sequences = [model.encode(text)[:200] for text in PARITY_TEXTS]
     (out / "parity-ids.json").write_text(json.dumps(sequences))
@@ -106,10 +113,6 @@ def logits_parity(python: Path, export_dir: Path, hf_dir: Path, out: Path) -> fl
 def generated_flops(hf_dir: Path, table: Path, export_dir: Path, new_tokens: int) -> float:
     """FLOPs of a generated token of this model (core/arithmetic.py decode_flops_per_token: 2 N' + 4 L h P) at the
     rows' mean cached length P (prompt + half the answer)."""
-    from core import arithmetic, hf_checkpoint
-    from core.config import ModelConfig
-    from serving.engine.exported import ExportedModel
-
     settings = hf_checkpoint.model_settings(hf_checkpoint.read_config(hf_dir))
     model = ExportedModel(export_dir)
     prompts = [json.loads(line)["prompt"] for line in table.read_text(encoding="utf-8").splitlines()]
@@ -121,8 +124,6 @@ def training_shape(config, run_dir: Path, target: Path) -> Path:
     """The trained model's shape (the default config's, as this project's trial builds it) as a Hugging Face
     config.json, for PyTorch to train from scratch: the served export may be another model (`MODEL=`), and a
     0.5B's training step is not the default model's."""
-    from core.tokenizer import load_tokenizer
-    from export.hf import hf_config
     from model.llama import llama_config
 
     target.mkdir(parents=True, exist_ok=True)
@@ -133,8 +134,6 @@ def training_shape(config, run_dir: Path, target: Path) -> Path:
 
 def rows_table(out: Path, count: int, new_tokens: int) -> Path:
     """`count` greedy rows (bench/batch_generate.py's prompt words), as `make generate` reads them."""
-    from bench.batch_generate import prompts
-
     return prompts(out / "peer-rows.jsonl", count, new_tokens, sampled=False)
 
 
@@ -162,7 +161,6 @@ def theirs_generate(python: Path, hf_dir: Path, table: Path, out: Path) -> dict:
 # -- serving --------------------------------------------------------------------------------------------------------
 def ours_server(export_dir: Path, out: Path):
     from bench.serving_load import server_config
-    from serving import controller
 
     state_dir = out / "serving-peer-ours"
     state = controller.start(server_config(), export_dir, state_dir, owner="bench")
@@ -174,7 +172,6 @@ def theirs_server(python: Path, hf_dir: Path, name: str, out: Path, timeout_s: f
     (core/processes.py: its own process group, SIGTERM then SIGKILL)."""
     import requests
 
-    from core.processes import free_ports, start_group, stop_group, wait_ready
 
     port = free_ports(1)[0]
     proc = start_group([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
@@ -203,8 +200,6 @@ def load_points(state: dict, name: str, clients: tuple, duration_s: float) -> li
 
 # -- the section ----------------------------------------------------------------------------------------------------
 def run(export_dir: Path, out: Path, quick: bool, log=print) -> dict:
-    from export import hf
-
     out.mkdir(parents=True, exist_ok=True)
     python = ensure_env(log=log)
     hf_dir = hf.of_export(export_dir, out / "peer-hf")
@@ -216,7 +211,6 @@ def run(export_dir: Path, out: Path, quick: bool, log=print) -> dict:
                            f"(> {LOGITS_TOLERANCE}): not timing a different model")
     rounds, duration, steps, rows, new_tokens = (1, 3.0, 4, 32, 8) if quick else (3, 20.0, 16, ROWS, NEW_TOKENS)
     table = rows_table(out, rows, new_tokens)
-    from bench.training_speed import prepared_run
 
     config, run_dir = prepared_run(out, [])
     train_hf = training_shape(config, run_dir, out / "peer-train-hf")

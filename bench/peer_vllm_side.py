@@ -14,10 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import statistics
+import numpy as np
 
 
 def logits(hf_dir: str, ids_path: str, out: str) -> None:
-    import numpy as np
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -49,8 +50,6 @@ def generate(hf_dir: str, prompts_path: str, out: str, max_model_len: int) -> No
 
 
 def train(hf_dir: str, steps: int, batch: int, seq: int, out: str) -> None:
-    import statistics
-
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 

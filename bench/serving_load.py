@@ -25,6 +25,14 @@ import requests
 from bench import between_trials
 from core import exportdir
 from core.config import DEFAULT_CONFIG, load_config
+from core.processes import free_ports
+from serving import controller
+from serving.client.client import GenerationClient, ServingError
+from serving.engine.exported import ExportedModel
+from serving.engine.scheduler import Job
+from serving.engine.worker import build_scheduler
+from serving.protocol import GenerationSettings
+from serving.server.sizes import workers
 
 CLIENTS = (1, 2, 4, 8, 16, 32)
 STREAM_CLIENTS = (1, 8, 32)  # streaming time to first token on the OpenAI route
@@ -54,11 +62,6 @@ def run(export_dir: Path, out: Path, quick: bool) -> dict:
 def in_process(export_dir: Path, quick: bool):
     """One request alone through the scheduler, as a worker runs it; and 8 sequences kept running (closed loop).
     Returns the figures and the alone request (served() times it again, interleaved with the served requests)."""
-    from serving.engine.scheduler import Job
-    from serving.protocol import GenerationSettings
-    from serving.engine.exported import ExportedModel
-    from serving.engine.worker import build_scheduler
-
     config = load_config(DEFAULT_CONFIG)
     model = ExportedModel(export_dir)
     scheduler = build_scheduler(model, config.serving.predictor_threads or 1, "kv_cache")
@@ -89,8 +92,6 @@ def in_process(export_dir: Path, quick: bool):
 
 def server_config(*overrides: str):
     """The default config with the server on four free ports (distinct: the OS may repeat one) and `overrides`."""
-    from core.processes import free_ports
-
     ports = [f"serving.{key}={port}" for key, port in zip(("http_port", "rpc_port", "api_port", "metrics_port"),
                                                           free_ports(4))]
     return load_config(DEFAULT_CONFIG, [*ports, *overrides])
@@ -98,9 +99,6 @@ def server_config(*overrides: str):
 
 def served(export_dir: Path, out: Path, scheduler: str, clients: tuple, duration: float, quick: bool,
            alone) -> dict:
-    from serving import controller
-    from serving.client.client import GenerationClient
-
     config = server_config(f"serving.scheduler={scheduler}")
     state_dir = out / f"serving-{scheduler}"
     try:  # (the start too: a signal while it waits for readiness still stops the server)
@@ -123,7 +121,6 @@ def served(export_dir: Path, out: Path, scheduler: str, clients: tuple, duration
             if scheduler == "continuous" else []
     finally:
         controller.stop(state_dir)
-    from serving.server.sizes import workers
 
     return {"workers": workers(config.serving), "load": load, "streaming": streaming,
             **{f"{name}_p50_ms": float(np.median(values) * 1000) for name, values in times.items()}}
@@ -159,8 +156,6 @@ def closed_loop(clients: int, duration_s: float, setup, ask, failures) -> tuple[
 
 def load_test(url: str, clients: int, duration_s: float) -> dict:
     """`clients` closed-loop clients of the Paddle Serving route (serving/client/client.py)."""
-    from serving.client.client import GenerationClient, ServingError
-
     def ask(client, index: int, k: int) -> tuple:
         t0 = time.perf_counter()
         g = client.generate(PROMPTS[(index + k) % 5], max_new_tokens=NEW_TOKENS, temperature=1.0, seed=index * 1000 + k)

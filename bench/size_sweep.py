@@ -12,6 +12,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from bench import decode_step, peer_torch
+from bench.peer_vllm import side as peer_side
+from bench.training_speed import SETTINGS, matmul_peak, prepared_run, trial
+from core import arithmetic
+from core.tokenizer import load_tokenizer, model_vocab_size
+from export.hf import hf_config
+
 SIZES = (128, 256, 512, 1024)
 HEAD_DIM = 32
 
@@ -27,19 +34,12 @@ def one_thread_peak() -> float:
     import core  # noqa: F401  (zlib before paddle)
     import paddle
 
-    from bench.training_speed import matmul_peak
 
     paddle.base.core.set_num_threads(1)  # (what Paddle gives a process anyway: core/workarounds/cpu_runtime.py, 2)
     return matmul_peak()
 
 
 def run(out: Path, quick: bool, peer_python: Path | None = None) -> dict:
-    from bench import decode_step, peer_torch
-    from bench.peer_vllm import side as peer_side
-    from bench.training_speed import SETTINGS, prepared_run, trial
-    from core import arithmetic
-    from core.tokenizer import load_tokenizer, model_vocab_size
-
     sizes, steps = ((128, 256), 3) if quick else (SIZES, 6)
     peak_1 = one_thread_peak()
     rows = []
@@ -63,7 +63,6 @@ def run(out: Path, quick: bool, peer_python: Path | None = None) -> dict:
             side = lambda *a, **k: peer_side(peer_python, *a, **k)  # noqa: E731
             hf_dir = out / f"sizes-{hidden}-hf"
             hf_dir.mkdir(parents=True, exist_ok=True)
-            from export.hf import hf_config
 
             (hf_dir / "config.json").write_text(json.dumps(hf_config(model.config)))
             theirs = peer_torch.theirs_train(side, hf_dir, steps, config.parallel.micro_batch_size,

@@ -26,12 +26,25 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+import dataclasses
 
 import numpy as np
+from scipy.stats import spearmanr
 
 from bench import between_trials, spread
 from core import REPO_ROOT, exportdir, tracking
 from core.config import DEFAULT_CONFIG
+from bench import data_prep, decode_step, peer_vllm, size_sweep
+from bench.peer_vllm import ensure_env
+from bench.training_speed import SETTINGS, prepared_run, trial
+from core import registry
+from core.config import load_config
+from core.errors import ConfigError
+from core.layout import ParallelLayout
+from core.processes import free_port
+from pipeline import plan
+from pipeline.runner import seaweedfs
+from training.checkpoint.upload import UPLOADED
 
 # Model FLOPs per trained token: 6 N (forward + backward of every weight) + 12 L h s (attention scores and values,
 # forward + backward; L layers, h hidden size, s sequence length) -- the PaLM-appendix estimate.
@@ -68,8 +81,6 @@ QUICK = ["training.seq_length=32", "data.max_documents=2000"]
 def runtime_trials(out: Path, repeats: int, steps: int, quick: bool) -> dict:
     """CPU runtime settings on the default config: each setting of bench/training_speed.py SETTINGS in a fresh process,
     the settings interleaved (rotated each round) `repeats` times; median and min-max of every figure."""
-    from bench.training_speed import SETTINGS, prepared_run, trial
-
     config, run_dir = prepared_run(out, QUICK if quick else [])
     # (quick: the two ends only -- the harness check, not the measurement)
     names = [list(SETTINGS)[0], list(SETTINGS)[-1]] if quick else list(SETTINGS)
@@ -186,13 +197,9 @@ def run(quick: bool = False, out: Path | None = None, sections: tuple[str, ...] 
             print(f"[bench] {name}: {v['tokens_per_s']['median']:.0f} tok/s ({v['speedup_vs_before']:.2f}x before), "
                   f"MFU {v['mfu']['median']:.1%}, peak {v['matmul_peak_gflops']['median']:.0f} GFLOP/s", flush=True)
     if "decode" in sections:
-        from bench import decode_step
-
         announce("decode", quick)
         results["decode"] = decode_step.run(quick)
     if "sizes" in sections:
-        from bench import size_sweep
-
         announce("sizes", quick)
         results["sizes"] = size_sweep.run(out, quick, _peer_python(peers))
     if not export and "scaling" not in sections:
@@ -201,15 +208,12 @@ def run(quick: bool = False, out: Path | None = None, sections: tuple[str, ...] 
         # (an export given -- a directory or models:/..., as make serve takes -- or only the peers, against the
         # default model's latest registered version: serve and generate with it, nothing trained)
         from core import registry
-        from core.config import load_config
 
         export = str(registry.resolve(load_config(DEFAULT_CONFIG), export))
         _serve_and_generate(results, Path(export), out, quick, sections, peers)
     elif {"scaling", "serving", "generate", "gateway"} & set(sections) or peers:
         _scaling_and_export(results, out, uri, quick, sections, peers)
     if "data" in sections:
-        from bench import data_prep
-
         announce("data", quick)
         results["data"] = data_prep.run(out, uri, quick)
     results.pop("runs", None)
@@ -225,17 +229,12 @@ def run(quick: bool = False, out: Path | None = None, sections: tuple[str, ...] 
 def _peer_python(peers: tuple[str, ...]) -> Path | None:
     if "vllm" not in peers:
         return None
-    from bench.peer_vllm import ensure_env
 
     return ensure_env()
 
 
 def _registered_default() -> str:
     """The default model's latest registered version (what `make serve` serves), or "" when there is none."""
-    from core import registry
-    from core.config import load_config
-    from core.errors import ConfigError
-
     try:
         return str(registry.resolve(load_config(DEFAULT_CONFIG), ""))
     except ConfigError:
@@ -289,8 +288,6 @@ def _serve_and_generate(results: dict, export_dir: Path, out: Path, quick: bool,
         announce("gateway", quick)
         results["gateway"] = gateway_load.run(export_dir, out, quick)
     if "vllm" in peers:  # (opt-in: its own environment, bench/peer_vllm.py)
-        from bench import peer_vllm
-
         announce("vllm peer", quick)
         results["peer_vllm"] = peer_vllm.run(export_dir, out, quick)
 
@@ -323,9 +320,6 @@ def checkpoint_stall(out: Path, uri: str, stamp: str, rounds: int = 3, steps: in
     """How long the training loop pauses per checkpoint (`checkpoint_stall_s`: from the start of the save to the
     end of the save callbacks on rank 0), with training.async_checkpoint off, on, and on with every checkpoint
     uploaded to a local S3 store (SeaweedFS, storage.uri), in interleaved runs; and the upload's MB/s."""
-    from core.processes import free_port
-    from pipeline.runner import seaweedfs
-
     store = seaweedfs.start(out / "object-store", free_port())
     os.environ.update(seaweedfs.environment(store))  # (the training subprocesses read the store's environment)
     settings = {"sync": ["training.async_checkpoint=false"], "async": ["training.async_checkpoint=true"],
@@ -371,10 +365,6 @@ def checkpoint_stall(out: Path, uri: str, stamp: str, rounds: int = 3, steps: in
 
 def _upload_rates(run_dir: Path) -> list[float]:
     """MB/s of each checkpoint upload, from rank 0's log (training/checkpoint/upload.py UPLOADED lines)."""
-    from training.checkpoint.upload import UPLOADED
-
-    import re
-
     found = re.findall(rf"^{re.escape(UPLOADED)} checkpoint-\d+: ([\d.]+) MB in ([\d.]+)s$",
                        (run_dir / "logs" / "workerlog.0").read_text(errors="replace"), re.M)
     return [float(mb) / max(float(seconds), 1e-9) for mb, seconds in found]
@@ -401,14 +391,6 @@ def plan_vs_measured(runs: dict, peak_gflops: float) -> dict:
     this machine as a cluster of `world size` devices, each with its share of the measured fp32 matmul peak, the
     utilisation calibrated so that the single-process estimate equals its measured step; then the estimate of every
     other layout, and the rank correlation of estimated vs measured step time."""
-    import dataclasses
-
-    from scipy.stats import spearmanr
-
-    from core.config import load_config
-    from core.layout import ParallelLayout
-    from pipeline import plan
-
     names = [n for n in runs if not n.endswith("-semi") and n != "pp2v2"]  # the plan models manual 1F1B layouts
 
     def estimate(name: str, utilisation: float) -> float:
@@ -554,7 +536,6 @@ def _stage_sections(r: dict) -> list[str]:
     """The serving and data sections, as their own modules write them."""
     from bench import batch_generate, data_prep, serving_load
 
-    from bench import decode_step, size_sweep
 
     lines = decode_step.markdown(r.get("decode")) + size_sweep.markdown(r.get("sizes"))
     lines += serving_load.markdown(r["serving"]) if "serving" in r else []
@@ -567,8 +548,6 @@ def _stage_sections(r: dict) -> list[str]:
 
         lines += [""] + gateway_load.markdown(r["gateway"])
     if "peer_vllm" in r:
-        from bench import peer_vllm
-
         lines += [""] + peer_vllm.markdown(r["peer_vllm"])
     return lines
 

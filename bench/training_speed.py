@@ -18,6 +18,15 @@ import os
 import sys
 import time
 from pathlib import Path
+import shutil
+import subprocess
+import numpy as np
+from core import REPO_ROOT, arithmetic
+from core.config import DEFAULT_CONFIG, load_config
+from core.tokenizer import load_tokenizer, model_vocab_size
+from training.data import for_run
+from training.data.read import train_dataset
+from training.rank import make_trainer, prepare_model, training_arguments
 
 # setting -> (environment before paddle loads, config overrides)
 SPIN = {"PIPELINE_OMP_PASSIVE": "off"}  # OpenMP's default: threads spin 200 ms after each op (core/workarounds/cpu_runtime.py, fact 3)
@@ -38,11 +47,6 @@ SETTINGS = {
 def prepared_run(out: Path, overrides: list[str], name: str = "runtime-run"):
     """(config, run directory `out/name`) of the default config with `overrides`, its data prepared, for trials to
     read."""
-    import shutil
-
-    from core.config import DEFAULT_CONFIG, load_config
-    from training.data import for_run
-
     run_dir = out / name
     shutil.rmtree(run_dir, ignore_errors=True)
     config = load_config(DEFAULT_CONFIG, overrides)
@@ -54,10 +58,6 @@ def prepared_run(out: Path, overrides: list[str], name: str = "runtime-run"):
 
 def trial(run_dir: Path, setting: str, steps: int, scratch: Path) -> dict:
     """One trial of `setting` in a fresh process (its environment set before paddle loads)."""
-    import subprocess
-
-    from core import REPO_ROOT
-
     env = {k: v for k, v in os.environ.items() if k not in ("MKL_DEBUG_CPU_TYPE", "PIPELINE_MKL_VERSION",
                                                             "KMP_BLOCKTIME")}
     env.update(SETTINGS[setting][0], PYTHONPATH=str(REPO_ROOT))
@@ -90,11 +90,7 @@ def project_step_times(config, run_dir: Path, steps: int, scratch: Path) -> list
     from paddlenlp.data import default_data_collator
     from paddlenlp.trainer import TrainerCallback
 
-    from core.layout import ParallelLayout
-    from core.tokenizer import load_tokenizer
-    from training.data.read import train_dataset
     from model.llama import build_model
-    from training.rank import make_trainer, prepare_model, training_arguments
 
     layout = config.layout()
     ends: list[float] = []
@@ -115,18 +111,14 @@ def project_step_times(config, run_dir: Path, steps: int, scratch: Path) -> list
 
 def bare_step_times(config, run_dir: Path, steps: int) -> list[float]:
     """The same model (compiled or not, as the setting says), batches and AdamW: forward + backward + step only."""
-    import numpy as np
     import paddle
 
-    from core.tokenizer import load_tokenizer
     from model.llama import build_model
-    from training.rank import prepare_model
 
     paddle.seed(config.training.seed)
     model = prepare_model(config, build_model(config, load_tokenizer(run_dir / "tokenizer"), 1, 0, pipeline=False))
     t = config.training
     optimizer = paddle.optimizer.AdamW(t.learning_rate, parameters=model.parameters(), weight_decay=t.weight_decay)
-    from training.data.read import train_dataset
 
     batch = config.parallel.micro_batch_size
     samples = train_dataset(run_dir / "data", quiet=True).samples
@@ -152,8 +144,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scratch", required=True)
     args = parser.parse_args(argv)
     from core.workarounds import cpu_runtime
-    from core.config import load_config
-    from core.layout import ParallelLayout
 
     run_dir = Path(args.run_dir)
     micro = load_config(run_dir / "config.yaml").parallel.micro_batch_size
@@ -170,12 +160,9 @@ def main(argv: list[str] | None = None) -> None:
     peak = matmul_peak()
     ours = project_step_times(config, run_dir, args.steps, Path(args.scratch))
     bare = bare_step_times(config, run_dir, max(6, args.steps // 2))
-    from core import arithmetic
-    from core.tokenizer import load_tokenizer, model_vocab_size
 
     fpt = arithmetic.flops_per_token(config, model_vocab_size(load_tokenizer(run_dir / "tokenizer")))
     tokens = config.parallel.micro_batch_size * config.training.seq_length
-    import numpy as np
 
     ours_s, bare_s = float(np.median(ours)), float(np.median(bare))
     print("TRIAL " + json.dumps({

@@ -18,8 +18,10 @@ import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
+import re
 
 from core.errors import ConfigError
+from core.tokenizer import special_token
 
 TEMPLATE_FILE = "chat_template.json"
 END = "[SEP]"  # core/tokenizer.py EOS_TOKEN (kept literal: the template is text)
@@ -83,7 +85,6 @@ def _hf_template(directory: Path) -> HFChatTemplate | None:
         source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
     if not isinstance(source, str) or not source:
         return None
-    from core.tokenizer import special_token
 
     return HFChatTemplate(source, special_token(settings, "bos_token"), special_token(settings, "eos_token"))
 
@@ -99,8 +100,6 @@ def write_hf(tokenizer_dir: Path | str, source: str = HF_DEFAULT) -> HFChatTempl
 
 def missing_characters(template: dict, vocab: list[str]) -> list[str]:
     """The template's own characters (markers, not the slots) that the vocabulary lacks."""
-    import re
-
     known = set(vocab)
     text = "".join([template.get("system") or "", *template["conversation"], template.get("query") or ""])
     text = re.sub(r"{%.*?%}|{{.*?}}", "", text).replace(END, "")

@@ -3,6 +3,12 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import time
 
 
 def proc_stat(pid: int | str) -> list[str] | None:
@@ -69,8 +75,6 @@ def descendants(pid: int) -> list[int]:
 
 
 def signal_pids(pids, sig: int) -> None:
-    import os
-
     for pid in pids:
         try:
             os.kill(pid, sig)
@@ -81,8 +85,6 @@ def signal_pids(pids, sig: int) -> None:
 def wait_gone(pids, timeout_s: float) -> bool:
     """Wait until none of `pids` is alive (gone or a zombie; signals are delivered asynchronously); False at the
     timeout."""
-    import time
-
     deadline = time.monotonic() + timeout_s
     while True:
         alive = [pid for pid in pids if (proc_stat(pid) or ["Z"])[0] != "Z"]
@@ -94,8 +96,6 @@ def wait_gone(pids, timeout_s: float) -> bool:
 def die_with_parent(sig: int = 15):
     """Ask Linux to send `sig` to this process when its parent exits (prctl PR_SET_PDEATHSIG), so that a launcher
     killed with SIGKILL leaves no child running. No-op off Linux."""
-    import os
-
     parent = os.getppid()
     _prctl_pdeathsig(sig)
     if os.getppid() != parent:  # the parent exited before prctl took effect
@@ -103,9 +103,6 @@ def die_with_parent(sig: int = 15):
 
 
 def _resolve_prctl():
-    import ctypes
-    import sys
-
     if not sys.platform.startswith("linux"):
         return lambda sig: None
     prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved in the parent: nothing to load after fork
@@ -125,8 +122,6 @@ def child_dies_with_parent(sig: int = 15):
 
 def start_group(cmd: list[str], log_file: Path, cwd: Path, env: dict):
     """Start `cmd` in its own session (so its whole process tree can be signalled), output appended to log_file."""
-    import subprocess
-
     with open(log_file, "ab") as log:
         return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
@@ -135,8 +130,6 @@ def start_group(cmd: list[str], log_file: Path, cwd: Path, env: dict):
 def wait_ready(proc, ready, timeout_s: float, poll_s: float = 0.5) -> str:
     """Poll `ready()` (exceptions count as not ready) until it is true: "ready", "exited" (the process died) or
     "timeout"."""
-    import time
-
     deadline = time.time() + timeout_s
     while True:
         if proc.poll() is not None:
@@ -153,9 +146,6 @@ def wait_ready(proc, ready, timeout_s: float, poll_s: float = 0.5) -> str:
 
 def stop_group(pgid: int, steps=((2, 15.0), (9, 10.0))) -> None:
     """Send each (signal, wait seconds) of `steps` to the group while anything in it lives."""
-    import os
-    import time
-
     for sig, wait_s in steps:
         if not group_alive(pgid):
             return
@@ -178,8 +168,6 @@ def log_tail(path: Path, lines: int) -> str:
 def stop_recorded(state_file: Path, steps=((15, 15.0), (9, 10.0))) -> bool:
     """Stop the process group whose pid the JSON `state_file` records (SIGTERM, then SIGKILL), and remove the file;
     False if nothing was recorded."""
-    import json
-
     if not state_file.exists():
         return False
     stop_group(json.loads(state_file.read_text())["pid"], steps)

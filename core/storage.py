@@ -16,6 +16,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+import uuid
 
 from core.errors import ConfigError
 
@@ -118,8 +119,6 @@ class Store:
     def check(self) -> float:
         """Endpoint, credentials and bucket, with a write and its delete under the prefix; the bucket is made if
         missing. StoreError in one line otherwise. The seconds it took."""
-        import uuid
-
         began = time.monotonic()
         probe = self.key(f".write-check-{uuid.uuid4().hex[:12]}")
         try:  # (a listing, not HEAD: a HEAD's 403 cannot tell refused credentials from a missing permission)

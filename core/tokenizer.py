@@ -15,6 +15,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from core.errors import ConfigError
+
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 # [SEP] separates documents in the packed stream and is the end-of-text token for generation.
 EOS_TOKEN = "[SEP]"
@@ -105,8 +108,6 @@ class HFTokenizer:
     `chat_template` (tokenizer_config.json's jinja, or None) and `token_bytes` (each id's bytes, for `decode`)."""
 
     def __init__(self, directory: Path | str):
-        from tokenizers import Tokenizer
-
         self.directory = Path(directory)
         self.fast = Tokenizer.from_file(str(self.directory / TOKENIZER_JSON))
         path = self.directory / TOKENIZER_CONFIG
@@ -114,8 +115,6 @@ class HFTokenizer:
         self.cls_token_id = self.bos_token_id = self._id("bos_token")
         self.sep_token_id = self.eos_token_id = self._id("eos_token")
         if self.eos_token_id is None:
-            from core.errors import ConfigError
-
             raise ConfigError(f"{self.directory}: {TOKENIZER_CONFIG} names no eos_token that {TOKENIZER_JSON} has "
                               "(documents end with it; generation stops at it)")
         self.pad_token_id = self._id("pad_token")
@@ -239,8 +238,6 @@ def fast_tokenizer(directory: Path | str):
     """A `tokenizers.Tokenizer` over the same vocabulary giving the same ids as `load_tokenizer`'s ErnieTokenizer
     (tests check the whole default corpus and edge cases), ~3x faster. Like it, special tokens written in the text
     ("[SEP]", "[UNK]", ...) are matched as those tokens. A model's own tokenizer: its tokenizer.json as it is."""
-    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
-
     if is_hf_tokenizer(directory):
         return Tokenizer.from_file(str(Path(directory) / TOKENIZER_JSON))
 
@@ -262,8 +259,6 @@ def train_bpe(texts, vocab_size: int, directory: Path | str) -> HFTokenizer:
     """A byte-level BPE (GPT-2's and Qwen2's kind: every byte is a token, so nothing is unknown) trained on `texts`
     with the `tokenizers` library, saved as a Hugging Face tokenizer directory: tokenizer.json and
     tokenizer_config.json with its end-of-text and padding tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())

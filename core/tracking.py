@@ -5,6 +5,8 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from urllib.parse import urlsplit
+import math
 
 from core import REPO_ROOT
 from core.config import Config, ConfigError, TrackingConfig
@@ -35,8 +37,6 @@ def tracking_uri(section: TrackingConfig | None = None) -> str:
 
 def display_uri(uri: str) -> str:
     """A tracking URI fit for a message: a password in it (http://user:secret@host) is left out."""
-    from urllib.parse import urlsplit
-
     parts = urlsplit(uri)
     if parts.password is None:
         return uri
@@ -205,6 +205,4 @@ def metric_history(client, run_id: str, key: str) -> dict[int, float]:
 
 def perplexity(loss: float) -> float:
     """exp(loss), capped so a diverged run logs a number instead of overflowing."""
-    import math
-
     return math.exp(min(loss, 50.0))

@@ -18,13 +18,12 @@ from core import chat, dataset, tracking
 from core.config import Config, ConfigError, load_config
 from training.data import read
 from training.finetune import data as sft
+from training.data.prepare import prepare
 
 
 def held_out_set(config: Config, client, export_dir: Path, meta: dict, data: str) -> dict:
     """{name, digest, blocks [N, seq + 1] int64, source}: the content that is evaluated and its identity."""
     if data:
-        from training.data.prepare import prepare
-
         prepared = prepare(config.with_overrides(["data.source=files", f"data.files={json.dumps([data])}",
                                                    "data.blend=[]", f"tokenizer.path={export_dir / 'tokenizer'}",
                                                    "data.max_documents=0"]), log=lambda line: None)

@@ -26,6 +26,9 @@ from export import ExportError, mlflow_model
 from serving.engine.kv_cache import DecodeCache
 from export.convert import dynamic_forward
 from serving.engine import runtime
+from serving.engine.exported import ExportedModel
+from serving.protocol import GenerationSettings
+from training.finetune.lora import LORA_CONFIG, as_trained
 
 # Parity batches: (batch, sequence length) pairs of different shapes; 0 = the training sequence length.
 PARITY_SHAPES = ((1, 5), (2, 17), (3, 0))
@@ -55,8 +58,6 @@ def lora_merge_gate(model, checkpoint: Path, config: Config) -> float | None:
     PaddleNLP's LoRAModel computes over the base with the adapters unmerged, as it trained. A wrong merge (a
     transposed adapter, a wrong alpha / r scale, a weight trained whole left out) moves the logits by far more than
     float32's rounding. None when the checkpoint is not LoRA."""
-    from training.finetune.lora import LORA_CONFIG, as_trained
-
     if not (Path(checkpoint) / LORA_CONFIG).is_file():
         return None
     trained = as_trained(checkpoint)
@@ -104,8 +105,6 @@ def dynamic_references(model, staging: Path, config: Config, extra: tuple[str, .
     """The dynamic model's logits on the parity batches (seeded), on cache_parity_error's rows, and its greedy
     tokens for tokens_gate's prompts (`extra`: a fine-tuned model's held-out task prompts, rendered as chat). Reads
     the tokenizer and the limits from the export directory, as serving will."""
-    from serving.engine.exported import ExportedModel
-
     vocab, seq_length, forward = model.config.vocab_size, config.training.seq_length, dynamic_forward(model)
     parity = [(ids, forward(ids)) for ids in parity_batches(vocab, seq_length, seed=0)]
     exported = ExportedModel(staging)
@@ -152,8 +151,6 @@ def greedy_prompts(exported, config: Config, extra: tuple[str, ...]) -> tuple[li
 
 
 def _greedy():
-    from serving.protocol import GenerationSettings
-
     return GenerationSettings(max_new_tokens=exportdir.REFERENCE_NEW_TOKENS)
 
 
@@ -162,8 +159,6 @@ def tokens_gate(expected: DynamicReferences, staging: Path) -> dict[str, list[in
     and the full graph must produce the dynamic model's tokens exactly (dynamic_references' prompts), one set of
     predictors at a time. The reference prompts' tokens are stored (reference.json) so that smoke can check a
     running server without the checkpoint."""
-    from serving.engine.exported import ExportedModel
-
     exported, settings, encoded = ExportedModel(staging), _greedy(), expected.encoded
     session = exported.cached_session()
     paths = {"cache programs": [exported.generate_batch(session, [ids], [settings])[0] for ids in encoded],

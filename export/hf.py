@@ -17,8 +17,15 @@ import json
 from pathlib import Path
 
 import numpy as np
+from safetensors.numpy import save_file
+from tokenizers import decoders
 
 from core.hf_checkpoint import rope_scaling_of
+from core import chat, exportdir, tracking
+from core.errors import ConfigError
+from core.hf_checkpoint import to_hf
+from core.tokenizer import HFTokenizer, SPECIAL_TOKENS, fast_tokenizer, is_hf_tokenizer
+from export.convert import load_checkpoint
 
 HF_DIR = "hf"
 
@@ -26,8 +33,6 @@ HF_DIR = "hf"
 def hf_state(state: dict) -> tuple[dict[str, np.ndarray], bool]:
     """PaddleNLP LlamaForCausalLM state (name -> numpy) -> (HF LlamaForCausalLM state, tied): a head that is still
     exactly the embedding's transpose (an imported tied checkpoint, untouched) is written tied, as it came."""
-    from core.hf_checkpoint import to_hf
-
     head, embedding = state.get("lm_head.weight"), state.get("llama.embed_tokens.weight")
     tied = head is not None and embedding is not None and head.shape == embedding.T.shape and \
         np.array_equal(np.asarray(head), np.asarray(embedding).T)
@@ -52,10 +57,6 @@ def hf_config(model_config, tied: bool = False) -> dict:
 
 def hf_tokenizer(tokenizer_dir: Path):
     """The fast tokenizer as HF saves it: the same ids, decoded by joining tokens ('##' pieces glued on)."""
-    from tokenizers import decoders
-
-    from core.tokenizer import fast_tokenizer
-
     tok = fast_tokenizer(tokenizer_dir)
     tok.decoder = decoders.Sequence([decoders.Replace("##", ""), decoders.Fuse()])
     return tok
@@ -74,11 +75,6 @@ def hf_chat_template(template: dict) -> str:
 
 def write(model, tokenizer_dir: Path, target: Path) -> Path:
     """`target`/hf/ for the dynamic model `model` (the one the graph was converted from)."""
-    from safetensors.numpy import save_file
-
-    from core import chat
-    from core.tokenizer import SPECIAL_TOKENS, HFTokenizer, is_hf_tokenizer
-
     out = Path(target) / HF_DIR
     out.mkdir(parents=True, exist_ok=True)
     state, tied = hf_state({k: v.numpy() for k, v in model.state_dict().items()})
@@ -102,10 +98,6 @@ def write(model, tokenizer_dir: Path, target: Path) -> Path:
 def of_export(export_dir: Path, target: Path) -> Path:
     """The HF directory of an export: its own `hf/` (export.hf=true), else converted into `target`/hf/ from the
     checkpoint it was exported from: on this disk, or downloaded from its run (export.json's checkpoint_uri)."""
-    from core import exportdir, tracking
-    from core.errors import ConfigError
-    from export.convert import load_checkpoint
-
     export_dir = Path(export_dir)
     if (export_dir / HF_DIR / "model.safetensors").is_file():
         return export_dir / HF_DIR

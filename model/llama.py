@@ -37,6 +37,8 @@ gates check all three programs against the dynamic model (export/gates.py).
 from __future__ import annotations
 
 import math
+from pathlib import Path
+import json
 
 import core  # noqa: F401  (zlib before paddle)
 import paddle  # noqa: E402
@@ -44,6 +46,9 @@ import paddle  # noqa: E402
 from core import hf_checkpoint  # noqa: E402
 from core.config import Config  # noqa: E402
 from core.workarounds.cpu_runtime import cpu_llama_ops_enabled  # noqa: E402
+from core.errors import ConfigError
+from core.files import user_cache
+from core.tokenizer import model_vocab_size
 
 _ORIGINAL: dict = {}
 
@@ -52,13 +57,10 @@ _ORIGINAL: dict = {}
 def llama_config(config: Config, tokenizer, tensor_parallel_degree: int = 1, tensor_parallel_rank: int = 0):
     from paddlenlp.transformers import LlamaConfig
 
-    from core.tokenizer import model_vocab_size
 
     m = config.model
     vocab_size = m.vocab_size or model_vocab_size(tokenizer)
     if len(tokenizer) > vocab_size:
-        from core.errors import ConfigError
-
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens and the model's embedding {vocab_size} rows "
                           f"(model.vocab_size{', from ' + m.init_from if m.init_from else ''}): use the model's own "
                           "tokenizer")
@@ -121,7 +123,6 @@ def build_model(config: Config, tokenizer, tensor_parallel_degree: int, tensor_p
     """Random init (seeded by the caller), or the weights in `model.init_from`, split for this rank."""
     from paddlenlp.transformers import LlamaForCausalLM
 
-    from core.layout import ParallelLayout
 
     if config.parallel.device == "cpu" and config.parallel.mode == "manual":
         apply_cpu_ops()
@@ -140,11 +141,6 @@ def build_model(config: Config, tokenizer, tensor_parallel_degree: int, tensor_p
 def weights_dir(init_from: str):
     """The directory PaddleNLP loads for model.init_from: it as it is, or a Hugging Face checkpoint's conversion
     (core/hf_checkpoint.py; made once per content key in the user cache, `models/`)."""
-    from pathlib import Path
-
-    from core import hf_checkpoint
-    from core.files import user_cache
-
     if hf_checkpoint.is_hf_checkpoint(init_from):
         return hf_checkpoint.converted(init_from, user_cache("models"), _save_pdparams)
     return Path(init_from)
@@ -213,9 +209,6 @@ def load_merged(checkpoint_dir, dtype: str = "float32", portable: bool = True):
 
 def is_fused(checkpoint_dir) -> bool:
     """Was the checkpoint trained with fused q/k/v or gate/up weights (its config.json says)?"""
-    import json
-    from pathlib import Path
-
     saved = json.loads((Path(checkpoint_dir) / "config.json").read_text())
     return bool(saved.get("fuse_attention_qkv") or saved.get("fuse_attention_ffn"))
 

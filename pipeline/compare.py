@@ -6,13 +6,12 @@ from pathlib import Path
 
 from core.config import Config
 from pipeline.runner.comparison import compare, table
+from pipeline.runner.cli import config_argument
 
 HELP = "compare the runs of an experiment (table, Markdown, CSV, PNG)"
 
 
 def arguments(p) -> None:
-    from pipeline.runner.cli import config_argument
-
     config_argument(p, "; names the default experiment")
     p.add_argument("--experiment", default="")
     p.add_argument("--metric", default="eval_loss")

@@ -5,20 +5,18 @@ from __future__ import annotations
 import time
 
 from core.config import Config
+from pipeline.runner.cli import config_argument, overrides_argument
+from training.data.prepare import prepare
 
 HELP = "prepare the corpus as token shards (reused when already prepared)"
 
 
 def arguments(p) -> None:
-    from pipeline.runner.cli import config_argument, overrides_argument
-
     config_argument(p)
     overrides_argument(p, "section.key=value overrides, e.g. data.workers=4 data.engine=ray")
 
 
 def run(config: Config) -> int:
-    from training.data.prepare import prepare
-
     t0 = time.time()
     prepared = prepare(config, log=lambda line: print(line, flush=True))
     m = prepared.manifest

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from core.config import Config
 from training.launch.machine import checks
+from pipeline.runner.cli import config_argument, overrides_argument
 
 HELP = "what this machine can run: Paddle's build, CUDA libraries, driver, GPUs"
 
 
 def arguments(p) -> None:
-    from pipeline.runner.cli import config_argument, overrides_argument
-
     config_argument(p, "; its layout is checked against the devices")
     overrides_argument(p)
 

@@ -23,13 +23,12 @@ from core import exportdir, registry, tracking
 from core.config import Config, ConfigError
 from evaluation import grading, measures, record
 from evaluation.held_out import held_out_set
+from pipeline.runner.cli import config_argument, overrides_argument
 
 HELP = "a registered version on a fixed held-out set and prompt set, in MLflow"
 
 
 def arguments(p) -> None:
-    from pipeline.runner.cli import config_argument, overrides_argument
-
     config_argument(p)
     p.add_argument("--model", default="", help="models:/<name>/<version>, models:/<name>@<alias> or a directory")
     p.add_argument("--data", default="", help="a corpus (file, glob or directory) instead of the source run's "

@@ -26,14 +26,18 @@ from core.config import Config, load_config
 from core.workarounds import heap
 from export import ExportError
 from pipeline.runner.source_run import Selection, fetch_inputs, quiet_libraries, select
+from core import chat
+from export import hf
+from pipeline.runner.cli import config_argument, overrides_argument
+from serving.engine import runtime
+from training.finetune.data import held_out
+from training.finetune.lora import LORA_CONFIG
 
 HELP = "best checkpoint -> static graph, parity-checked, registered in MLflow"
 OWN_OVERRIDES = True  # (applied to the source run's config, not to --config)
 
 
 def arguments(p) -> None:
-    from pipeline.runner.cli import config_argument, overrides_argument
-
     config_argument(p, "; names the experiment to pick from")
     p.add_argument("--experiment", default="", help="MLflow experiment to pick the best run from")
     p.add_argument("--metric", default="", help="eval metric to minimise (default export.metric)")
@@ -80,7 +84,6 @@ def build(chosen: Selection, config: Config, checkpoint: Path, tokenizer_dir: Pa
     """The export directory in `staging`; returns its export.json, written here for the gates (which read it
     through serving's ExportedModel) and written again by publish once the version is known."""
     from export import convert, gates, programs
-    from serving.engine import runtime
     print(f"run {chosen.run_id} ({chosen.run_name}); checkpoint step {chosen.step} ({chosen.metric} "
           f"{chosen.metric_value:.5f}): {checkpoint}", flush=True)
     timings = {}
@@ -95,8 +98,6 @@ def build(chosen: Selection, config: Config, checkpoint: Path, tokenizer_dir: Pa
     programs.save_programs(model, staging)
     heap.release()  # (the fused decode weights: core/workarounds/heap.py)
     if config.export.hf:  # (the same weights for other engines: export/hf.py)
-        from export import hf
-
         hf.write(model, tokenizer_dir, staging)
     timings["convert_s"] = time.time() - t0
     t0 = time.time()
@@ -158,7 +159,6 @@ def fine_tuning(config: Config, checkpoint: Path) -> dict:
         return {}
     f = config.finetune
     found = {"base_model": f.base, "finetune_method": f.method, "finetune_data": f.data}
-    from training.finetune.lora import LORA_CONFIG
 
     if (checkpoint / LORA_CONFIG).is_file():
         found.update(lora_rank=f.lora_rank, lora_alpha=f.lora_alpha, lora_targets=",".join(f.lora_targets),
@@ -170,8 +170,6 @@ def task_prompts(config: Config, tokenizer_dir: Path) -> tuple[str, ...]:
     """The first TASK_PROMPTS held-out examples of a fine-tuning run's data, rendered as the chat route renders them."""
     if not config.fine_tuning:
         return ()
-    from core import chat
-    from training.finetune.data import held_out
 
     return tuple(e["prompt"] for e in held_out(config, chat.read(tokenizer_dir), TASK_PROMPTS))
 

@@ -21,13 +21,13 @@ from core.hf_checkpoint import rope_scaling_of
 from core.config import Config, ConfigError, load_config
 from training.launch import rundir, train_run
 from pipeline.runner import source_run
+from core.registry import model_version
+from pipeline.runner.cli import overrides_argument
 
 HELP = "supervised fine-tuning (LoRA or full) of a trained model on instruction data with the chat template"
 
 
 def arguments(p) -> None:
-    from pipeline.runner.cli import overrides_argument
-
     p.add_argument("--config", default=None, help="YAML config (make finetune: configs/tiny-chat.yaml)")
     p.add_argument("--model", default="", help="the base: an MLflow run id, a checkpoint directory or "
                                                 "models:/<name>/<version|@alias> (default: the best run of "
@@ -122,8 +122,6 @@ def _from_run(config: Config, run_id: str, step: int | None = None, uri: str = "
 
 def _from_version(config: Config, uri: str) -> Base:
     """A registered version's source run and the checkpoint it was exported from."""
-    from core.registry import model_version
-
     client = tracking.client(tracking.tracking_uri(config.tracking))
     version = model_version(client, uri)
     name = uri.split(":/", 1)[1].split("/")[0].split("@")[0]

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from core.config import Config
 from serving.gateway import nginx
+from pipeline.runner.cli import config_argument, overrides_argument
 
 HELP = "nginx in front of the serving replicas: keys, limits, usage, split, failover"
 
 
 def arguments(p) -> None:
-    from pipeline.runner.cli import config_argument, overrides_argument
-
     config_argument(p)
     overrides_argument(p, "section.key=value, e.g. gateway.port=18190")
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from core.config import Config, ConfigError
 from serving.gateway import keys, nginx
+from pipeline.runner.cli import config_argument, overrides_argument
 
 HELP = "a consumer's key (printed once) with its limits, or REVOKE one"
 
 
 def arguments(p) -> None:
-    from pipeline.runner.cli import config_argument, overrides_argument
-
     config_argument(p)
     p.add_argument("--name", default="")
     p.add_argument("--rpm", type=int, default=None, help="requests per minute")

@@ -3,13 +3,12 @@ from __future__ import annotations
 
 from core.config import Config
 from serving.gateway import nginx
+from pipeline.runner.cli import config_argument, overrides_argument
 
 HELP = "stop the gateway (keys and logs are kept)"
 
 
 def arguments(p) -> None:
-    from pipeline.runner.cli import config_argument, overrides_argument
-
     config_argument(p)
     overrides_argument(p, "section.key=value, e.g. gateway.port=18190")
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from core.config import Config
 from serving.gateway import nginx, usage
+from pipeline.runner.cli import config_argument, overrides_argument
 
 HELP = "requests, tokens and 429s per consumer and model through the gateway"
 
 
 def arguments(p) -> None:
-    from pipeline.runner.cli import config_argument, overrides_argument
-
     config_argument(p)
     overrides_argument(p, "section.key=value, e.g. gateway.port=18190")
 

@@ -18,13 +18,15 @@ from pathlib import Path
 from core import registry
 from core.config import Config, ConfigError
 from training.launch.console import duration
+from pipeline.runner.cli import config_argument, overrides_argument
+from serving.engine.placement import worker_count
+from serving.offline import batch
+from serving.protocol import Limits
 
 HELP = "batch generation over a table (jsonl/parquet), resumable"
 
 
 def arguments(p) -> None:
-    from pipeline.runner.cli import config_argument, overrides_argument
-
     config_argument(p)
     p.add_argument("--model", default="", help="as for serve (default: the newest registered version)")
     p.add_argument("--input", default="", help="prompts: .jsonl or .parquet with `prompt` (and `id`, settings)")
@@ -37,10 +39,6 @@ def arguments(p) -> None:
 
 def run(config: Config, model: str, input_path: str, output_path: str, engine: str = "local", workers: int = 0,
         ray_address: str = "") -> dict:
-    from serving.engine.placement import worker_count
-    from serving.offline import batch
-    from serving.protocol import Limits
-
     if not input_path or not output_path:
         raise ConfigError("make generate needs INPUT=<prompts .jsonl/.parquet> and OUTPUT=<.jsonl/.parquet>")
     if engine not in ("local", "ray"):

@@ -26,13 +26,12 @@ from pathlib import Path
 from core import arithmetic
 from core.config import Config, ConfigError
 from core.layout import ParallelLayout
+from pipeline.runner.cli import config_argument, overrides_argument
 
 HELP = "memory and step-time estimates of every layout of a model on a cluster"
 
 
 def arguments(p) -> None:
-    from pipeline.runner.cli import config_argument, overrides_argument
-
     config_argument(p)
     p.add_argument("--top", type=int, default=10, help="how many fitting layouts to print")
     p.add_argument("--csv", default="", help="write every valid layout, ranked, to this CSV file")

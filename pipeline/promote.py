@@ -14,13 +14,13 @@ import time
 
 from core import tracking
 from core.config import Config, ConfigError
+from core.registry import parse_models_uri
+from pipeline.runner.cli import config_argument, overrides_argument
 
 HELP = "move a registry alias to a version if its evaluation is as good"
 
 
 def arguments(p) -> None:
-    from pipeline.runner.cli import config_argument, overrides_argument
-
     config_argument(p)
     p.add_argument("--model", default="", help="models:/<name>/<version>")
     p.add_argument("--alias", default="champion")
@@ -33,8 +33,6 @@ HIGHER_IS_BETTER = ("task_accuracy",)  # (a fine-tuned model's held-out task: ma
 
 
 def run(config: Config, model: str, alias: str = "champion", metric: str = "eval_loss", force: bool = False) -> int:
-    from core.registry import parse_models_uri
-
     name, version, by_alias = parse_models_uri(model) if model else (None, None, None)
     if not name or by_alias or version in (None, "latest"):
         raise ConfigError("MODEL=models:/<name>/<version>: promote names the version to move the alias to")

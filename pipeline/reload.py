@@ -5,13 +5,12 @@ import os
 
 from core.config import Config, ConfigError
 from serving.state import default_state_dir, read_state
+from pipeline.runner.cli import config_argument, overrides_argument
 
 HELP = "the running endpoint resolves its models:/ reference again and switches if it moved"
 
 
 def arguments(p) -> None:
-    from pipeline.runner.cli import config_argument, overrides_argument
-
     config_argument(p)
     overrides_argument(p)
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 from core import tracking
 from core.config import Config
 from training.launch.liveness import reap, running
+from pipeline.runner.cli import config_argument
 
 HELP = "RUNNING runs of an experiment: alive, dead or stale; --reap marks the dead and stale ones FAILED"
 
 
 def arguments(p) -> None:
-    from pipeline.runner.cli import config_argument
-
     config_argument(p, "; names the experiment")
     p.add_argument("--experiment", default="")
     p.add_argument("--reap", action="store_true")

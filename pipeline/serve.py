@@ -6,13 +6,12 @@ from core import registry
 from core.config import Config
 from serving import controller
 from serving.state import default_state_dir, read_worker
+from pipeline.runner.cli import config_argument, overrides_argument
 
 HELP = "start the Paddle Serving endpoint in the background"
 
 
 def arguments(p) -> None:
-    from pipeline.runner.cli import config_argument, overrides_argument
-
     config_argument(p)
     p.add_argument("--model", default="", help="export directory, models:/<name>/<version>, models:/<name>@<alias> "
                                                 "or models:/<name>/latest (default: the newest registered version)")

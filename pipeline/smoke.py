@@ -5,18 +5,23 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 
 from core import tracking
 from core.config import Config, ConfigError, load_config
 from serving.client.smoke import run_smoke
 from serving.state import default_state_dir, read_state
+from core import chat, exportdir
+from evaluation.grading import task_accuracy
+from pipeline.runner.cli import config_argument, overrides_argument
+from serving.client.client import GenerationClient
+from training.finetune import data as sft
+from training.finetune.data import held_out
 
 HELP = "real HTTP/gRPC calls against the running endpoint"
 
 
 def arguments(p) -> None:
-    from pipeline.runner.cli import config_argument, overrides_argument
-
     config_argument(p)
     overrides_argument(p)
 
@@ -33,7 +38,6 @@ def smoke(config: Config) -> int:
     print("SMOKE", "PASS" if not failures else f"FAIL ({len(failures)} checks)")
     if not failures:
         print(samples(state, config.serving.default_max_new_tokens))
-        from core import exportdir
 
         meta = exportdir.read_meta(Path(state["model_dir"]))
         if exportdir.fine_tuned(meta):  # (a fine-tuned model: its task through the chat route)
@@ -55,14 +59,8 @@ def chat_task(state: dict, meta: dict, shown: int = 3) -> str:
     """A fine-tuned model's held-out task through the served /v1/chat/completions (the real `openai` client, 8 at a
     time, greedy): `shown` examples, the accuracy over all of them and per expected answer (their mean: the
     balanced accuracy), and how often the first MULTI_TURN answers stay the same behind EARLIER_TURNS."""
-    from concurrent.futures import ThreadPoolExecutor
-
     import openai
 
-    from core import chat
-    from core.config import load_config
-    from evaluation.grading import task_accuracy
-    from training.finetune.data import held_out
 
     run_config = load_config(Path(meta["run_dir"]) / "config.yaml")
     task = held_out(run_config, chat.read(Path(state["model_dir"]) / "tokenizer"))
@@ -108,12 +106,8 @@ def tool_task(state: dict, meta: dict, count: int = TOOL_QUESTIONS) -> str:
     """A model fine-tuned with finetune.tool_share, through the served chat route with the review tool offered and
     tool_choice auto: held-out reviews asked by number (the tool is needed) and given in the question (it is not);
     how often each calls the tool, and the label answered once the tool's result (the review) is sent back."""
-    from concurrent.futures import ThreadPoolExecutor
-
     import openai
 
-    from evaluation.grading import task_accuracy
-    from training.finetune import data as sft
 
     reviews = sft.records(load_config(Path(meta["run_dir"]) / "config.yaml"))["validation"][:count]
     client = openai.OpenAI(base_url=state["openai_base_url"], api_key=os.environ.get("PIPELINE_API_KEY", "unused"),
@@ -152,9 +146,6 @@ def tool_task(state: dict, meta: dict, count: int = TOOL_QUESTIONS) -> str:
 
 def samples(state: dict, max_new_tokens: int) -> str:
     """What the served model is: its eval metric and greedy continuations of the reference prompts."""
-    from core import exportdir
-    from serving.client.client import GenerationClient
-
     meta = exportdir.read_meta(Path(state["model_dir"]))
     metric, value = meta.get("metric", "eval_loss"), float(meta.get("metric_value", "nan"))
     ppl = f" (perplexity {tracking.perplexity(value):.0f})" if metric == "eval_loss" else ""

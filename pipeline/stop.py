@@ -5,13 +5,12 @@ from __future__ import annotations
 from core.config import Config
 from serving import controller
 from serving.state import default_state_dir, registered, unregister
+from pipeline.runner.cli import config_argument, overrides_argument
 
 HELP = "drain and stop the running endpoint (SIGTERM, then its whole process group)"
 
 
 def arguments(p) -> None:
-    from pipeline.runner.cli import config_argument, overrides_argument
-
     config_argument(p)
     overrides_argument(p)
 

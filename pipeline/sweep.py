@@ -28,14 +28,15 @@ from core import REPO_ROOT, tracking
 from core.workarounds import cpu_runtime
 from core.config import Config, ConfigError, load_config
 from core.config_loading import parse_override
+from core.config import DEFAULT_CONFIG
+from pipeline.runner import comparison
+from pipeline.runner.cli import config_argument, overrides_argument
 
 HELP = "train a grid of overrides (key=v1,v2 ...), N at a time, then compare them"
 OWN_OVERRIDES = True  # (a grid, not one config)
 
 
 def arguments(p) -> None:
-    from pipeline.runner.cli import config_argument, overrides_argument
-
     config_argument(p)
     p.add_argument("--id", default="", help="continue this sweep (finished runs are not retrained)")
     p.add_argument("--parallel", type=int, default=0, help="runs at once (default: what the cores hold)")
@@ -162,8 +163,6 @@ def _train_all(todo, config_path, base: Config, home: Path, at_once: int, thread
 
 
 def _report(uri: str, experiment: str, sweep_id: str, home: Path, failed: list[str]) -> int:
-    from pipeline.runner import comparison
-
     rows, out_dir = comparison.compare(experiment, filter_string=f"tags.`pipeline.sweep` = '{sweep_id}'", uri=uri,
                                        out_dir=home / "report")
     print(comparison.table(rows))
@@ -177,6 +176,4 @@ def _report(uri: str, experiment: str, sweep_id: str, home: Path, failed: list[s
 
 
 def main(config: Config, args) -> int:
-    from core.config import DEFAULT_CONFIG
-
     return run(config, args.config or str(DEFAULT_CONFIG), args.overrides, args.id, args.parallel)

@@ -9,22 +9,20 @@ import shutil
 from pathlib import Path
 
 from core.config import Config
+from core import REPO_ROOT, dataset
+from pipeline.runner.cli import config_argument, overrides_argument
+from training.data.prepare import prepare
 
 HELP = "learn a byte-level BPE from the corpus (tokenizer.vocab_size): a Hugging Face tokenizer for tokenizer.path"
 
 
 def arguments(p) -> None:
-    from pipeline.runner.cli import config_argument, overrides_argument
-
     config_argument(p)
     p.add_argument("--output", default="", help="where the tokenizer directory goes (default runs/tokenizer)")
     overrides_argument(p, "section.key=value overrides, e.g. tokenizer.vocab_size=16000")
 
 
 def main(config: Config, args) -> int:
-    from core import REPO_ROOT, dataset
-    from training.data.prepare import prepare
-
     config = config.with_overrides(["tokenizer.kind=bpe", "tokenizer.path="])
     prepared = prepare(config, log=lambda line: print(line, flush=True))
     output = Path(args.output).expanduser() if args.output else REPO_ROOT / config.training.runs_dir / "tokenizer"

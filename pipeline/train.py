@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from core.config import Config
 from training.launch import supervise, train_run
+from pipeline.runner.cli import config_argument, overrides_argument
 
 HELP = "train a model (hybrid parallel when the layout asks for it)"
 
 
 def arguments(p) -> None:
-    from pipeline.runner.cli import config_argument, overrides_argument
-
     config_argument(p)
     p.add_argument("--resume", default="", help="run directory or MLflow run id to continue")
     p.add_argument("--dry-run", action="store_true", help="print the parallel layout and exit")

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from core.config import Config
 from pipeline.runner import visualdl_server
+from pipeline.runner.cli import config_argument, overrides_argument
 
 HELP = "VisualDL's dashboard over a run's logs, or an experiment's runs side by side"
 
 
 def arguments(p) -> None:
-    from pipeline.runner.cli import config_argument, overrides_argument
-
     config_argument(p)
     p.add_argument("--run", default="", help="a run directory or name, or an MLflow experiment (default: the newest "
                                               "run with logs)")

@@ -3,13 +3,12 @@ from __future__ import annotations
 
 from core.config import Config
 from pipeline.runner import visualdl_server
+from pipeline.runner.cli import config_argument, overrides_argument
 
 HELP = "stop VisualDL's dashboard"
 
 
 def arguments(p) -> None:
-    from pipeline.runner.cli import config_argument, overrides_argument
-
     config_argument(p)
     overrides_argument(p)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from dataclasses import replace
 
 from core.config import ServingConfig
 
@@ -94,8 +95,6 @@ class Request:
 
     def choice_settings(self, i: int) -> GenerationSettings:
         """Choice i of n: the same settings, seed + i (reproducible; greedy choices are all the same)."""
-        from dataclasses import replace
-
         return replace(self.settings, seed=(self.settings.seed + i) % 2**31)
 
 

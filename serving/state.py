@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+import hashlib
 
 from core import REPO_ROOT
 from core.files import atomic_write
+from core.files import user_cache
 
 STATE_FILE = "server.json"
 
@@ -43,14 +45,10 @@ def read_worker(state_dir: Path) -> dict:
 
 def registry_dir() -> Path:
     """Where servers started on behalf of a tool (the bench) are listed, per user: `make stop` finds them there."""
-    from core.files import user_cache
-
     return user_cache("servers")
 
 
 def register(state_dir: Path, owner: str) -> None:
-    import hashlib
-
     entry = registry_dir() / f"{hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:16]}.json"
     entry.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(entry, json.dumps({"state_dir": str(state_dir.resolve()), "owner": owner}))

@@ -10,6 +10,7 @@ import functools
 import os
 import sys
 from pathlib import Path
+import json
 
 if __package__ in (None, ""):  # started as a script by paddle.distributed.launch
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -17,6 +18,18 @@ if __package__ in (None, ""):  # started as a script by paddle.distributed.launc
 import core  # noqa: E402,F401  (loads zlib before paddle: see core/__init__.py)
 from core.config import Config, load_config  # noqa: E402
 from core.layout import ParallelLayout  # noqa: E402
+from core import tracking
+from core.files import atomic_write
+from core.processes import die_with_parent
+from core.tokenizer import load_tokenizer
+from training import semi_auto
+from training.checkpoint import async_write
+from training.checkpoint.local import STOPPED_MARKER
+from training.data.read import corpus_blocks, train_dataset, validation_dataset
+from training.finetune import data as sft
+from training.finetune import lora
+from training.metrics.progress import progress_callback
+from training.metrics.stage_timing import StageTimer
 
 
 def make_trainer(device: str = "cpu", **kwargs):
@@ -73,8 +86,6 @@ def make_trainer(device: str = "cpu", **kwargs):
 
             wrapped = super()._wrap_model(model, training)
             if isinstance(wrapped, PipelineParallel) and self.stage_timer is None:
-                from training.metrics.stage_timing import StageTimer
-
                 self.stage_timer = StageTimer(wrapped, device)
             return wrapped
 
@@ -87,10 +98,6 @@ LOSS_WINDOW = "loss_window.json"
 def save_loss_window(trainer, checkpoint: Path) -> None:
     """The running loss sum since the last log (averaged over the ranks, as the log averages it) and the step the
     window started at, into the checkpoint (before its completion marker: the writers mark it later)."""
-    import json
-
-    from core.files import atomic_write
-
     if trainer.window is None:
         return
     loss_sum = float(trainer._nested_gather(trainer.window).mean())  # (every rank: a collective)
@@ -102,8 +109,6 @@ def save_loss_window(trainer, checkpoint: Path) -> None:
 
 def resume_loss_window(trainer, checkpoint: str | None) -> None:
     """A resume continues the loss window its checkpoint saved (none saved: PaddleNLP's own restart)."""
-    import json
-
     if checkpoint and (Path(checkpoint) / LOSS_WINDOW).is_file():
         trainer.resumed_window = json.loads((Path(checkpoint) / LOSS_WINDOW).read_text())
 
@@ -139,8 +144,6 @@ def performance_values(config, layout: ParallelLayout) -> dict:
 def training_argument_values(config, layout: ParallelLayout, output_dir: Path) -> dict:
     """The keyword arguments of PaddleNLP's TrainingArguments for this config (a plain dict: the translation of
     every setting is testable without the devices it needs)."""
-    from training.checkpoint import async_write
-
     t, perf = config.training, config.performance
     semi_auto = layout.mode == "semi_auto"
     pipeline_options = []
@@ -205,7 +208,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pending-config", default="",
                         help="resume with this config; it replaces the run's config.yaml after the first step")
     args = parser.parse_args(argv)
-    from core.processes import die_with_parent
 
     die_with_parent()  # the launcher gone (even by SIGKILL) = SIGTERM here = save and stop, never an orphan
     run_dir = Path(args.run_dir)
@@ -216,9 +218,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from paddlenlp.data import default_data_collator
 
-    from core.tokenizer import load_tokenizer
     from training.callbacks import GracefulStop
-    from training.checkpoint.local import STOPPED_MARKER
     # (after the paddlenlp import, which resets SIGTERM to the default action)
     graceful_stop = GracefulStop(run_dir / STOPPED_MARKER)
     train_args = training_arguments(config, layout, run_dir / "checkpoints")
@@ -250,12 +250,9 @@ def datasets(config: Config, run_data: Path):
     """(training samples, validation samples, training samples per epoch): packed corpus blocks, or a fine-tuning
     run's examples (training/finetune/data.py)."""
     if config.fine_tuning:
-        from training.finetune import data as sft
-
         train = sft.train_dataset(run_data)
         return train, sft.validation_dataset(run_data, config.training.max_eval_batches *
                                              config.training.global_batch_size), len(train)
-    from training.data.read import corpus_blocks, train_dataset, validation_dataset
 
     return train_dataset(run_data), validation_dataset(run_data), corpus_blocks(run_data)
 
@@ -293,8 +290,6 @@ def model_and_trainer_class(config: Config, layout: ParallelLayout, train_args, 
 
     paddle.seed(config.training.seed)
     if layout.mode == "semi_auto":
-        from training import semi_auto
-
         # The whole model on every rank (same seed or weights), then each weight placed on the [dp, mp] mesh.
         mesh = semi_auto.mesh_2d(layout.dp, layout.tp)
         model = semi_auto.shard_model(build_model(config, tokenizer, 1, 0, pipeline=False), mesh)
@@ -304,8 +299,6 @@ def model_and_trainer_class(config: Config, layout: ParallelLayout, train_args, 
         new_trainer = functools.partial(make_trainer, device=layout.device)
     model = prepare_model(config, model)
     if config.fine_tuning and config.finetune.method == "lora":
-        from training.finetune import lora
-
         model = lora.wrap(config, model, layout.tp)
     if config.performance.sequence_parallel:
         # As PaddleNLP's llm/run_pretrain.py: the sequence-parallel weights (norms) get their gradients all-reduced
@@ -328,8 +321,6 @@ def callbacks(config: Config, layout: ParallelLayout, run_dir: Path, pending: Pa
     mlflow_logger = None
     run_id = os.environ.get("PIPELINE_MLFLOW_RUN_ID")
     if run_id and first_process:
-        from core import tracking
-
         mlflow_logger = MlflowLogger(tracking.client(os.environ["MLFLOW_TRACKING_URI"]), run_id,
                                      config.training.seq_length, run_dir,
                                      mirror=monitors[0].add_metrics if monitors and first_process else None)
@@ -345,8 +336,6 @@ def callbacks(config: Config, layout: ParallelLayout, run_dir: Path, pending: Pa
         found.append(mlflow_logger)
     found += monitors
     if first_process:
-        from training.metrics.progress import progress_callback
-
         found.append(progress_callback(run_dir, config.training.seq_length, config.training.global_batch_size,
                                        train_blocks))
     return found

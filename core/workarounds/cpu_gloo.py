@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import os
 import socket
+import logging
+import sys
 
 SUPPORTED_PADDLE = "2.6.2"
 APPLIED: list[str] = []
@@ -39,9 +41,6 @@ class UnsupportedPaddleVersion(RuntimeError):
 def end_process() -> None:
     """The rank's last call on a multi-process CPU run (8): a barrier, stdout/stderr/logging flushed, exit 0 without
     destructors. Only after everything the rank owns is on disk (checkpoints drained, MLflow records flushed)."""
-    import logging
-    import sys
-
     import paddle.distributed as dist
 
     dist.barrier()

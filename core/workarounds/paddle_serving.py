@@ -34,6 +34,9 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from ctypes import cdll
+import hashlib
+import logging
 
 COMPAT_DIR = Path(__file__).resolve().parent / "serving_compat"
 FIXES_ENV = "PIPELINE_SERVING_FIXES"
@@ -83,8 +86,6 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
 def loopback_proxy_library(shipped: Path, cache_dir: Path) -> Path | None:
     """A copy of Paddle Serving's Go HTTP gateway that listens on 127.0.0.1 (see the module's docstring), made once
     in `cache_dir` and published by rename; None when `shipped` is not the build the patch is for."""
-    import hashlib
-
     data = bytearray(shipped.read_bytes())
     if hashlib.sha256(data).hexdigest() != PROXY_SHA256:
         return None
@@ -120,8 +121,6 @@ def http_bind(host: str) -> bool:
         return False
 
     def _grpc_gateway(self, grpc_port, http_port):  # (PipelineServer's own, on the copy: it runs in a child process)
-        from ctypes import cdll
-
         cdll.LoadLibrary(str(library)).run_proxy_server(grpc_port, http_port)
 
     PipelineServer._grpc_gateway = _grpc_gateway
@@ -129,8 +128,6 @@ def http_bind(host: str) -> bool:
 
 
 def quiet_pipeline_log() -> None:
-    import logging
-
     import paddle_serving_server.pipeline.logger  # noqa: F401  (its dictConfig first, then the level over it)
 
     logging.getLogger("paddle_serving_server").setLevel(logging.WARNING)

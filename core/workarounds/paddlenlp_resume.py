@@ -13,6 +13,7 @@ else is PaddleNLP's own code path (multi-process resumes already read all shards
 from __future__ import annotations
 
 import gc
+import os
 
 FIXED_VERSION = "2.8.1"  # (paddlenlp.__version__ reads "2.8.1.post")
 
@@ -27,8 +28,6 @@ def _load_shards(files: list[str], keys) -> dict:
 
 
 def load_single_card_checkpoint(args, model, resume_from_checkpoint: str):
-    import os
-
     from paddlenlp.trainer.plugins import unified_checkpoint as uc
 
     # (PaddleNLP's choice, kept: a LoRA or prefix model's checkpoint holds its adapters under the PEFT index)
@@ -49,8 +48,6 @@ def load_single_card_checkpoint(args, model, resume_from_checkpoint: str):
 
 
 def load_single_card_optimizer(args, model, optimizer, resume_from_checkpoint: str):
-    import os
-
     import paddle
     from paddlenlp.trainer.plugins import unified_checkpoint as uc
 

@@ -3,6 +3,7 @@ declares its own arguments beside its `main` (`arguments(parser)`); pipeline/__m
 from __future__ import annotations
 
 import re
+import shlex
 
 from core.config import DEFAULT_CONFIG
 
@@ -24,8 +25,6 @@ def words(given: list[str]) -> list[str]:
     an override whose value has spaces are joined back: `gateway.split={a: 90, b: 10}` reaches a verb as one
     override whether the shell split it or not. A word continues the override before it while that override's
     brackets are open, or when the word is neither a flag nor a `key=` of its own (`data.text=a b`)."""
-    import shlex
-
     expanded: list[str] = []
     rest = iter(given)
     for word in rest:

@@ -21,6 +21,7 @@ from core import REPO_ROOT
 from core.errors import ConfigError
 from core.files import atomic_write
 from core.processes import group_alive, log_tail, port_in_use, start_group, stop_recorded, wait_ready
+from core.processes import free_ports
 
 STATE_DIR = REPO_ROOT / "runs" / "object-store"
 PORT = 8333
@@ -76,8 +77,6 @@ INNER = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "
 
 def inner_ports(state_dir: Path) -> list[str]:
     """The inner servers' port flags: those of the last start while all are free, else new free ones."""
-    from core.processes import free_ports
-
     record = state_dir / "ports.json"
     ports = json.loads(record.read_text()) if record.exists() else {}
     if set(ports) != set(INNER) or any(port_in_use(p) for p in ports.values()) or ports["admin.port"] > 55535:

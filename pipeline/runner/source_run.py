@@ -7,6 +7,8 @@ import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+import logging
+import os
 
 from core import tracking
 from export import ExportError
@@ -39,9 +41,6 @@ def quiet_libraries() -> None:
     Paddle's C++ INFO lines ("New Executor is Running", before paddle loads), PaddleNLP's INFO lines (model
     loading), MLflow's per-file download bars and its notes while saving the pyfunc model (its cloudpickle warning
     included: the pickled class is this repository's own, shipped in the model's code/)."""
-    import logging
-    import os
-
     os.environ.setdefault("GLOG_minloglevel", "2")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     import mlflow  # noqa: F401  (it configures its loggers at import: set the level after)

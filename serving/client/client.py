@@ -13,6 +13,9 @@ import sys
 from dataclasses import dataclass
 
 import serving  # noqa: F401  (zlib first; paddle_serving_client stand-in for PipelineClient's imports)
+from core.config import DEFAULT_CONFIG, load_config
+from serving.protocol import Limits, RequestError, parse, to_strings
+from serving.state import default_state_dir, read_state
 
 
 class ServingError(RuntimeError):
@@ -48,8 +51,6 @@ class Generation:
 def _fields(**params) -> dict[str, str]:
     """The request's key/value strings, checked first by the protocol every entry point uses (serving/protocol.py:
     the same messages as the server's; the server's own limits are checked there)."""
-    from serving.protocol import Limits, RequestError, parse, to_strings
-
     values = {k: v for k, v in params.items() if v is not None}
     try:
         parse(values, Limits(max_prompt_chars=1 << 20, max_new_tokens_limit=1 << 20, request_timeout_s=1e9))
@@ -112,9 +113,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     url, rpc = args.url, args.rpc
     if not url or (args.grpc and not rpc):
-        from core.config import DEFAULT_CONFIG, load_config
-        from serving.state import default_state_dir, read_state
-
         state = read_state(default_state_dir(load_config(DEFAULT_CONFIG)))
         if not state:
             print("error: no running server found; start one with `make serve` or pass --url/--rpc", file=sys.stderr)

@@ -21,6 +21,9 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+import llguidance
+import llguidance.numpy as lln
+from core import tokenizer as tk
 
 
 NOTHING_ALLOWED = "the constraint allows no token here: what it needs next is not in this model's vocabulary"
@@ -52,8 +55,6 @@ def token_table(pieces: list, special_ids: list[int], eos_id: int, encode=None):
     character vocabulary is encoded a character at a time, each as its own token: its WordPiece encoder writes a
     latin word it does not know as [UNK] and lower-cases, where a grammar needs the exact text (a character the
     vocabulary lacks becomes a special id, never generated: the constraint then allows nothing and says so)."""
-    import llguidance
-
     if encode is None:
         encode = _by_character(pieces, special_ids)
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TokenTable(encode, pieces, special_ids, eos_id)),
@@ -74,8 +75,6 @@ class Vocabulary:
     files, with `tokenizers` for a model's own: the server process does not load PaddleNLP's tokenizer classes)."""
 
     def __init__(self, tokenizer_dir, eos_id: int):
-        from core import tokenizer as tk
-
         if tk.is_hf_tokenizer(tokenizer_dir):
             tok = tk.HFTokenizer(tokenizer_dir)
             self.pieces = tok.token_bytes()
@@ -111,8 +110,6 @@ def unproducible(text: str, chars: set[str] | None) -> str:
 
 def check_grammar(grammar: str, table) -> str:
     """"" when llguidance compiles the grammar against this tokenizer, else its message."""
-    import llguidance
-
     return llguidance.LLMatcher.validate_grammar(grammar, table)
 
 
@@ -124,8 +121,6 @@ class Grammars:
         self._compiled = functools.lru_cache(maxsize=size)(self._compile)
 
     def _compile(self, grammar: str):
-        import llguidance
-
         matcher = llguidance.LLMatcher(self.table, grammar, log_level=0)
         if matcher.is_error():
             raise ConstraintError(f"the grammar does not compile: {matcher.get_error()}")
@@ -149,8 +144,6 @@ class Constraint:
 def allowed_rows(constraints: list[Constraint], vocab: int) -> tuple[np.ndarray, dict[int, str]]:
     """[k, vocab] booleans: the tokens each constrained sequence may take next; and {row: why} for the rows whose
     matcher is in error. (An empty mask is the scheduler's to find, once it has taken out the ids never generated.)"""
-    import llguidance.numpy as lln
-
     bitmask = lln.allocate_token_bitmask(len(constraints), vocab)
     # (one row at a time in this thread: 16 rows at 4.6k tokens in 0.053 ms, where LLExecutor's threads took 0.23:
     # its hand-over costs more than the masks, and a worker's cores are busy with the model)

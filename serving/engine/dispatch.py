@@ -41,6 +41,9 @@ from serving.protocol import GenerationSettings
 from serving.state import WORKER_FILE
 
 from serving.protocol import RequestError
+from core import exportdir
+from core.errors import ConfigError
+from serving.engine.placement import placements
 
 
 
@@ -216,7 +219,6 @@ class Dispatcher:
         self.ids = itertools.count(1)
         self.draining, self.stopping, self.fatal = False, False, ""
         self.deaths: deque[float] = deque()
-        from serving.engine.placement import placements
 
         self.meta: dict = _meta_of(self.model_dir)
         self.workers = [WorkerHandle(i, self, self.model_dir, self.meta) for i in range(workers)]
@@ -241,8 +243,6 @@ class Dispatcher:
     def switch(self, model_dir: Path, load_timeout_s: float = 300.0) -> bool:
         """Serve `model_dir` from now on (see the module's docstring). Blocks until the new workers are ready (True)
         or one of them failed to load, or load_timeout_s passed (False: the current model keeps serving)."""
-        from core import exportdir
-
         model_dir = Path(model_dir)
         meta = exportdir.read_meta(model_dir)
         with self.switch_lock:
@@ -410,9 +410,6 @@ class Dispatcher:
 
 
 def _meta_of(model_dir: Path) -> dict:
-    from core import exportdir
-    from core.errors import ConfigError
-
     try:
         return exportdir.read_meta(model_dir)
     except ConfigError:

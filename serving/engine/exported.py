@@ -12,6 +12,8 @@ from core.tokenizer import load_tokenizer, pieces, text_of
 from serving.protocol import GenerationSettings
 from serving.engine.generation import generate, generate_batch
 from serving.protocol import RequestError, bad  # noqa: F401  (RequestError: what encode raises)
+from core.tokenizer import HFTokenizer
+from serving.engine.constraints import Grammars, token_table
 
 
 def lineage(meta: dict) -> dict[str, str]:
@@ -40,9 +42,6 @@ class ExportedModel:
     def grammars(self):
         """This model's compiled grammars (its tokens as llguidance reads them: serving/engine/constraints.py),
         built at the first constrained request."""
-        from core.tokenizer import HFTokenizer
-        from serving.engine.constraints import Grammars, token_table
-
         tok = self.tokenizer
         encode = (lambda text: tok(text)["input_ids"]) if isinstance(tok, HFTokenizer) else None
         return Grammars(token_table(self.pieces, [*self.banned_ids, self.eos_id], self.eos_id, encode))

@@ -14,6 +14,8 @@ import os
 import shutil
 import subprocess
 
+import numpy as np
+
 from core.errors import ConfigError
 from serving.engine.runtime import Placement
 
@@ -67,8 +69,6 @@ def placements(serving_config) -> list[Placement]:
 def check_precision(export_dir, placement: Placement, probe) -> float:
     """Max |logits at `placement`'s precision - float32 logits| on a fixed input (`probe(placement)` returns the
     logits of the full-sequence graph run there); a ConfigError above PRECISION_TOLERANCE."""
-    import numpy as np
-
     if placement.precision == "float32":
         return 0.0
     full = Placement(placement.device, placement.device_id, placement.memory_mb, "float32")

@@ -21,6 +21,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -109,8 +110,6 @@ class Scheduler:
         if not self.overlap_masks or not jobs:
             return
         if self._pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="masks")
         self._ahead = ({job.id for job in jobs}, self._pool.submit(self._masks, jobs))
 

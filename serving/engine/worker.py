@@ -15,6 +15,8 @@ import resource
 import time
 from multiprocessing.connection import Connection
 
+import numpy as np
+
 import serving  # noqa: F401  (zlib first)
 from core import exportdir
 from serving.engine import runtime
@@ -23,6 +25,8 @@ from serving.protocol import GenerationSettings
 from serving.engine.constraints import ConstraintError
 from serving.engine.exported import ExportedModel
 from serving.protocol import RequestError
+from core.processes import die_with_parent
+from serving.engine import placement as placements
 
 WARM_UP_PROMPT = "你好"
 
@@ -30,8 +34,6 @@ WARM_UP_PROMPT = "你好"
 def full_sequence_session(forward):
     """(prefill, decode) over the full-sequence graph, for exports made before the cache programs existed: the
     "cache" holds the token ids and every step re-runs the whole sequence (slow, exact)."""
-    import numpy as np
-
     def last_logits(rows):
         return np.stack([np.asarray(forward(np.asarray([row], dtype="int64")))[0, -1] for row in rows])
 
@@ -83,13 +85,10 @@ def streamable_text(model: ExportedModel, job: Job) -> str:
 
 def check_precision(model: ExportedModel, placement: runtime.Placement) -> float:
     """A reduced precision's logits against float32 on the same device (serving/engine/placement.py), before serving."""
-    import numpy as np
-
-    from serving.engine.placement import check_precision as check
-
     probe_ids = np.asarray([model.tokenizer(WARM_UP_PROMPT, add_special_tokens=False)["input_ids"]], dtype="int64")
-    return check(model.dir, placement,
-                 lambda where: runtime.predict(runtime.create_predictor(model.dir, placement=where), probe_ids))
+    return placements.check_precision(model.dir, placement,
+                                      lambda where: runtime.predict(runtime.create_predictor(model.dir, placement=where),
+                                                                    probe_ids))
 
 
 class Worker:
@@ -228,7 +227,6 @@ def main() -> None:
     p.add_argument("--precision", default="float32", choices=("float32", "float16", "bfloat16"))
     args = p.parse_args()
     placement = runtime.Placement(args.device, args.device_id, args.gpu_memory_mb, args.precision)
-    from core.processes import die_with_parent
 
     die_with_parent()
     from core.workarounds import heap

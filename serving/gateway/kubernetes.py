@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+import tempfile
 
 import yaml
+
+from core.config import DEFAULT_CONFIG, load_config
+from serving.gateway import nginx
 
 CONF_DIR, KEYS_DIR, STATE_DIR = Path("/etc/gateway/conf"), Path("/etc/gateway/keys"), Path("/tmp/gateway")
 SERVICE = "http://paddle-serve:18182"  # deploy/kubernetes/serving.yaml's Service, api port
@@ -24,10 +28,6 @@ IMAGE = "nginx:1.22"
 
 
 def manifest(config, consumers: dict) -> str:
-    import tempfile
-
-    from serving.gateway import nginx
-
     config = config.with_overrides([f"gateway.backends=[{SERVICE}]", "gateway.split={}", "gateway.models={}",
                                      f"gateway.paddle_backends=[{PADDLE_SERVICE}]", "gateway.host=0.0.0.0"])
     with tempfile.TemporaryDirectory() as scratch:  # (render writes limits.d/requests.conf beside the state)
@@ -82,8 +82,6 @@ _Literal.add_representer(str, lambda dumper, text: dumper.represent_scalar(
 
 def main(argv: list[str]) -> int:
     import core  # noqa: F401
-    from core.config import DEFAULT_CONFIG, load_config
-    from serving.gateway import nginx
 
     config = load_config(DEFAULT_CONFIG, argv)
     sys.stdout.write(manifest(config, nginx.consumers_of(config)))

@@ -32,12 +32,17 @@ import os
 import shutil
 import signal
 import time
+import urllib.request
 from pathlib import Path
+import subprocess
 
 from core.errors import ConfigError
 from core.files import atomic_write
 from core.processes import group_alive, log_tail, port_in_use, start_group, stop_recorded, wait_ready
 from serving.protocol import CONSUMER_HEADER, ROUTED_MODEL_HEADER, TPM_HEADER, USAGE_HEADER
+from core import REPO_ROOT
+from core.processes import children_map
+from serving.gateway import keys
 
 STATE_FILE, CONF_FILE, LIMITS_FILE, ROUTE_FILE = "gateway.json", "nginx.conf", "limits.conf", "route.js"
 INSTALL = ("nginx is not installed: `apt-get install nginx-light libnginx-mod-http-js` (Debian/Ubuntu; root), or "
@@ -57,8 +62,6 @@ def binary() -> str:
 
 
 def state_dir(config) -> Path:
-    from core import REPO_ROOT
-
     return Path(config.gateway.state_dir).expanduser().resolve() if config.gateway.state_dir else \
         (REPO_ROOT / config.training.runs_dir / "gateway").resolve()
 
@@ -319,10 +322,6 @@ def _pools(config) -> tuple[str, str]:
 def write(config, consumers: dict) -> Path:
     """The rendered files in the state directory (and an empty key map when there are no keys yet); returns
     nginx.conf's path, checked by `nginx -t`."""
-    import subprocess
-
-    from serving.gateway import keys
-
     directory, key_dir = state_dir(config), keys.keys_dir(config)
     (directory / "limits.d").mkdir(parents=True, exist_ok=True)
     if not (key_dir / keys.MAP_FILE).is_file():
@@ -344,8 +343,6 @@ def write(config, consumers: dict) -> Path:
 
 
 def consumers_of(config) -> dict:
-    from serving.gateway import keys
-
     return {name: {"rpm": v["rpm"], "tpm": v.get("tpm", 0)} for name, v in keys.read(keys.keys_dir(config)).items()}
 
 
@@ -360,8 +357,6 @@ def running(config) -> dict | None:
 
 def start(config, timeout_s: float = 20) -> dict:
     """Start nginx (or find it running: its configuration is rendered again and reloaded); returns its state."""
-    import urllib.request
-
     state = running(config)
     if state:
         reload(config)
@@ -418,8 +413,6 @@ def _accepting(pid: int) -> bool:
 
 
 def _workers(master: int) -> set[int]:
-    from core.processes import children_map
-
     return set(children_map().get(master, []))
 
 

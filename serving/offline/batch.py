@@ -30,6 +30,10 @@ from core.errors import ConfigError
 from core.files import atomic_write
 from serving.engine.exported import lineage as lineage_of
 from serving.protocol import Limits, RequestError, parse
+from core.cluster import init_ray
+from serving.engine.dispatch import Dispatcher, per_worker_capacity
+from serving.engine.exported import ExportedModel
+from serving.engine.worker import build_scheduler, generate_all
 
 ROW_SETTINGS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "logprobs")
 FORMATS = (".jsonl", ".parquet")
@@ -154,8 +158,6 @@ def run_local(model_dir: Path, rows: list[dict], serving_config, limits: Limits,
               write, attempts: int = 3, on_ready=None) -> None:
     """Rows through the server's own workers, at most their capacity in flight; a row whose worker died is sent
     again (up to `attempts` times)."""
-    from serving.engine.dispatch import Dispatcher, per_worker_capacity
-
     # (offline: batches of serving.generate_batch_size, sized for throughput; the server's max_batch_size is a latency
     # setting; max_batch_tokens 0 = that many sequences at the model's full length)
     s = replace(serving_config, request_timeout_s=24 * 3600.0, max_batch_size=serving_config.generate_batch_size,
@@ -205,16 +207,11 @@ class RayGenerator:
     """A Ray Data actor: the model loaded once, each batch of rows generated to completion by the scheduler."""
 
     def __init__(self, model_dir: str, generation: str, max_batch_size: int, limits: Limits):
-        from serving.engine.exported import ExportedModel
-        from serving.engine.worker import build_scheduler
-
         self.model = ExportedModel(model_dir)
         self.scheduler = build_scheduler(self.model, 1, generation, max_batch_size=max_batch_size)
         self.limits, self.lineage = limits, lineage_of(self.model.meta)
 
     def __call__(self, batch: dict) -> dict:
-        from serving.engine.worker import generate_all
-
         rows = [json.loads(r) for r in batch["row"]]
         out, requests, index = [None] * len(rows), [], []
         for i, row in enumerate(rows):
@@ -234,8 +231,6 @@ class RayGenerator:
 def run_ray(model_dir: Path, rows: list[dict], serving_config, limits: Limits, workers: int, address: str,
             write) -> None:
     """Rows over Ray Data: `workers` actors of one CPU each, batches of serving.generate_batch_size rows."""
-    from core.cluster import init_ray
-
     if not rows:
         return
     ray = init_ray(address, workers)

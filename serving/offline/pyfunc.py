@@ -12,8 +12,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import serving  # noqa: F401,I001  (first: zlib before paddle; the paddle_serving_client stand-in)
+from core import exportdir
+from serving.engine import runtime
+from serving.engine.exported import ExportedModel
+from serving.protocol import Limits, RequestError, parse
 import mlflow.pyfunc
 
 # The artifact name under which the python model finds the export directory (the MLflow model's own root).
@@ -45,10 +50,6 @@ class GenerationModel(mlflow.pyfunc.PythonModel):
     _skip_type_hint_validation = True
 
     def load_context(self, context):
-        from core import exportdir
-        from serving.engine import runtime
-        from serving.engine.exported import ExportedModel
-
         self.model = ExportedModel(context.artifacts[EXPORT_ARTIFACT])
         threads = max(1, len(os.sched_getaffinity(0)))
         if exportdir.has_cache_programs(self.model.dir):
@@ -97,8 +98,6 @@ def _missing(value) -> bool:
 
 def _parse(i: int, row: dict, max_length: int):
     """One row -> (prompt, settings), checked by the serving protocol; the row's number in every message."""
-    from serving.protocol import Limits, RequestError, parse
-
     unknown = sorted(set(row) - {"prompt", *OPTIONAL_INPUTS})
     if unknown:
         raise RequestError("bad_request", f"row {i}: unknown column(s) {', '.join(unknown)}; allowed: prompt, "
@@ -113,8 +112,6 @@ def _parse(i: int, row: dict, max_length: int):
 
 
 def main() -> None:  # python -m serving.offline.pyfunc <export dir> [prompt]: one generation, as MLflow loads it
-    import sys
-
     model = mlflow.pyfunc.load_model(sys.argv[1])
     print(json.dumps(model.predict([{"prompt": sys.argv[2] if len(sys.argv) > 2 else "人工智能"}]).to_dict("records"),
                      ensure_ascii=False, default=list))

@@ -15,6 +15,7 @@ import time
 from collections import deque
 
 from serving.protocol import RequestError
+from serving.protocol import CONSUMER_HEADER, TPM_HEADER
 
 DIRECT = "direct"
 WINDOW_S = 60.0
@@ -60,8 +61,6 @@ class TokenBudgets:
 
 def consumer_of(headers) -> tuple[str, int]:
     """(consumer, tokens-per-minute budget; 0 = none) from the gateway's headers."""
-    from serving.protocol import CONSUMER_HEADER, TPM_HEADER
-
     consumer = headers.get(CONSUMER_HEADER, "") or DIRECT
     budget = headers.get(TPM_HEADER, "0")
     return consumer, int(budget) if budget.isdigit() else 0

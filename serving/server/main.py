@@ -22,6 +22,11 @@ from serving.engine.dispatch import Dispatcher
 from serving.protocol import Limits
 from serving.server.paddle_serving_op import make_service
 from serving.server.sizes import predictor_threads, workers
+from core import registry
+from core.config import load_config
+from core.processes import descendants, signal_pids, wait_gone
+from serving.server.follow import Follower
+from serving.server.metrics import ServingMetrics
 
 
 def main() -> None:
@@ -32,10 +37,8 @@ def main() -> None:
     parser.add_argument("--state-dir", required=True, help="where worker.json is kept")
     parser.add_argument("--follow", default="", help="a models:/ reference to follow (serving/server/follow.py)")
     args = parser.parse_args()
-    from core.config import load_config
     from core.workarounds.paddle_serving import grpc_bind, http_bind, server_fixes
     from serving.server.openai.api_server import ApiServer
-    from serving.server.metrics import ServingMetrics
 
     config = load_config(args.service_config)
     s = config.serving
@@ -64,8 +67,6 @@ def _follower(config, dispatcher: Dispatcher, reference: str):
     """A follower of `reference` (models:/...), or None when the server was given a directory."""
     if not reference:
         return None
-    from core import registry
-    from serving.server.follow import Follower
 
     follower = Follower(dispatcher, lambda: registry.resolve(config, reference),
                         config.serving.follow_interval_s, lambda text: print(text, flush=True))
@@ -92,8 +93,6 @@ def _exit_fatal(reason: str) -> None:
 
 
 def _end_children() -> None:
-    from core.processes import descendants, signal_pids, wait_gone
-
     children = descendants(os.getpid())
     signal_pids(children, signal.SIGKILL)
     wait_gone(children, 5.0)  # (so that whoever waits for this process finds none of them left)

@@ -3,19 +3,18 @@ threads, and Paddle Serving's rendered config.yml (read by the server process an
 writes it)."""
 from __future__ import annotations
 
+from serving.engine.dispatch import per_worker_capacity
+from serving.engine.placement import worker_count
+
 
 def workers(serving_config) -> int:
     """Generation worker processes: serving.workers, or (0) one per core this server may use (one per GPU on
     serving.device=gpu: serving/engine/placement.py)."""
-    from serving.engine.placement import worker_count
-
     return worker_count(serving_config)
 
 
 def capacity(serving_config) -> int:
     """Requests in flight at most: each worker's running batch and queue (serving/engine/dispatch.py)."""
-    from serving.engine.dispatch import per_worker_capacity
-
     n = workers(serving_config)
     return n * per_worker_capacity(serving_config, n)
 

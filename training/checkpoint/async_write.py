@@ -21,6 +21,7 @@ import queue
 import sys
 import threading
 import time
+from importlib.metadata import version
 from core.files import fsync_path
 
 SUPPORTED_PADDLENLP = "2.8.1"
@@ -88,8 +89,6 @@ def _write(save_file, state_dict: dict, path: str) -> None:
 
 def apply() -> None:
     """Route PaddleNLP's asynchronous unified-checkpoint writes to this rank's writer thread."""
-    from importlib.metadata import version
-
     found = version("paddlenlp")
     if found != SUPPORTED_PADDLENLP:
         raise RuntimeError(f"training/checkpoint/async_write.py replaces a function of PaddleNLP {SUPPORTED_PADDLENLP}, "

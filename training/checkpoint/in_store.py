@@ -17,6 +17,7 @@ from pathlib import Path
 
 from core.storage import Store, retrying
 from training.checkpoint.local import COMPLETE_MARKER, mark_complete, to_prune
+from core.files import atomic_write
 
 PARTS_DIR = ".parts"  # (one record per node whose part of the checkpoint is uploaded)
 NOT_UPLOADED = "store_missing.json"  # (run directory: what the end of the run found missing in the store)
@@ -119,8 +120,6 @@ def fetch_step(store: Store, run_dir: Path, step: int) -> Path | None:
 
 def record_missing(run_dir: Path, missing: list[str], reason: str) -> None:
     """Rank 0 at the end of a run: the checkpoints that did not reach the store (the launcher reads it: `missing`)."""
-    from core.files import atomic_write
-
     atomic_write(run_dir / NOT_UPLOADED, json.dumps({"missing": missing, "reason": reason}))
 
 

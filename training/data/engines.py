@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import time
+import multiprocessing
 
 from core.errors import ConfigError
+from core.cluster import init_ray
 
 
 def cores() -> int:
@@ -69,8 +71,6 @@ class LocalEngine:
                 progress.step(tasks[i])
             return [results[i] for i in range(len(tasks))]
         if self.pool is None:
-            import multiprocessing
-
             # spawn: a worker starts clean (no inherited threads or locks from the caller, e.g. MLflow's)
             self.pool = multiprocessing.get_context("spawn").Pool(self.workers, shards.single_threaded)
         for i, result in self.pool.imap_unordered(_indexed, [(i, tasks[i]) for i in order]):
@@ -102,7 +102,6 @@ class RayEngine:
     def run(self, tasks: list[dict], what: str, log) -> list[dict]:
         if not tasks:
             return []
-        from core.cluster import init_ray
         from training.data import shards
 
         ray = init_ray(self.address, self.workers or cores())

@@ -27,6 +27,7 @@ import unicodedata
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from importlib.metadata import version
 
 from core import REPO_ROOT, dataset
 from core.errors import ConfigError
@@ -60,8 +61,6 @@ def data_root(config, run_dir: Path | None = None) -> Path:
 
 
 def content_key(config, corpora: list[corpus.Corpus]) -> str:
-    from importlib.metadata import version
-
     d, t = config.data, config.tokenizer
     key = hashlib.sha256(json.dumps({
         # (a file counts by its bytes, in order, and its kind, never by its path: the same corpus on another

@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
+import os
+import sys
 
 import numpy as np
 
@@ -143,9 +145,6 @@ def train_dataset(run_data: Path, quiet: bool = False) -> Samples:
 def _stdout_to(path: Path):
     """PaddleNLP prints a page of statistics per shard, partly from its C++ helper: file descriptor 1 goes to a log
     file meanwhile."""
-    import os
-    import sys
-
     path.parent.mkdir(parents=True, exist_ok=True)
     sys.stdout.flush()
     saved = os.dup(1)

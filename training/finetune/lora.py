@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+import math
 
 import numpy as np
+from safetensors.numpy import load_file
 
 from core.errors import ConfigError
 
@@ -40,8 +42,6 @@ def wrap(config, model, tensor_parallel_degree: int):
 def parameter_counts(model) -> tuple[int, int]:
     """(trainable, all) parameters of this rank's model. From shapes: numel() of the semi-automatic API's
     distributed tensors crashes the process (Paddle 2.6.2)."""
-    import math
-
     sizes = [(math.prod(p.shape), not p.stop_gradient) for p in model.parameters()]
     return sum(n for n, trainable in sizes if trainable), sum(n for n, _ in sizes)
 
@@ -90,8 +90,6 @@ def merge_lora(model, checkpoint: Path) -> int:
 
 def read_lora(checkpoint: Path) -> tuple[dict, dict]:
     """(lora_config.json, {name: array}) of a LoRA checkpoint: the adapters and the weights trained whole."""
-    from safetensors.numpy import load_file
-
     settings = json.loads((Path(checkpoint) / LORA_CONFIG).read_text())
     adapters: dict = {}
     for path in sorted(Path(checkpoint).glob("peft_model*.safetensors")):

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+import shutil
 
 from training.metrics.progress import PROGRESS_FILE
 
@@ -95,7 +96,6 @@ class Progress(threading.Thread):
             if self.tty:
                 from tqdm import tqdm
 
-                import shutil
 
                 # (a terminal that reports no size, as some ptys do, would get a bar of width 0)
                 self.bar = tqdm(total=self.max_steps, initial=self.step, unit="step", file=self.stream,

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 from core.layout import ParallelLayout
+from training.checkpoint.local import latest_complete, remove_partial
 
 LOG_TAIL_LINES = 40
 
@@ -68,8 +69,6 @@ def diagnose(run_dir: Path, layout: ParallelLayout, rank: int, why: str, logs: d
 
     Disk full: the partial checkpoints (newer than the latest complete one; the ranks are gone, so nothing writes
     them) are removed so the disk is not left full, and the line names the free space and the RESUME command."""
-    from training.checkpoint.local import latest_complete, remove_partial
-
     latest = latest_complete(run_dir)
     usage = shutil.disk_usage(run_dir)
     needed = sum(p.stat().st_size for p in latest.rglob("*") if p.is_file()) if latest else 0

@@ -25,8 +25,12 @@ import socket
 import time
 from pathlib import Path
 
+import yaml
+
 from core.errors import ConfigError
 from core.files import atomic_write
+from core.storage import Store
+from training.checkpoint.in_store import run_prefix
 
 LAUNCH_FILE = "launch.json"
 RUN_RECORD = "run.json"  # (in the store: the MLflow run of a run whose nodes share no filesystem)
@@ -60,14 +64,11 @@ def meeting_store(storage, nnodes: int):
     share one."""
     if storage.shared_filesystem or nnodes <= 1:
         return None
-    from core.storage import Store
 
     return Store.of(storage)
 
 
 def _store_key(store, run_dir: Path, name: str) -> str:
-    from training.checkpoint.in_store import run_prefix
-
     return f"{run_prefix(store, run_dir.name)}/{name}"
 
 
@@ -131,8 +132,6 @@ def wait_for_launch(run_dir: Path, config_yaml: str, wait_s: float, poll_s: floa
 
 def _agreed(config_yaml: str) -> dict:
     """The settings every node must agree on: all but the places on a node's own disk."""
-    import yaml
-
     values = yaml.safe_load(config_yaml)
     for section, keys in NODE_LOCAL.items():
         for key in keys:

@@ -13,6 +13,7 @@ from core.config import Config
 from core.layout import ParallelLayout
 from training.launch import console, nodes, rundir, supervise
 from training.launch.tracked_run import TrackedRun
+from training.checkpoint.local import STOPPED_MARKER
 
 
 @dataclass
@@ -39,8 +40,6 @@ class Outcome:
 # -- this node's ranks------------------------------------------------------------------------------------------------------
 def launch_ranks(launch: Launch, tracked: TrackedRun, stopper: supervise.Stopper) -> Outcome:
     """Run this node's ranks to the end; the outcome says how they ended."""
-    from training.checkpoint.local import STOPPED_MARKER
-
     config, layout, run_dir = launch.config, launch.layout, launch.run_dir
     if launch.pending is not None:  # (the new config, maybe another layout, goes live after the first step)
         launch.pending.write_text(config.to_yaml(), encoding="utf-8")

@@ -8,10 +8,17 @@ import json
 import shutil
 import time
 from pathlib import Path
+import tempfile
 
 from core import REPO_ROOT, tracking
 from core.config import Config, ConfigError, load_config
 from training.launch.supervise import stop_signal_handler
+from core.storage import Store, StoreError
+from training import data
+from training.checkpoint import in_store as checkpoint_store
+from training.finetune import data as sft
+from training.launch import liveness
+from training.launch.tracked_run import RUN_INFO, write_run_info
 
 
 def find(resume: str, uri: str) -> Path:
@@ -34,11 +41,6 @@ def restore(run, uri: str, resume: str) -> Path:
     config (storage.uri included), its data set (prepared here from the same corpus: the same content key), and its
     latest checkpoint complete in the store (docs/storage.md). A store that fails (past storage.retry_s) ends it in
     one line; the MLflow run is tagged with it and, if nothing runs it any more, marked FAILED; nothing is left here."""
-    import tempfile
-
-    from core.storage import Store, StoreError
-    from training.checkpoint import in_store as checkpoint_store
-
     client = tracking.client(uri)
     with tempfile.TemporaryDirectory() as tmp:
         try:
@@ -52,7 +54,6 @@ def restore(run, uri: str, resume: str) -> Path:
                           "storage.uri=s3://... so that checkpoints outlive a disk")
     name = Path(recorded).name or run.info.run_name
     run_dir = runs_root(config.training) / name
-    from training.launch.tracked_run import RUN_INFO, write_run_info
 
     if _run_id_of(run_dir / RUN_INFO) == run.info.run_id:
         return run_dir  # (restored here before: this machine's copy of the run, under its own runs_dir)
@@ -83,8 +84,6 @@ def restore(run, uri: str, resume: str) -> Path:
 def _record_unresumed(client, run, config: Config, line: str) -> None:
     """A resume the store stopped: the line on the MLflow run (`pipeline.resume_failed`), and a RUNNING run whose
     launcher is gone marked FAILED as training/launch/liveness.py marks it (still resumable)."""
-    from training.launch import liveness
-
     try:
         client.set_tag(run.info.run_id, "pipeline.resume_failed", line[:5000])
         if run.info.status == "RUNNING":
@@ -114,8 +113,6 @@ def join_locally(config: Config, run_dir: Path, info: dict, store) -> tuple[Path
             _fill(config, run_dir)
     resume_from = None
     if info["resume_checkpoint"]:
-        from training.checkpoint import in_store as checkpoint_store
-
         step = int(info["resume_checkpoint"].split("-")[1])
         resume_from = checkpoint_store.fetch_step(store, run_dir, step)
         if resume_from is None:
@@ -181,11 +178,8 @@ def _fill(config: Config, run_dir: Path) -> None:
     import paddlenlp  # noqa: F401  (the sample index needs it; its import resets SIGTERM to the default action,
     stop_signal_handler()  # so re-arm: a SIGTERM during data preparation still removes the half-made run)
     if config.fine_tuning:  # (a fine-tuning run: the base's tokenizer with the chat template, its examples)
-        from training.finetune import data as sft
-
         sft.for_run(config, run_dir, Path(config.tokenizer.path), log=lambda line: print(line, flush=True))
         return
-    from training import data
 
     stats, prepared = data.for_run(config, run_dir, log=lambda line: print(line, flush=True))
     print(f"data: {stats['train_documents']:,} train / {stats['validation_documents']:,} validation documents, "

@@ -13,20 +13,22 @@ import sys
 import threading
 import time
 from pathlib import Path
+from importlib import metadata
 
 from core import tracking
 from core.config import Config
 from core.layout import ParallelLayout
 from core.workarounds import cpu_runtime
 from training.launch import liveness
+from core.files import atomic_write
+from training.metrics import stage_report
+from training.metrics.loss_plot import plot_run_losses
 
 RUN_INFO = "mlflow_run.json"
 
 
 def write_run_info(run_dir: Path, run_id: str, experiment_id: str, uri: str) -> None:
     """The run directory's link to its MLflow run, one shape wherever it is written (a new run, a restored one)."""
-    from core.files import atomic_write
-
     atomic_write(run_dir / RUN_INFO, json.dumps({"run_id": run_id, "experiment_id": experiment_id,
                                                  "tracking_uri": uri}))
 TAG_LAYOUT_HISTORY = "pipeline.layout_history"
@@ -162,8 +164,6 @@ class TrackedRun:
 
     def record_stages(self, run_dir: Path, layout: ParallelLayout) -> None:
         """A pipeline run's per-stage times and advice (training/metrics/stage_report.py); never costs the run its status."""
-        from training.metrics import stage_report
-
         try:
             message = stage_report.report(self.client, self.run_id, run_dir, layout)
         except Exception as exc:  # noqa: BLE001
@@ -173,8 +173,6 @@ class TrackedRun:
 
     def close(self, run_dir: Path, status: str) -> None:
         """Send what a tracking outage buffered, attach the loss curve of a finished run, set the status."""
-        from training.metrics.loss_plot import plot_run_losses
-
         if self.heartbeat:
             self.heartbeat.done.set()
         try:
@@ -199,8 +197,6 @@ def _tag(key: str, value: str):
 
 def _version(*distributions: str) -> str:
     """An installed package's version without importing it (importing paddlenlp would reset SIGTERM here)."""
-    from importlib import metadata
-
     for name in distributions:
         try:
             return metadata.version(name)

@@ -24,6 +24,14 @@ from training.launch import failures, nodes, rundir, supervise
 from training.launch.ranks import Launch, Outcome, launch_ranks, run_other_node
 from training.launch.tracked_run import TrackedRun
 from training.checkpoint import in_store as checkpoint_store
+from core import schedules
+from core.storage import Store
+from training.checkpoint import lease
+from training.checkpoint.local import checkpoint_info, complete_checkpoints, latest_complete, remove_partial
+from training.data import check_size_early
+from training.launch import machine
+from training.launch.console import duration
+from training.rank import performance_values
 
 # A resume's config waits here until the resumed run has completed a step (training/callbacks.py PromoteConfig).
 PENDING_CONFIG = "config.next.yaml"
@@ -126,8 +134,6 @@ def _requeued(config: Config, store) -> str:
 
 def check_before_launch(launch: Launch) -> None:
     if launch.layout.device == "gpu":  # (what `make doctor` says, before anything is written)
-        from training.launch import machine
-
         problems = [c for c in machine.checks(launch.config) if not c.ok]
         if problems:
             raise ConfigError("; ".join(f"{c.name}: {c.text}" for c in problems) + " (make doctor)")
@@ -139,12 +145,8 @@ def check_before_launch(launch: Launch) -> None:
         raise ConfigError(f"finetune.data={f.data}: no such file (DATA= takes reviews or a .jsonl file)")
     launch.layout.check_fits_machine()
     if not launch.config.fine_tuning:  # (fine-tuning reads its own examples: training/finetune/data.py)
-        from training.data import check_size_early
-
         check_size_early(launch.config)  # (a step count at no scale: refused now, not after MLflow and paddle start)
     if launch.config.storage.uri:  # (endpoint, credentials, bucket and a write, before any training time)
-        from core.storage import Store
-
         seconds = Store.of(launch.config.storage, attempts=1).check()
         print(f"store: {launch.config.storage.uri} answers, accepts the credentials and a write ({seconds:.2f}s)",
               flush=True)
@@ -159,8 +161,6 @@ def check_before_launch(launch: Launch) -> None:
 # -- prepare ----------------------------------------------------------------------------------------------------------
 def prepare(launch: Launch, stopper: supervise.Stopper) -> None:
     """A new run directory, or a resumed one cleaned; either way held by this launch alone (one writer per run)."""
-    from training.checkpoint import lease
-
     def lost():  # (another launch holds the run now: these ranks must not write another checkpoint)
         stopper.kill()
 
@@ -169,7 +169,6 @@ def prepare(launch: Launch, stopper: supervise.Stopper) -> None:
         launch.writer = lease.hold(launch.run_dir, launch.config.storage, lost)
         return
     launch.writer = lease.hold(launch.run_dir, launch.config.storage, lost)
-    from training.checkpoint.local import remove_partial
 
     (launch.run_dir / checkpoint_store.NOT_UPLOADED).unlink(missing_ok=True)
     for path in remove_partial(launch.run_dir):  # (a save the interruption cut short: it would be written again)
@@ -231,9 +230,6 @@ def header(launch: Launch, tracked: TrackedRun) -> str:
 
 def summary(run_dir: Path, config: Config, seconds: float) -> str:
     """The end of a finished run: its eval loss, the best checkpoint, the time taken and the next commands."""
-    from training.launch.console import duration
-    from training.checkpoint.local import checkpoint_info, complete_checkpoints
-
     metric = config.export.metric
     rated = [(step, checkpoint_info(path)) for step, path in complete_checkpoints(run_dir)]
     rated = [(step, info) for step, info in rated if metric in info]
@@ -251,8 +247,6 @@ def summary(run_dir: Path, config: Config, seconds: float) -> str:
 
 def performance_text(config: Config, layout: ParallelLayout) -> str:
     """The performance settings as they will reach PaddleNLP (config.performance, translated by training/)."""
-    from training.rank import performance_values
-
     values = performance_values(config, layout)
     default = PerformanceConfig()
     on = [k if v is True else f"{k}={v}" for k, v in vars(config.performance).items() if v != getattr(default, k)]
@@ -264,7 +258,6 @@ def performance_text(config: Config, layout: ParallelLayout) -> str:
 
 def pipeline_schedule_text(layout: ParallelLayout) -> str:
     """The dry run's schedule section: every schedule's bubble for this layout, and the chosen one's timeline."""
-    from core import schedules
     p, m, v = layout.pp, layout.accumulation_steps, layout.virtual_stages
     events = schedules.timeline(layout.pipeline_schedule, p, m, v)
     return (f"pipeline schedules for {p} stages x {m} micro-batches (forward 1, backward 2 time units; an interleaved "
@@ -279,6 +272,4 @@ def _count(n: float) -> str:
 
 
 def _latest(run_dir: Path) -> Path | None:
-    from training.checkpoint.local import latest_complete
-
     return latest_complete(run_dir)

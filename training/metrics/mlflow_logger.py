@@ -6,11 +6,13 @@ import json
 import threading
 import time
 from pathlib import Path
+import resource
 
 from paddlenlp.trainer import TrainerCallback  # (this import resets SIGTERM: the graceful stop installs after it)
 
 from core import tracking
 from training.metrics import progress
+from training.finetune.lora import parameter_counts
 
 
 class MlflowLogger(TrainerCallback):
@@ -153,7 +155,6 @@ class PeakMemory(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if self.done or state.global_step < 1:
             return
-        import resource
 
         import paddle
         from paddle.base import core
@@ -167,8 +168,6 @@ class PeakMemory(TrainerCallback):
                   "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
         model = kwargs.get("model")
         if model is not None:  # (this rank's part: LoRA trains its adapters alone, training/finetune/lora.py)
-            from training.finetune.lora import parameter_counts
-
             record["trainable_parameters"], record["parameters"] = parameter_counts(model)
             print(f"trainable parameters: {record['trainable_parameters']:,} of {record['parameters']:,} "
                   f"({record['trainable_parameters'] / max(record['parameters'], 1):.2%}) on rank {rank}", flush=True)
@@ -180,8 +179,6 @@ class PeakMemory(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         """The process's peak RSS over the whole run, beside the first step's figures."""
-        import resource
-
         import paddle
 
         path = self.out / f"rank{paddle.distributed.get_rank()}.json"

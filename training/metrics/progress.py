@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+import sys
 
 PROGRESS_FILE = "progress.jsonl"
 
@@ -27,8 +28,6 @@ def write(run_dir: Path | str, kind: str, **fields) -> None:
 
 def note(run_dir: Path | str | None, text: str) -> None:
     """A message for the console (rank 0), also printed to this rank's log."""
-    import sys
-
     print(text, file=sys.stderr, flush=True)
     if run_dir is not None:
         write(run_dir, "note", text=text)

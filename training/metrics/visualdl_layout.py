@@ -4,6 +4,7 @@ pipeline/), and their tags; read back here."""
 from __future__ import annotations
 
 from pathlib import Path
+import time
 
 LOGDIR = "visualdl"
 STAGE_TAGS = ("stage/forward_ms", "stage/backward_ms", "stage/step_ms", "stage/idle_ms")
@@ -13,8 +14,6 @@ IMBALANCE_TAG = "pipeline_parallel/stage_imbalance"
 def new_file_name() -> str:
     """A writer's file: VisualDL names its own by the second and opens it for writing, so a second writer of one
     directory within that second would empty the first's file; nanoseconds (and sorting by name = by time)."""
-    import time
-
     return f"vdlrecords.{time.time_ns():020d}.log"
 
 

@@ -22,6 +22,7 @@ import json
 import threading
 import time
 from pathlib import Path
+import resource
 
 from paddlenlp.trainer import TrainerCallback
 
@@ -54,8 +55,6 @@ class VisualDLWriter(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.hparams is not None and logs and "loss" in logs:  # (the run's writer: this process's memory too)
-            import resource
-
             self.add("memory/max_rss_mib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                      state.global_step)
         return control

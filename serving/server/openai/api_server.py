@@ -24,6 +24,7 @@ import threading
 import time
 
 from fastapi import Request as HttpRequest  # (module level: FastAPI resolves the routes' annotations here)
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from serving.protocol import ROUTED_MODEL_HEADER, USAGE_HEADER, VERSION_HEADERS, Limits, RequestError, bad
 from serving.server.consumers import DIRECT, TokenBudgets, consumer_of
@@ -31,6 +32,8 @@ from serving.server.openai.wire import completion_body, error_body, usage_of
 from serving.server.openai.serving_chat import chat_template, parse_chat
 from serving.server.openai.serving_completion import parse_completion
 from serving.server.openai.streaming import Generation, sse_events
+from core import exportdir
+from serving.engine.constraints import Vocabulary
 
 LIVE, READY, MODELS, COMPLETIONS, CHAT = ("/health/live", "/health/ready", "/v1/models", "/v1/completions",
                                           "/v1/chat/completions")
@@ -76,9 +79,6 @@ class ApiServer:
         if model_dir is None:
             return None
         if str(model_dir) not in self._vocabularies:
-            from core import exportdir
-            from serving.engine.constraints import Vocabulary
-
             self._vocabularies[str(model_dir)] = Vocabulary(exportdir.tokenizer_dir(model_dir),
                                                             int(self.meta["eos_token_id"]))
         return self._vocabularies[str(model_dir)]
@@ -130,7 +130,6 @@ class ApiServer:
         @app.get(METRICS)
         def metrics_page():
             from fastapi.responses import Response
-            from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
             if self.metrics is None:
                 return Response("", media_type=CONTENT_TYPE_LATEST)

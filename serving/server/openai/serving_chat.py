@@ -6,6 +6,7 @@ on /v1/completions: a made-up template would give empty or off-topic answers tha
 from __future__ import annotations
 
 from pathlib import Path
+import json
 
 from core import chat
 from core.errors import ConfigError
@@ -56,8 +57,6 @@ def _well_formed(message) -> bool:
 
 
 def _json_text(value) -> bool:
-    import json
-
     try:
         return isinstance(value, str) and isinstance(json.loads(value or "{}"), dict)
     except ValueError:

@@ -17,8 +17,12 @@ import json
 import uuid
 from dataclasses import dataclass
 
+import jsonschema
+import llguidance
+
 from core.chat import TOOL_CLOSE, TOOL_OPEN
 from serving.protocol import bad
+from serving.engine.constraints import check_grammar, unproducible
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 TEXT = r"/[^<](.|\n)*/"  # (auto: an answer in text does not begin with a tool call's "<")
@@ -82,8 +86,6 @@ def _structure(key: str, chat: bool, vocabulary) -> Structure:
 
 
 def json_grammar(schema: dict) -> str:
-    import llguidance
-
     return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
 
 
@@ -93,14 +95,10 @@ def _compact(schema: dict) -> dict:
 
 
 def _grammar_from_lark(lark: str) -> str:
-    import llguidance
-
     return llguidance.LLMatcher.grammar_from_lark(lark)
 
 
 def _compiled(grammar: str, vocabulary) -> str:
-    from serving.engine.constraints import check_grammar
-
     problem = check_grammar(grammar, vocabulary.table)
     if problem:
         raise bad(f"the schema cannot be used for constrained decoding: {problem.splitlines()[0]}", "response_format")
@@ -175,7 +173,6 @@ def _check_schema(schema, where: str, vocabulary) -> None:
     can write."""
     if schema is None:
         return
-    import jsonschema
 
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
@@ -211,8 +208,6 @@ def _literals(schema):
 
 
 def _check_literal(text: str, what: str, vocabulary) -> None:
-    from serving.engine.constraints import unproducible
-
     missing = unproducible(text, vocabulary.chars)
     if missing:
         raise bad(f"{what} cannot be generated: this model's vocabulary has no {' '.join(repr(c) for c in missing)} "

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 
 from serving.protocol import Limits, Request, RequestError, bad, parse
+from serving.server.openai.structured import tool_calls
 
 # OpenAI's names -> the protocol's (serving/protocol.py); the rest are the same
 RENAMED = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
@@ -57,8 +59,6 @@ def check_body(body, model_ids: set[str]) -> None:
 def with_stream(request: Request, body: dict, structure=None) -> Request:
     """The request with its stream options, and its structure (serving/server/openai/structured.py): the grammar
     in its settings, whether its answer is read back as tool calls."""
-    from dataclasses import replace
-
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise bad("`stream_options` must be an object", "stream_options")
@@ -98,8 +98,6 @@ def completion_body(request: Request, results: list[dict], chat: bool) -> dict:
 
 def chat_message(request: Request, result: dict) -> dict:
     """A chat answer's message and finish reason: its text, or (a request with tools) the tool calls it wrote."""
-    from serving.server.openai.structured import tool_calls
-
     calls = tool_calls(result["text"]) if request.extra.get("tool_calls") else None
     if calls:
         return {"message": {"role": "assistant", "content": None, "tool_calls": calls}, "finish_reason": "tool_calls"}
