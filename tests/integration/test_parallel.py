@@ -98,7 +98,7 @@ def assert_stage_charts(run_dir: Path, stages: dict, client, run_id: str) -> Non
 
     logs = run_dir / "visualdl"
     per_stage = [visualdl_layout.read_scalars(logs / f"stage-{k}") for k in (0, 1)]
-    assert sorted(p.name for p in logs.iterdir()) == ["pipeline", "stage-0", "stage-1", "train"]
+    assert sorted(p.name for p in logs.iterdir()) == ["pipeline_parallel", "stage-0", "stage-1", "train"]
     # (each stage's writer is its first replica, the lowest rank of the stage: its own timer's record)
     writers = [min((r for r in read(run_dir) if r["stage"] == k), key=lambda r: r["rank"]) for k in (0, 1)]
     for scalars, record in zip(per_stage, writers):
