@@ -41,10 +41,6 @@ def one_of(key: str, value: Any, allowed: tuple) -> None:
     require(value in allowed, f"{key}: {value!r} is not allowed; use one of {', '.join(map(repr, allowed))}")
 
 
-def positive(key: str, value: float) -> None:
-    require(value > 0, f"{key}: must be > 0, got {value}")
-
-
 def declared(section_class) -> dict[str, dict]:
     """field name -> {"default": ..., and the rules `option` declared}, for the docs' checks."""
     out = {}
