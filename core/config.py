@@ -515,8 +515,18 @@ class FinetuneConfig(Section):
     data: str = ""
     base: str = ""  # what the run starts from, as MODEL named it (run id, checkpoint, models:/...): lineage
     # full: every weight trains (the default: docs/finetune.md) | lora: low-rank adapters on `lora_targets` and
-    # `lora_trainable` trained whole, the rest of the base frozen
-    method: str = option("full", allowed=("full", "lora"))
+    # `lora_trainable` trained whole, the rest of the base frozen | dpo: preference tuning against the model it starts
+    # from (the reference, its log-probabilities computed once: training/finetune/preference.py) | simpo: preference
+    # tuning without a reference (length-normalised rewards and a margin)
+    method: str = option("full", allowed=("full", "lora", "dpo", "simpo"))
+    # which weights dpo / simpo train: full (all) | lora (the adapters and lora_trainable, as method=lora)
+    weights: str = option("full", allowed=("full", "lora"))
+    beta: float = option(0.1, above=0)  # dpo: the strength of the tie to the reference (TRL's and PaddleNLP's beta)
+    simpo_beta: float = option(2.0, above=0)  # simpo: the scale of the per-token average log-probability reward
+    simpo_gamma: float = option(0.5, minimum=0)  # simpo: the margin the chosen reward must win by
+    # dpo / simpo: weight of an SFT term (the chosen answer's per-token negative log-likelihood) beside the preference
+    # loss, against both likelihoods falling together (docs/finetune.md)
+    sft_weight: float = option(0.0, minimum=0)
     lora_rank: int = option(8, minimum=1)
     lora_alpha: int = option(16, minimum=1)
     # Linear layers that get adapters (PaddleNLP LoRAConfig.target_modules, regular expressions over weight names)
@@ -536,10 +546,22 @@ class FinetuneConfig(Section):
     tool_share: float = 0.0
     base_experiment: str = "tiny-zh-llama"  # where `make finetune` with no MODEL takes the best run
 
+    @property
+    def preference(self) -> bool:
+        """A preference-tuning run (dpo / simpo): its examples are chosen / rejected pairs."""
+        return self.method in ("dpo", "simpo")
+
+    @property
+    def lora(self) -> bool:
+        """The run trains LoRA adapters (method=lora, or a preference method with weights=lora)."""
+        return self.method == "lora" or (self.preference and self.weights == "lora")
+
     def check(self) -> None:
         if not self.data:  # (a pretraining run: the rest is not read)
             return
         self.check_declared("finetune")
+        require(self.preference or self.weights == "full", f"finetune.weights=lora is for dpo / simpo; supervised "
+                f"fine-tuning with LoRA is finetune.method=lora (method is {self.method})")
         require(self.data == "reviews" or self.data.endswith(".jsonl"),
                 f"finetune.data: 'reviews' (the built-in task) or a .jsonl file, got {self.data!r}")
         require(isinstance(self.lora_targets, list) and len(self.lora_targets) > 0 and all(
@@ -656,6 +678,11 @@ class Config:
         conversations, not the corpus; everyone asks this, never finetune.data itself."""
         return bool(self.finetune.data)
 
+    @property
+    def preference_tuning(self) -> bool:
+        """A fine-tuning run on chosen / rejected pairs (finetune.method dpo or simpo: training/finetune/dpo.py)."""
+        return self.fine_tuning and self.finetune.preference
+
     def check(self) -> None:
         """Every section's own rules (beside its fields), then the rules that join sections (below, one place)."""
         require(bool(self.name.strip()) and "/" not in self.name, "name: must be a non-empty name without '/'")
@@ -685,9 +712,13 @@ class Config:
                 f"gateway.port: {g.port} is one of the server's own ports")
         require(self.data.cache_dir != "store" or bool(self.storage.uri), "data.cache_dir=store: the data sets go to "
                 "the object store storage.uri names; set storage.uri=s3://<bucket>[/<prefix>]")
-        require(not self.fine_tuning or self.parallel.mode == "manual" or self.finetune.method == "full",
+        require(not self.fine_tuning or self.parallel.mode == "manual" or not self.finetune.lora,
                 "finetune.method=lora: PaddleNLP's LoRA wraps fleet's hybrid-parallel layers, not the semi-automatic "
                 "API's; use parallel.mode=manual")
+        require(not self.preference_tuning or (
+            self.parallel.mode == "manual" and self.parallel.pipeline == 1),
+                f"finetune.method={self.finetune.method}: preference tuning runs data and tensor parallel (its loss "
+                f"joins each pair's two rows in one forward); use parallel.mode=manual and parallel.pipeline=1")
         self._checked_layout()
         _performance_rules(self.performance, self.parallel)
 

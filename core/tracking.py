@@ -25,6 +25,10 @@ TAG_HEARTBEAT = "pipeline.heartbeat"
 TAG_LAUNCHER = "pipeline.launcher"  # host:pid:start-time of the `make train` process that drives the run
 # Records a rank could not send during a tracking outage, kept in the run directory for the launcher to re-send.
 UNSENT_RECORDS = "unsent_records.jsonl"
+# A preference-tuning run's metrics (training/finetune/dpo.py), named as TRL and PaddleNLP name them; eval_ in front
+# for the validation pairs
+PREFERENCE_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+                      "logps/rejected")
 
 
 def tracking_uri(section: TrackingConfig | None = None) -> str:

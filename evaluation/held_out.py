@@ -18,6 +18,7 @@ from core import chat, dataset, tracking
 from core.config import Config, ConfigError, load_config
 from training.data import read
 from training.finetune import data as sft
+from training.finetune import preference
 from training.data.prepare import prepare
 
 
@@ -48,8 +49,11 @@ def fine_tuning_held_out(run_dir: Path, export_dir: Path) -> dict:
     """A fine-tuning run's validation examples (the rows it computed eval_loss on, all of them) and its held-out
     task: each example's messages rendered with the export's chat template, and the expected answer."""
     config = load_config(run_dir / "config.yaml")
-    rows = np.load(run_dir / "data" / sft.FILE.format(split="validation"))
-    task = sft.held_out(config, chat.read(export_dir / "tokenizer"))
+    if config.preference_tuning:  # (its rows are pairs: the supervised rows of the same conversations)
+        rows = preference.supervised_rows(config, run_dir)
+    else:
+        rows = np.load(run_dir / "data" / sft.FILE.format(split="validation"))
+    task = preference.held_out_task(config, chat.read(export_dir / "tokenizer"))
     key = hashlib.sha256(rows.tobytes() + json.dumps([t["prompt"] for t in task]).encode()).hexdigest()
     return {"name": f"the held-out examples of {config.finetune.data}", "digest": key[:16], "rows": rows,
             "task": task, "blocks": rows[:, 0], "dataset_key": key, "seq_length": config.training.seq_length}

@@ -30,8 +30,8 @@ from core import chat
 from export import hf
 from pipeline.runner.cli import config_argument, overrides_argument
 from serving.engine import runtime
-from training.finetune.data import held_out
 from training.finetune.lora import LORA_CONFIG
+from training.finetune.preference import held_out_task
 
 HELP = "best checkpoint -> static graph, parity-checked, registered in MLflow"
 OWN_OVERRIDES = True  # (applied to the source run's config, not to --config)
@@ -159,6 +159,11 @@ def fine_tuning(config: Config, checkpoint: Path) -> dict:
         return {}
     f = config.finetune
     found = {"base_model": f.base, "finetune_method": f.method, "finetune_data": f.data}
+    if config.preference_tuning:  # (the reference is the base; the pairs' set as the run recorded it)
+        stats = checkpoint.parent.parent / "data" / "stats.json"
+        recorded = json.loads(stats.read_text()) if stats.is_file() else {}
+        found.update(preference_set=recorded.get("data_set", ""),
+                     **({"reference_model": f.base} if f.method == "dpo" else {}))
 
     if (checkpoint / LORA_CONFIG).is_file():
         found.update(lora_rank=f.lora_rank, lora_alpha=f.lora_alpha, lora_targets=",".join(f.lora_targets),
@@ -171,7 +176,7 @@ def task_prompts(config: Config, tokenizer_dir: Path) -> tuple[str, ...]:
     if not config.fine_tuning:
         return ()
 
-    return tuple(e["prompt"] for e in held_out(config, chat.read(tokenizer_dir), TASK_PROMPTS))
+    return tuple(e["prompt"] for e in held_out_task(config, chat.read(tokenizer_dir), TASK_PROMPTS))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -223,7 +228,8 @@ def publish(client, chosen: Selection, meta: dict, staging: Path, root: Path) ->
     return meta
 
 
-FINE_TUNING_TAGS = ("base_model", "finetune_method", "finetune_data", "lora_rank", "lora_alpha", "lora_targets")
+FINE_TUNING_TAGS = ("base_model", "finetune_method", "finetune_data", "lora_rank", "lora_alpha", "lora_targets",
+                    "preference_set", "reference_model")
 
 
 def next_version(client, name: str) -> int:

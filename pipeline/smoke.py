@@ -16,7 +16,7 @@ from evaluation.grading import task_accuracy
 from pipeline.runner.cli import config_argument, overrides_argument
 from serving.client.client import GenerationClient
 from training.finetune import data as sft
-from training.finetune.data import held_out
+from training.finetune.preference import held_out_task
 
 HELP = "real HTTP/gRPC calls against the running endpoint"
 
@@ -63,7 +63,7 @@ def chat_task(state: dict, meta: dict, shown: int = 3) -> str:
 
 
     run_config = load_config(Path(meta["run_dir"]) / "config.yaml")
-    task = held_out(run_config, chat.read(Path(state["model_dir"]) / "tokenizer"))
+    task = held_out_task(run_config, chat.read(Path(state["model_dir"]) / "tokenizer"))
     client = openai.OpenAI(base_url=state["openai_base_url"], api_key=os.environ.get("PIPELINE_API_KEY", "unused"),
                            max_retries=2)
 

@@ -27,12 +27,12 @@ from training.checkpoint import async_write
 from training.checkpoint.local import STOPPED_MARKER
 from training.data.read import corpus_blocks, train_dataset, validation_dataset
 from training.finetune import data as sft
-from training.finetune import lora
+from training.finetune import dpo, lora, preference
 from training.metrics.progress import progress_callback
 from training.metrics.stage_timing import StageTimer
 
 
-def make_trainer(device: str = "cpu", **kwargs):
+def make_trainer(device: str = "cpu", preference=None, **kwargs):
     """PaddleNLP's Trainer with four methods overridden (each an OVERRIDES row, core/workarounds/__init__.py):
     `_get_train_sampler` (the same sample order for every layout, below), `_save_checkpoint` (the pause a checkpoint
     costs, and the checkpoint manager: training/checkpoint/), `_maybe_log_save_evaluate` (the loss window a resume
@@ -89,6 +89,8 @@ def make_trainer(device: str = "cpu", **kwargs):
                 self.stage_timer = StageTimer(wrapped, device)
             return wrapped
 
+    if preference is not None:  # (finetune.method dpo / simpo: the pairs' loss and metrics)
+        return dpo.trainer_class(LayoutIndependentTrainer, preference)(**kwargs)
     return LayoutIndependentTrainer(**kwargs)
 
 
@@ -223,6 +225,9 @@ def main(argv: list[str] | None = None) -> None:
     graceful_stop = GracefulStop(run_dir / STOPPED_MARKER)
     train_args = training_arguments(config, layout, run_dir / "checkpoints")
     model, new_trainer = model_and_trainer_class(config, layout, train_args, load_tokenizer(run_dir / "tokenizer"))
+    if config.preference_tuning:  # (dpo: the reference's log-probabilities, from the model as it starts)
+        preference.ensure_reference(run_dir / "data", dpo.logps_function(model), layout.micro_batch_size,
+                                    log=lambda line: print(line, flush=True))
     train_data, eval_data, blocks = datasets(config, run_dir / "data")
     trainer = new_trainer(
         model=model,
@@ -249,6 +254,10 @@ def main(argv: list[str] | None = None) -> None:
 def datasets(config: Config, run_data: Path):
     """(training samples, validation samples, training samples per epoch): packed corpus blocks, or a fine-tuning
     run's examples (training/finetune/data.py)."""
+    if config.preference_tuning:
+        train, evaluation = preference.datasets(run_data, config.training.max_eval_batches *
+                                                config.training.global_batch_size)
+        return train, evaluation, len(train)
     if config.fine_tuning:
         train = sft.train_dataset(run_data)
         return train, sft.validation_dataset(run_data, config.training.max_eval_batches *
@@ -296,9 +305,10 @@ def model_and_trainer_class(config: Config, layout: ParallelLayout, train_args, 
         new_trainer = functools.partial(semi_auto.make_trainer, mesh)
     else:
         model = build_model(config, tokenizer, layout.tp, train_args.tensor_parallel_rank, pipeline=layout.pp > 1)
-        new_trainer = functools.partial(make_trainer, device=layout.device)
+        new_trainer = functools.partial(make_trainer, device=layout.device,
+                                        preference=config.finetune if config.preference_tuning else None)
     model = prepare_model(config, model)
-    if config.fine_tuning and config.finetune.method == "lora":
+    if config.fine_tuning and config.finetune.lora:
         model = lora.wrap(config, model, layout.tp)
     if config.performance.sequence_parallel:
         # As PaddleNLP's llm/run_pretrain.py: the sequence-parallel weights (norms) get their gradients all-reduced

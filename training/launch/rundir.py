@@ -17,6 +17,7 @@ from core.storage import Store, StoreError
 from training import data
 from training.checkpoint import in_store as checkpoint_store
 from training.finetune import data as sft
+from training.finetune import preference
 from training.launch import liveness
 from training.launch.tracked_run import RUN_INFO, write_run_info
 
@@ -178,7 +179,8 @@ def _fill(config: Config, run_dir: Path) -> None:
     import paddlenlp  # noqa: F401  (the sample index needs it; its import resets SIGTERM to the default action,
     stop_signal_handler()  # so re-arm: a SIGTERM during data preparation still removes the half-made run)
     if config.fine_tuning:  # (a fine-tuning run: the base's tokenizer with the chat template, its examples)
-        sft.for_run(config, run_dir, Path(config.tokenizer.path), log=lambda line: print(line, flush=True))
+        (preference if config.preference_tuning else sft).for_run(config, run_dir, Path(config.tokenizer.path),
+                                                                  log=lambda line: print(line, flush=True))
         return
 
     stats, prepared = data.for_run(config, run_dir, log=lambda line: print(line, flush=True))

@@ -100,14 +100,18 @@ class TrackedRun:
         }
         self.run_id = self.client.create_run(self.experiment_id, tags=tags, run_name=run_dir.name).info.run_id
         params = {**config.flat(), **{f"layout.{k}": v for k, v in layout.as_params().items()}}
-        stats = run_dir / "data" / "stats.json"
-        if stats.exists():
-            params.update({f"data_stats.{k}": v for k, v in json.loads(stats.read_text()).items()})
+        stats_file = run_dir / "data" / "stats.json"
+        stats = json.loads(stats_file.read_text()) if stats_file.exists() else {}
+        params.update({f"data_stats.{k}": v for k, v in stats.items()})
         items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+        first = [RunTag("pipeline.stage", "finetune" if config.fine_tuning else "train")]
+        if config.preference_tuning:  # (the pairs' encoded set, and the reference the dpo rewards are against)
+            first += [RunTag("finetune.preference_set", stats.get("data_set") or "in the run directory")]
+            if "reference_model" in stats:
+                first += [RunTag("finetune.reference", config.finetune.base),
+                          RunTag("finetune.reference_key", stats["reference_model"])]
         for i in range(0, len(items), 100):
-            self.client.log_batch(self.run_id, params=items[i:i + 100],
-                                  tags=[RunTag("pipeline.stage", "finetune" if config.fine_tuning else "train")]
-                                  if i == 0 else [])
+            self.client.log_batch(self.run_id, params=items[i:i + 100], tags=first if i == 0 else [])
         self._log_dataset(run_dir)
         self.client.log_artifact(self.run_id, str(run_dir / "config.yaml"))
         self.client.log_artifacts(self.run_id, str(run_dir / "tokenizer"), "tokenizer")

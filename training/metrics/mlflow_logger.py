@@ -55,7 +55,8 @@ class MlflowLogger(TrainerCallback):
         if "eval_loss" in logs:
             metrics["eval_loss"] = logs["eval_loss"]
             metrics["eval_perplexity"] = tracking.perplexity(logs["eval_loss"])
-        for key in ("train_runtime", "train_loss", "train_samples_per_second", "train_steps_per_second"):
+        for key in ("train_runtime", "train_loss", "train_samples_per_second", "train_steps_per_second",
+                    *tracking.PREFERENCE_METRICS, *(f"eval_{name}" for name in tracking.PREFERENCE_METRICS)):
             if key in logs:
                 metrics[key] = logs[key]
         metrics = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
