@@ -267,7 +267,8 @@ def test_dpo_starts_at_ln2_against_its_reference_reuses_it_and_refuses_bad_pairs
     """DPO with LoRA from the trained base on pairs in both formats (TRL's and PaddleNLP's): the first step's loss
     is ln 2 with every reward 0 (the reference log-probabilities are the base's), the six preference metrics reach
     MLflow, the run names its reference and pair set, the export is tagged as a dpo fine-tune; a second run on the
-    same data reuses the encoded pairs and the reference; a row without `rejected` is refused in one line naming its
+    same data (on two data-parallel ranks) reuses the encoded pairs and the reference and gives the same curve; a
+    row without `rejected` is refused in one line naming its
     file and line, before any run exists."""
     root, client = tuned["root"], tuned["client"]
     lines = _pair_lines()
@@ -296,12 +297,14 @@ def test_dpo_starts_at_ln2_against_its_reference_reuses_it_and_refuses_bad_pairs
     reference = root / "pair-cache" / "pref" / stats["data_set"] / stats["reference_files"]["train"]
     written = reference.stat().st_mtime_ns
 
-    again = cli([*args, "training.run_name=dpo-again"], tuned["uri"])
+    again = cli([*args, "training.run_name=dpo-again", "parallel.data=2", "parallel.micro_batch_size=4"],
+                tuned["uri"])
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
     assert "encoded before" in again.stdout and "computed before, reused" in again.stdout
     assert reference.stat().st_mtime_ns == written
     again_id = json.loads((root / "runs" / "dpo-again" / "mlflow_run.json").read_text())["run_id"]
-    assert metric_history(client, again_id, "loss")[1] == pytest.approx(np.log(2), abs=1e-5)
+    # (on two data-parallel ranks: the same global batches, so the same curve; the pair loss's gradients all-reduced)
+    assert metric_history(client, again_id, "loss") == pytest.approx(loss, rel=1e-5)
 
     exported = cli(["export", "--config", str(REPO_ROOT / "configs" / "tiny-chat.yaml"), "--run-id", run_id,
                     *tuned["common"][:2], "export.registered_model_name=test-dpo"], tuned["uri"])

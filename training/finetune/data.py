@@ -281,7 +281,7 @@ def for_run(config, run_dir: Path, tokenizer_dir: Path, log=print, encoding: Enc
     # (whole batches: the last partial one is left out of every epoch)
     stats["train_examples"] -= stats["train_examples"] % tr.global_batch_size
     stats.update(kind=encoding.kind, source=config.finetune.data, encoded=str(encoded), reused=reused,
-                 data_set=encoded.name if reused or encoded != data_dir else "")
+                 data_set=encoded.name if encoded != data_dir else "")
 
     # (the fast tokenizer ran its thread pool here; the ranks are forked next: without this it warns in each)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"

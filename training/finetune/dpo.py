@@ -28,9 +28,11 @@ METRICS = tracking.PREFERENCE_METRICS
 
 
 def causal_lm(model):
-    """The LlamaForCausalLM inside a LoRA wrapper (its layers are the wrapper's: the adapters are applied)."""
-    while not hasattr(model, "criterion") and hasattr(model, "model"):
-        model = model.model
+    """The LlamaForCausalLM inside fleet's data / tensor-parallel wrapper (`_layers`: its forward adds nothing the
+    pair loss needs; the gradients' all-reduce hooks are on the parameters) and a LoRA wrapper (`model`: its layers
+    are the wrapper's, the adapters applied)."""
+    while not hasattr(model, "criterion"):
+        model = model._layers if hasattr(model, "_layers") else model.model
     return model
 
 
@@ -50,6 +52,11 @@ def sequence_logps(model, input_ids, labels):
     row_of = (where // length).astype("int64")
     logps = paddle.scatter(paddle.zeros([rows], "float32"), row_of, -token_loss, overwrite=False)
     counts = paddle.scatter(paddle.zeros([rows], "float32"), row_of, paddle.ones_like(token_loss), overwrite=False)
+    if isinstance(model, paddle.DataParallel) and model._strategy.nranks > 1 and paddle.is_grad_enabled() \
+            and model.grad_need_sync:
+        # (what paddle.DataParallel.forward does after the layers' forward, skipped with it: its gradient reducer
+        # learns this step's outputs, else the data-parallel all-reduce of the gradients does not run)
+        model._reducer.prepare_for_backward(list(model._find_tensor(logps)))
     return logps, counts
 
 

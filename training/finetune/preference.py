@@ -270,7 +270,9 @@ def ensure_reference(run_data: Path, logps_of, batch: int, log=print) -> None:
     encoded = Path(stats["encoded"])
     for split, name in stats["reference_files"].items():
         target = encoded / name
-        if not stats["reference_reused"]:
+        # (computed when the launcher found none and this run has not linked it yet: a resume reuses its own. Under
+        # tensor parallel no rank can finish, and link, before every rank has joined the forward's collectives)
+        if not stats["reference_reused"] and not (Path(run_data) / name).exists():
             rows = np.load(Path(run_data) / FILE.format(split=split), mmap_mode="r")[:stats[f"{split}_examples"]]
             values = reference_logps(rows, logps_of, batch)
             handle, staging = tempfile.mkstemp(prefix=f".{name}.", dir=encoded)
