@@ -268,8 +268,7 @@ def test_dpo_starts_at_ln2_against_its_reference_reuses_it_and_refuses_bad_pairs
     is ln 2 with every reward 0 (the reference log-probabilities are the base's), the six preference metrics reach
     MLflow, the run names its reference and pair set, the export is tagged as a dpo fine-tune; a second run on the
     same data (on two data-parallel ranks) reuses the encoded pairs and the reference and gives the same curve; a
-    row without `rejected` is refused in one line naming its
-    file and line, before any run exists."""
+    row without `rejected` is refused in one line naming its file and line, before any run exists."""
     root, client = tuned["root"], tuned["client"]
     lines = _pair_lines()
     data = root / "pairs.jsonl"
