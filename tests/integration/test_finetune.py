@@ -288,6 +288,10 @@ def test_dpo_starts_at_ln2_against_its_reference_reuses_it_and_refuses_bad_pairs
     assert sorted(metric_history(client, run_id, "rewards/accuracies")) == [1, 2, 3, 4]
     assert metric_history(client, run_id, "rewards/margins")[4] > 0  # (it learns: the chosen answers gain)
     assert sorted(metric_history(client, run_id, "eval_logps/chosen")) == [2, 4]
+    from training.metrics.visualdl_layout import scalar_records
+
+    charts = {tag for tag, _, _ in scalar_records(root / "runs" / "dpo" / "visualdl" / "train")}
+    assert {"train/rewards/margins", "train/logps/rejected", "eval/rewards/accuracies"} <= charts
     tags = client.get_run(run_id).data.tags
     stats = json.loads((root / "runs" / "dpo" / "data" / "stats.json").read_text())
     assert (tags["finetune.method"], tags["finetune.reference"], tags["finetune.preference_set"],
