@@ -316,6 +316,11 @@ def test_dpo_starts_at_ln2_against_its_reference_reuses_it_and_refuses_bad_pairs
     assert (version.tags["finetune_method"], version.tags["reference_model"], version.tags["preference_set"],
             version.tags["lora_rank"]) == ("dpo", tags["pipeline.base"], stats["data_set"], "4")
 
+    _bad_pairs_are_refused_before_any_run(tuned, args, data, lines)
+
+
+def _bad_pairs_are_refused_before_any_run(tuned, args, data, lines):
+    root, client = tuned["root"], tuned["client"]
     bad = root / "pairs-bad.jsonl"
     bad.write_text("\n".join(lines[:2] + [json.dumps({"prompt": "问", "chosen": "正面"}, ensure_ascii=False)]) + "\n",
                    encoding="utf-8")
