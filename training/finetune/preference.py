@@ -7,9 +7,9 @@ pairs of fixed-length rows, and the reference model's log-probabilities of both,
                answers' assistant message) or PaddleNLP's alignment rows {"src", "tgt", "response", "sort"} (src the
                user turns, tgt the assistant's earlier answers, response two answers, sort their ranks: higher is
                better). A row without a rejected answer, with the two answers equal, or longer than the context is
-               refused in one line naming the file and the line.
-               `from_answers` builds such a file from a model's own wrong answers (chosen: the right answer,
-               rejected: what the model said).
+               refused in one line naming the file and the line. A file from a model's own mistakes: its answers
+               to training prompts (never the held-out ones), each wrong one a row, chosen the right answer and
+               rejected what the model said (docs/finetune.md).
     encoding   each answer rendered after the prompt with the run's chat template as supervised data is
                (training/finetune/data.py encode_all), the last answer learned alone (the prompt's earlier turns are
                context); files data/pref-<split>.npy, int32 [pairs, 4, seq_length] (chosen ids, chosen labels,
