@@ -41,10 +41,8 @@ def make_trainer(device: str = "cpu", preference=None, **kwargs):
     Trainer 2.8.1 shuffles with `BatchSampler` (paddle's global RNG) in a single process but with
     `DistributedBatchSampler` (seeded by the epoch) in a distributed run, so a single-process run and a parallel run
     would see different batches. Always using the distributed sampler makes the global batch of every step the same
-    samples whatever the layout, which is what lets the tests compare loss curves across layouts.
-
-    With `preference` (finetune.method dpo / simpo), the pair loss, its evaluation and its metrics on top
-    (training/finetune/dpo.py trainer_class: the Trainer's documented extension points, not workarounds)."""
+    samples whatever the layout, which is what lets the tests compare loss curves across layouts. With `preference`
+    (dpo / simpo): the pair loss, its evaluation and metrics on top (training/finetune/dpo.py trainer_class)."""
     from paddle.io import DistributedBatchSampler
     from paddlenlp.trainer import Trainer
 
