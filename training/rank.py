@@ -41,8 +41,7 @@ def make_trainer(device: str = "cpu", preference=None, **kwargs):
     Trainer 2.8.1 shuffles with `BatchSampler` (paddle's global RNG) in a single process but with
     `DistributedBatchSampler` (seeded by the epoch) in a distributed run, so a single-process run and a parallel run
     would see different batches. Always using the distributed sampler makes the global batch of every step the same
-    samples whatever the layout, which is what lets the tests compare loss curves across layouts. With `preference`
-    (dpo / simpo): the pair loss, its evaluation and metrics on top (training/finetune/dpo.py trainer_class)."""
+    samples whatever the layout, which is what lets the tests compare loss curves across layouts."""
     from paddle.io import DistributedBatchSampler
     from paddlenlp.trainer import Trainer
 
@@ -90,7 +89,7 @@ def make_trainer(device: str = "cpu", preference=None, **kwargs):
                 self.stage_timer = StageTimer(wrapped, device)
             return wrapped
 
-    if preference is not None:  # (finetune.method dpo / simpo: the pairs' loss and metrics)
+    if preference is not None:  # (dpo / simpo: the pair loss, its evaluation and metrics, dpo.trainer_class)
         return dpo.trainer_class(LayoutIndependentTrainer, preference)(**kwargs)
     return LayoutIndependentTrainer(**kwargs)
 
