@@ -136,7 +136,7 @@ print("BARE", json.dumps(out.metrics))
     return json.loads(line[5:])["train_runtime"] / steps
 
 
-SECTIONS = ("runtime", "scaling", "decode", "sizes", "serving", "generate", "data", "gateway")
+SECTIONS = ("runtime", "scaling", "decode", "sizes", "serving", "prefix", "generate", "data", "gateway")
 # `make bench` without FULL=1: the figures a person asks of this machine, in 15 minutes or less; serving and generate
 # serve the default model's latest registered version, or a single run trained and exported for them
 DEFAULT_SECTIONS = ("decode", "sizes", "serving", "generate")
@@ -145,7 +145,7 @@ DEFAULT_SECTIONS = ("decode", "sizes", "serving", "generate")
 # need when no model is registered. Measured 2026-12-06: decode, sizes, serving, generate (`make bench`: 10 min 32 s
 # in all) and the vLLM peer; the other sections are shares of the last full run's 38 minutes.
 MINUTES = {"runtime": 9, "scaling": 12, "training + export": 1.5, "decode": 1, "sizes": 4.5, "serving": 3.5,
-           "generate": 1.5, "data": 3, "gateway": 3, "vllm peer": 15}
+           "generate": 1.5, "data": 3, "gateway": 3, "vllm peer": 15, "prefix": 5}
 _clock: dict = {"last": {}, "took": {}, "open": None}
 
 
@@ -204,14 +204,14 @@ def run(quick: bool = False, out: Path | None = None, sections: tuple[str, ...] 
         results["sizes"] = size_sweep.run(out, quick, _peer_python(peers))
     if not export and "scaling" not in sections:
         export = _registered_default()
-    if export or (peers and not {"scaling", "serving", "generate", "gateway"} & set(sections)):
+    if export or (peers and not {"scaling", "serving", "prefix", "generate", "gateway"} & set(sections)):
         # (an export given -- a directory or models:/..., as make serve takes -- or only the peers, against the
         # default model's latest registered version: serve and generate with it, nothing trained)
         from core import registry
 
         export = str(registry.resolve(load_config(DEFAULT_CONFIG), export))
         _serve_and_generate(results, Path(export), out, quick, sections, peers)
-    elif {"scaling", "serving", "generate", "gateway"} & set(sections) or peers:
+    elif {"scaling", "serving", "prefix", "generate", "gateway"} & set(sections) or peers:
         _scaling_and_export(results, out, uri, quick, sections, peers)
     if "data" in sections:
         announce("data", quick)
@@ -279,6 +279,11 @@ def _serve_and_generate(results: dict, export_dir: Path, out: Path, quick: bool,
     if "serving" in sections:
         announce("serving", quick)
         results["serving"] = serving_load.run(export_dir, out, quick)
+    if "prefix" in sections:
+        from bench import prefix_load
+
+        announce("prefix", quick)
+        results["prefix"] = prefix_load.run(export_dir, out, quick)
     if "generate" in sections:
         announce("generate", quick)
         results["generate"] = batch_generate.run(export_dir, out, quick)

@@ -383,6 +383,14 @@ class ServingConfig(Section):
     mask_thread: bool = False
     # generation worker processes, each with its own predictors and scheduler; 0 = one per core
     workers: int = option(0, minimum=0)
+    # prefix caching (serving/engine/prefix_cache.py; docs/serving.md): each worker keeps the keys and values of the
+    # prompts' and answers' whole blocks of prefix_block_tokens tokens within prefix_cache_mb (least recently used
+    # evicted), and a prompt starting with cached blocks runs only the rest (exports of format 3 on); 0 = off
+    prefix_cache_mb: int = option(64, minimum=0)
+    prefix_block_tokens: int = option(16, above=0)
+    # (prefix caching) send a request to the worker believed to hold its longest cached prefix unless it is
+    # overloaded (serving/engine/affinity.py); false = by load alone
+    prefix_affinity: bool = True
     # sequences decoded together by one worker, and requests waiting beyond its running batch (one more is refused
     # at once: busy, err_no 8003); max_queue -1 = enough for the server to admit 128 requests in flight (each waits
     # at most its deadline), 0 = no queue. Paddle Serving runs one Op thread per request in flight. 32: at 32 streaming

@@ -5,7 +5,8 @@
         model.pdmodel, model.pdiparams   static graph: feed `input_ids` int64 [batch, seq] -> logits float32
                                          [batch, seq, vocab] (paddle.jit.save; run with paddle.inference)
         prefill.pdmodel/.pdiparams,      the key/value-cache programs (export/programs.py has their inputs and
-        decode.pdmodel/.pdiparams        outputs); absent in exports made before them (served by the full graph)
+        decode.pdmodel/.pdiparams,       outputs); absent in exports made before them (served by the full graph);
+        extend.pdmodel/.pdiparams        extend from format 3 on (before it: served without prefix caching)
         tokenizer/                       core/tokenizer.py format
         serving_server_conf.prototxt     feed/fetch description for Paddle Serving's local_predictor
         export.json                      lineage and parity metadata (REQUIRED_META at least), and format_version
@@ -29,6 +30,7 @@ from core.errors import ConfigError
 MODEL_PREFIX = "model"  # the full-sequence graph
 PREFILL_PREFIX = "prefill"  # key/value-cache generation: prompt -> last logits + caches (export/programs.py)
 DECODE_PREFIX = "decode"  # one token per sequence + each layer's cache -> logits + the token's keys/values
+EXTEND_PREFIX = "extend"  # new tokens over a cached prefix -> last logits + the new tokens' keys/values
 FEED_NAME = "input_ids"
 # The cache programs' other inputs (export/programs.py writes them, cache_session feeds them by name).
 POSITIONS_NAME, KEY_MASK_NAME = "position_ids", "key_mask"
@@ -36,8 +38,9 @@ PAST_KINDS = ("past_keys", "past_values")  # decode: one input per layer and kin
 META_FILE = "export.json"
 # The export format, in export.json's format_version (absent: 1). 2: the decode program runs over fused weights
 # (model/decode.py, about half the ops); its inputs and outputs are those of 1, so an export of format 1 still
-# serves (at its slower step). A directory of a newer format than this checkout reads is refused (read_meta).
-FORMAT_VERSION = 2
+# serves (at its slower step). 3: the extend program (prefix caching); formats 1-2 serve without prefix caching.
+# A directory of a newer format than this checkout reads is refused (read_meta).
+FORMAT_VERSION = 3
 REFERENCE_FILE = "reference.json"
 TOKENIZER_DIR = "tokenizer"
 SERVING_CONF = "serving_server_conf.prototxt"
@@ -140,6 +143,10 @@ def past_input(kind: str, layer: int) -> str:
     return f"{kind}_{layer}"
 
 
-def has_cache_programs(export_dir: Path) -> bool:
-    return all((export_dir / f"{prefix}.{ext}").is_file() for prefix in (PREFILL_PREFIX, DECODE_PREFIX)
-               for ext in ("pdmodel", "pdiparams"))
+def has_cache_programs(export_dir: Path, prefixes: tuple[str, ...] = (PREFILL_PREFIX, DECODE_PREFIX)) -> bool:
+    return all((export_dir / f"{prefix}.{ext}").is_file() for prefix in prefixes for ext in ("pdmodel", "pdiparams"))
+
+
+def has_extend_program(export_dir: Path) -> bool:
+    """Whether the export can serve with prefix caching (format 3 on)."""
+    return has_cache_programs(export_dir, (EXTEND_PREFIX,))

@@ -125,13 +125,17 @@ def logits_gate(expected: DynamicReferences, staging: Path, config: Config) -> d
     for ir_optim in (False, True):
         full = max(full, parity_error(expected.parity, runtime.create_predictor(staging, ir_optim)))
         heap.release()  # (the predictor's weights and activations, before the next one: core/workarounds/heap.py)
-    cached = cache_parity_error(expected.cache, *runtime.cache_session(staging))
+    session = runtime.cache_session(staging)
+    cached = max(cache_parity_error(expected.cache, *session),
+                 extend_parity_error(expected.cache, session[0], runtime.extend_session(staging)))
+    del session
     heap.release()
     scale = expected.scale
     error, tolerance = max(full, cached), config.export.parity_tolerance
     relative = error / max(1.0, scale)
     print(f"parity: max |dynamic - paddle.inference| = {full:.3e} (full graph, shapes {PARITY_SHAPES}, "
-          f"ir_optim off/on), {cached:.3e} (prefill + decode, padded batch); logits' scale {scale:.1f}: "
+          f"ir_optim off/on), {cached:.3e} (prefill + decode, and extend at every block split, padded batch); "
+          f"logits' scale {scale:.1f}: "
           f"{relative:.2e} relative (tolerance {tolerance:.0e})", flush=True)
     if not relative <= tolerance:
         raise ExportError(f"parity check failed: max logit difference {error:.3e} = {relative:.2e} of the logits' "
@@ -223,13 +227,44 @@ def cache_parity_error(expected: tuple[np.ndarray, ...], prefill, decode) -> flo
     ids, first, second = expected
     pad, length = CACHE_PAD, ids.shape[1]
     half = length // 2
-    prompt, mask = ids[:, :half].copy(), np.ones((2, half), "float32")
-    positions = np.tile(np.arange(half), (2, 1)).astype("int64")
-    prompt[1, :pad], mask[1, :pad], positions[1] = 0, 0.0, np.maximum(np.arange(half) - pad, 0)
+    prompt, positions, mask = _padded_prompt(ids, half)
     logits, keys, values = prefill(prompt, positions, mask)
     cache = DecodeCache(keys, values, mask, np.array([half, half - pad], dtype="int64"))  # (positions t and t - pad)
     worst = max(float(np.abs(logits[0] - first[half - 1]).max()), float(np.abs(logits[1] - second[half - 1 - pad]).max()))
     for t in range(half, length):
         logits = decode(ids[:, t:t + 1], cache)
         worst = max(worst, float(np.abs(logits[0] - first[t]).max()), float(np.abs(logits[1] - second[t - pad]).max()))
+    return worst
+
+
+def _padded_prompt(ids: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """cache_expectation's rows cut to `width` as a prefill takes them: (ids, positions, mask), the second row's first
+    CACHE_PAD tokens padded."""
+    pad = CACHE_PAD
+    prompt, mask = ids[:, :width].copy(), np.ones((2, width), "float32")
+    positions = np.tile(np.arange(width), (2, 1)).astype("int64")
+    prompt[1, :pad], mask[1, :pad], positions[1] = 0, 0.0, np.maximum(np.arange(width) - pad, 0)
+    return prompt, positions, mask
+
+
+EXTEND_BLOCK = 16  # extend_parity_error splits the prompt at every multiple of this (serving.prefix_block_tokens)
+
+
+def extend_parity_error(expected: tuple[np.ndarray, ...], prefill, extend) -> float:
+    """Max |prefill - extend| on cache_expectation's two rows (the second left-padded) as one prompt, split after
+    the first token, at every multiple of EXTEND_BLOCK and before the last token: the first part through prefill,
+    the rest through extend over its keys and values (runtime.extend_session); the last logits and the real
+    tokens' keys and values against the whole prompt's prefill (a pad's keys are masked, whatever they hold)."""
+    ids = expected[0]
+    prompt, positions, mask = _padded_prompt(ids, ids.shape[1])
+    full = prefill(prompt, positions, mask)
+    width, real = prompt.shape[1], mask == 1
+    worst = 0.0
+    for split in sorted({1, width - 1, *range(EXTEND_BLOCK, width - 1, EXTEND_BLOCK)}):
+        _, keys, values = prefill(prompt[:, :split], positions[:, :split], mask[:, :split])
+        logits, new_keys, new_values = extend(prompt[:, split:], positions[:, split:], mask, keys, values)
+        worst = max(worst, float(np.abs(logits - full[0]).max()))
+        for got, whole in ((new_keys, full[1]), (new_values, full[2])):
+            worst = max(worst, float(np.abs(got - whole[:, :, :, split:]).transpose(1, 3, 0, 2, 4)[real[:, split:]]
+                                     .max()))
     return worst

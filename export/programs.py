@@ -5,6 +5,10 @@
              -> logits of the last position [B,V], keys [L,B,Hkv,T,D], values [L,B,Hkv,T,D]
     decode   (input_ids [B,1], position_ids [B,1], key_mask [B,P+1], past_keys_0..L-1 [B,Hkv,P,D] (one per layer),
               past_values_0..L-1) -> logits [B,V], new_keys [L,B,Hkv,1,D], new_values [L,B,Hkv,1,D]
+    extend   (input_ids [B,T], position_ids [B,T], key_mask [B,P+T], past_keys_0..L-1, past_values_0..L-1)
+             -> logits of the last position [B,V], keys [L,B,Hkv,T,D], values (the T new tokens'): a prompt whose
+             first P tokens' keys and values are cached (serving/engine/prefix_cache.py) runs only the rest
+             (export format 3)
 
 A decode step costs O(P) attention instead of re-running the whole sequence. Input and file names are the export
 directory's (core/exportdir.py). The decode program is model/decode.py's step over fused weights (export format 2);
@@ -32,9 +36,11 @@ def save_full_sequence(model, export_dir: Path) -> None:
 
 
 def save_programs(model, export_dir: Path) -> None:
-    """prefill.pdmodel / decode.pdmodel (+ .pdiparams) next to the full-sequence graph."""
+    """prefill / decode / extend .pdmodel (+ .pdiparams) next to the full-sequence graph."""
     ids, positions, mask, cache = _specs(model.config)
     _save(CachedLlamaStep(model, False), [ids, positions, mask], export_dir / exportdir.PREFILL_PREFIX)
+    _save(CachedLlamaStep(model, True, extend=True), [ids, positions, mask, *cache],
+          export_dir / exportdir.EXTEND_PREFIX)
     save_decode(model, export_dir / exportdir.DECODE_PREFIX)
 
 

@@ -397,14 +397,16 @@ def _rms_norm(x, weight, eps: float):
 class CachedLlamaStep(paddle.nn.Layer):
     """One generation step over the model's own sublayers: prefill (input_ids, position_ids, key_mask) -> last
     logits, keys, values; decode (+ past keys/values per layer) -> logits, the new token's keys and values;
-    all_positions: logits of every position (FullSequence). Left padding: `key_mask` is 0 on pads and
-    `position_ids` count real tokens only, so each row computes what it would alone."""
+    extend (with_past and extend: T new tokens over a cached past, key_mask [B, P+T]) -> last logits, the T new
+    tokens' keys and values, as prefill returns them; all_positions: logits of every position (FullSequence). Left
+    padding: `key_mask` is 0 on pads and `position_ids` count real tokens only, so each row computes what it would
+    alone (extend's past and new columns are each left-padded: masked columns may sit between them)."""
 
-    def __init__(self, model, with_past: bool, all_positions: bool = False):
+    def __init__(self, model, with_past: bool, all_positions: bool = False, extend: bool = False):
         super().__init__()
         self.model = model
         cfg = model.config
-        self.with_past, self.all_positions = with_past, all_positions
+        self.with_past, self.all_positions, self.extend = with_past, all_positions, extend
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
@@ -437,7 +439,10 @@ class CachedLlamaStep(paddle.nn.Layer):
             k, v = k.transpose([0, 2, 1, 3]), v.transpose([0, 2, 1, 3])  # [B, Hkv, T, D]
             keys_out.append(k)
             values_out.append(v)
-            if self.with_past:
+            if self.with_past and self.extend:  # (T new tokens: the past and new keys in one attention)
+                context = self._attend(q, paddle.concat([past_keys[index], k], axis=2),
+                                       paddle.concat([past_values[index], v], axis=2), bias)
+            elif self.with_past:
                 context = self._attend_past_and_new(q, k, v, past_keys[index], past_values[index], bias)
             else:
                 context = self._attend(q, k, v, bias)

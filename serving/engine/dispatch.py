@@ -44,6 +44,7 @@ from serving.protocol import RequestError
 from core import exportdir
 from core.errors import ConfigError
 from serving.engine.placement import placements
+from serving.engine.affinity import Affinity, choose, text_chain
 
 
 
@@ -56,8 +57,12 @@ class _Pending:
     # ("error", RequestError)
     on_event: object = None
 
+    on_done: object = None  # (the dispatcher's) called with the result of a finished request
+
     def finish(self, result: dict | None = None, error: RequestError | None = None) -> None:
         self.result, self.error = result, error
+        if result is not None and self.on_done:
+            self.on_done(result)
         self.done.set()
         if self.on_event:
             self.on_event(("done", result) if error is None else ("error", error))
@@ -114,7 +119,8 @@ class WorkerHandle:
         cmd = [sys.executable, "-m", "serving.engine.worker", "--model", str(self.model_dir), "--fd", str(theirs.fileno()),
                "--threads", str(d.threads), "--generation", s.generation, "--max-batch-size",
                str(s.max_batch_size), "--max-batch-tokens", str(s.max_batch_tokens), "--policy", s.scheduler,
-               *(["--mask-thread"] if s.mask_thread else []),
+               *(["--mask-thread"] if s.mask_thread else []), "--prefix-cache-mb", str(s.prefix_cache_mb),
+               "--prefix-block-tokens", str(s.prefix_block_tokens),
                *placement_args(d.placements[self.index % len(d.placements)])]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
         # (no preexec_fn: the worker asks for its own parent-death signal first thing, serving/engine/worker.py. A
@@ -219,6 +225,9 @@ class Dispatcher:
         self.ids = itertools.count(1)
         self.draining, self.stopping, self.fatal = False, False, ""
         self.deaths: deque[float] = deque()
+        # (prefix caching) which worker holds which prompts, and how much busier than the least busy it may be and
+        # still be chosen for them
+        self.affinity, self.overloaded = Affinity(), max(2, s.max_batch_size // 4)
 
         self.meta: dict = _meta_of(self.model_dir)
         self.workers = [WorkerHandle(i, self, self.model_dir, self.meta) for i in range(workers)]
@@ -284,6 +293,8 @@ class Dispatcher:
             w.fail_all(RequestError("worker_died", "the previous model's worker stopped before answering; retry"))
         with self.lock:
             self.retiring = [w for w in self.retiring if w not in old]
+            for w in old:
+                self.affinity.forget(w)
 
     # -- the workers' lives -----------------------------------------------------------------------------------------
     def worker_ready(self, worker: WorkerHandle) -> None:
@@ -297,6 +308,8 @@ class Dispatcher:
     def worker_died(self, worker: WorkerHandle) -> bool:
         """Fail what it held, then start another (True) or give up (False: fatal)."""
         worker.ready.clear()
+        with self.lock:
+            self.affinity.forget(worker)  # (its prefix cache died with it)
         code = worker.proc.wait() if worker.proc else None
         how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
         failed = worker.fail_all(RequestError("worker_died", f"the generation worker died ({how}) while generating "
@@ -348,7 +361,8 @@ class Dispatcher:
         tickets = []
         try:
             for i in range(request.n):
-                tickets.append(self.submit(request.prompt, request.choice_settings(i), request.timeout_s))
+                tickets.append(self.submit(request.prompt, request.choice_settings(i), request.timeout_s,
+                                           consumer=request.extra.get("consumer", "")))
             for ticket in tickets:
                 if not ticket.pending.done.wait(max(0.0, deadline - time.monotonic())):
                     raise deadline_error(request.timeout_s)
@@ -361,29 +375,39 @@ class Dispatcher:
         return [ticket.pending.result for ticket in tickets]
 
     def submit(self, prompt: str, settings: GenerationSettings, timeout_s: float | None = None, on_event=None,
-               stream: bool = False) -> Ticket:
-        """Hand one request to the least busy ready worker; its events go to `on_event` (on a reader thread); the
-        caller waits and cancels (`cancel`) at its deadline or when its client is gone. RequestError: refused."""
+               stream: bool = False, consumer: str = "") -> Ticket:
+        """Hand one request to a ready worker (the least busy, or with prefix caching the one believed to hold the
+        longest prefix of the prompt unless it is overloaded: serving/engine/affinity.py); its events go to
+        `on_event` (on a reader thread); the caller waits and cancels (`cancel`) at its deadline or when its client
+        is gone. `consumer`: who sent it (part of the prefix cache's key). RequestError: refused."""
         timeout_s = timeout_s or self.settings.request_timeout_s
         deadline = time.monotonic() + timeout_s
         if self.draining or self.fatal:
             raise RequestError("unavailable", "the server is shutting down")
-        pending = _Pending(on_event=on_event)
+        pending, s = _Pending(on_event=on_event), self.settings
         with self.lock:
             ready = [w for w in self.workers if w.ready.is_set()]
             if not ready:
                 raise RequestError("unavailable", "no generation worker is ready (starting, or restarting after a "
                                                   "failure); retry shortly")
-            worker = min(ready, key=lambda w: len(w.pending))
+            chain = text_chain(prompt, consumer) if s.prefix_cache_mb and s.prefix_affinity else []
+            worker = choose(ready, lambda w: len(w.pending), chain, self.affinity, self.overloaded)
             if len(worker.pending) >= self.capacity:
                 raise RequestError("busy", f"server busy: {self.capacity * len(ready)} requests in flight, the "
                                            f"server's capacity (serving.max_batch_size + serving.max_queue per "
                                            f"worker); retry later")
             job_id = next(self.ids)
             worker.pending[job_id] = pending
+            self.affinity.record(worker, chain)
         self.update_gauges()
-        worker.send("generate", job_id, prompt, settings, deadline, stream)
+        if chain:  # (its answer extends the prefix the worker holds: a conversation's next turn starts with both)
+            pending.on_done = lambda result: self._remember(worker, prompt + result["text"], consumer)
+        worker.send("generate", job_id, prompt, settings, deadline, stream, consumer)
         return Ticket(worker, job_id, pending)
+
+    def _remember(self, worker: "WorkerHandle", text: str, consumer: str) -> None:
+        with self.lock:
+            self.affinity.record(worker, text_chain(text, consumer))
 
     def cancel(self, ticket: Ticket) -> None:
         """Give up a request (deadline, client gone): it leaves its worker's queue or running batch at once."""

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 
 import serving  # noqa: F401  (zlib before paddle)
-from core.exportdir import (DECODE_PREFIX, FEED_NAME, KEY_MASK_NAME, MODEL_PREFIX, PAST_KINDS, POSITIONS_NAME,
-                            PREFILL_PREFIX, past_input)
+from core.exportdir import (DECODE_PREFIX, EXTEND_PREFIX, FEED_NAME, KEY_MASK_NAME, MODEL_PREFIX, PAST_KINDS, POSITIONS_NAME,
+                            PREFILL_PREFIX, has_extend_program, past_input)
 from serving.protocol import DEFAULTS
 
 
@@ -108,6 +108,25 @@ def cache_session(export_dir: Path, threads: int = 1, placement: Placement = Pla
         return logits
 
     return (lambda *feeds: run(prefill, *feeds)), decode_step
+
+
+def extend_session(export_dir: Path, threads: int = 1, placement: Placement = Placement()):
+    """extend(ids [B,T], positions [B,T], mask [B,P+T], past keys [L,B,Hkv,P,D], past values) -> logits [B,V],
+    keys [L,B,Hkv,T,D], values (the T new tokens'), over this process's own predictor of the extend program; None
+    for an export made before it (format < 3: served without prefix caching)."""
+    export_dir = Path(export_dir)
+    if not has_extend_program(export_dir):
+        return None
+    predictor = create_predictor(export_dir, prefix=EXTEND_PREFIX, threads=threads, placement=placement)
+    names = predictor.get_input_names()
+
+    def extend(ids, positions, mask, keys, values):
+        layers = {past_input(kind, layer): buffers[layer] for kind, buffers in zip(PAST_KINDS, (keys, values))
+                  for layer in range(len(buffers))}
+        feeds = {FEED_NAME: ids, POSITIONS_NAME: positions, KEY_MASK_NAME: mask, **layers}
+        return run(predictor, *(feeds[name] for name in names))
+
+    return extend
 
 
 def _feed(handle, value: np.ndarray) -> None:

@@ -7,7 +7,11 @@ their signatures: serving/engine/generation.py), so it is tested with a hand-mad
 2. admits waiting requests while the batch has room (`max_batch_size` sequences, `max_batch_tokens` cache
    positions); with `policy="static"` only when nothing is running (batches formed once, for comparison);
 3. prefills the admitted requests together (left-padded, masked), picks their first tokens and merges their caches
-   into the running batch (the narrower cache is left-padded with masked positions);
+   into the running batch (the narrower cache is left-padded with masked positions); with a prefix cache
+   (serving/engine/prefix_cache.py) and an extend program, the prompts' cached prefixes are looked up first and,
+   when any is found, only the rest of each prompt runs (extend, over the found keys and values); the prompts'
+   whole blocks are cached after the prefill, and a finished request's prompt + answer (a conversation's next turn
+   starts with them);
 4. runs one decode step for the whole running batch; finished requests (end token, max_new_tokens, the model's
    maximum length) leave the batch at once, and columns no running sequence needs any more are trimmed.
 
@@ -51,6 +55,8 @@ class Job:
     stop_at: int | None = None  # where a stop string begins in its text (finished by it)
     constraint: object = None  # (settings.grammar) its matcher: serving/engine/constraints.py Constraint
     error: str = ""  # why it ended without an answer (its constraint could not go on)
+    consumer: str = ""  # who sent it (the gateway's consumer): part of its prefix-cache key
+    cached: int = 0  # prompt tokens found in the prefix cache (not computed)
 
 
 @dataclass
@@ -62,8 +68,10 @@ class Outcome:
 class Scheduler:
     def __init__(self, prefill, decode, eos_id: int, banned_ids: list[int], usable_vocab: int, max_length: int,
                  pad_id: int = 0, max_batch_size: int = 16, max_batch_tokens: int = 0, policy: str = "continuous",
-                 stop_check=None, overlap_masks: bool = False):
+                 stop_check=None, overlap_masks: bool = False, extend=None, prefix_cache=None):
         self.prefill, self.decode = prefill, decode
+        # (prefix caching: both, or neither) extend: runtime.extend_session's function; prefix_cache: PrefixCache
+        self.extend, self.prefix = (extend, prefix_cache) if extend is not None and prefix_cache is not None else (None, None)
         # (constrained rows) overlap_masks: the next step's masks are filled on a thread while the decode program
         # runs, llguidance releasing the GIL (serving.mask_thread); False = filled in the choose step
         self.overlap_masks, self._ahead, self._pool = overlap_masks, None, None
@@ -157,21 +165,64 @@ class Scheduler:
         jobs = [job for job in jobs if job.budget > 0]
         if not jobs:
             return out
-        width = max(len(job.prompt_ids) for job in jobs)
-        ids = np.full((len(jobs), width), self.pad_id, dtype="int64")
-        mask = np.zeros((len(jobs), width), dtype="float32")
-        positions = np.zeros((len(jobs), width), dtype="int64")
-        for r, job in enumerate(jobs):
-            n = len(job.prompt_ids)
-            ids[r, width - n:], mask[r, width - n:], positions[r, width - n:] = job.prompt_ids, 1.0, np.arange(n)
-        logits, keys, values = self.prefill(ids, positions, mask)
+        found = [self.prefix.lookup(job.prompt_ids, job.consumer) if self.prefix else (0, None, None) for job in jobs]
+        if any(n for n, _, _ in found):
+            logits, keys, values, mask = self._extend(jobs, found)
+        else:
+            ids, positions, mask = self._left_padded([job.prompt_ids for job in jobs], [0] * len(jobs))
+            logits, keys, values = self.prefill(ids, positions, mask)
         joining = DecodeCache(keys, values, mask, np.array([len(job.prompt_ids) for job in jobs], dtype="int64"))
+        for r, job in enumerate(jobs):
+            job.cached = found[r][0]
+            self._remember(job, joining, r, job.prompt_ids)
         joined = time.monotonic()
         for job in jobs:
             job.first_token_at, job.peak_batch = joined, max(job.peak_batch, len(jobs))
         self._choose(jobs, logits)
         self._merge(jobs, joining)
         return out + self._finish_done()
+
+    def _left_padded(self, rows: list[list[int]], starts: list[int]):
+        """(ids, positions, mask) of token rows left-padded to one width, row r's positions from starts[r]."""
+        width = max(map(len, rows))
+        ids = np.full((len(rows), width), self.pad_id, dtype="int64")
+        mask = np.zeros((len(rows), width), dtype="float32")
+        positions = np.zeros((len(rows), width), dtype="int64")
+        for r, (row, start) in enumerate(zip(rows, starts)):
+            n = len(row)
+            ids[r, width - n:], mask[r, width - n:] = row, 1.0
+            positions[r, width - n:] = np.arange(start, start + n)
+        return ids, positions, mask
+
+    def _extend(self, jobs: list[Job], found: list[tuple]):
+        """The prompts' uncached tokens over their cached prefixes (each part left-padded, rows without one over
+        masked columns): (logits, keys, values, mask) of the whole prompts, as a prefill returns them."""
+        sample = next(k for n, k, _ in found if n)
+        past_width = max(n for n, _, _ in found)
+        shape = (sample.shape[0], len(jobs), sample.shape[1], past_width, sample.shape[3])
+        past_keys, past_values = np.zeros(shape, "float32"), np.zeros(shape, "float32")
+        past_mask = np.zeros((len(jobs), past_width), "float32")
+        for r, (n, k, v) in enumerate(found):
+            if n:
+                past_keys[:, r, :, past_width - n:], past_values[:, r, :, past_width - n:] = k, v
+                past_mask[r, past_width - n:] = 1.0
+        ids, positions, mask = self._left_padded([job.prompt_ids[n:] for job, (n, _, _) in zip(jobs, found)],
+                                                 [n for n, _, _ in found])
+        mask = np.concatenate([past_mask, mask], axis=1)
+        logits, keys, values = self.extend(ids, positions, mask, past_keys, past_values)
+        return (logits, np.concatenate([past_keys, keys], axis=3), np.concatenate([past_values, values], axis=3),
+                mask)
+
+    def _remember(self, job: Job, cache: DecodeCache, row: int, ids: list[int]) -> None:
+        """Cache the whole blocks of `ids`, the tokens whose keys and values the cache's `row` holds."""
+        if self.prefix is None or len(ids) < self.prefix.block:
+            return
+        columns = np.flatnonzero(cache.mask[row])
+        if len(columns) != len(ids):  # (not the tokens this row holds: nothing cached rather than wrong keys)
+            return
+        keys, values = cache.keys[:, row], cache.values[:, row]
+        self.prefix.insert(ids, lambda a, b: keys[:, :, columns[a:b]], lambda a, b: values[:, :, columns[a:b]],
+                           job.consumer)
 
     def _decode_step(self) -> list[Outcome]:
         for job in self.running:
@@ -241,6 +292,9 @@ class Scheduler:
         if not done:
             return []
         out = [Outcome(self.running[r], "error" if self.running[r].error else "done") for r in done]
+        for r in done:  # (the prompt and the answer's fed tokens: a conversation's next turn starts with them)
+            job = self.running[r]
+            self._remember(job, self.cache, r, job.prompt_ids + job.new[:-1])
         self._keep([r for r in range(len(self.running)) if r not in done])
         return out
 

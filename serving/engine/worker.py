@@ -3,7 +3,7 @@
     python -m serving.engine.worker --model <export dir> --fd <socket fd> [--threads N] [--max-batch-size N] ...
 
 Started (and restarted, if it dies) by the server process (serving/engine/dispatch.py), which talks to it over a socket:
-it sends ("generate", id, prompt, settings, deadline) / ("cancel", id) / ("stop",) and receives ("ready", info),
+it sends ("generate", id, prompt, settings, deadline, stream, consumer) / ("cancel", id) / ("stop",) and receives ("ready", info),
 ("done", id, result), ("error", id, kind, message) and ("state", waiting, running). The worker tokenizes, schedules
 (serving/engine/scheduler.py), generates and decodes; it exits when the server's end of the socket closes (the server is gone).
 """
@@ -21,6 +21,7 @@ import serving  # noqa: F401  (zlib first)
 from core import exportdir
 from serving.engine import runtime
 from serving.engine.scheduler import Job, Scheduler
+from serving.engine.prefix_cache import PrefixCache
 from serving.protocol import GenerationSettings
 from serving.engine.constraints import ConstraintError
 from serving.engine.exported import ExportedModel
@@ -51,15 +52,23 @@ def full_sequence_session(forward):
 
 
 def build_scheduler(model: ExportedModel, threads: int, generation: str,
-                    placement: runtime.Placement = runtime.Placement(), **options) -> Scheduler:
+                    placement: runtime.Placement = runtime.Placement(), prefix_cache_mb: int = 0,
+                    prefix_block_tokens: int = 16, **options) -> Scheduler:
+    """The worker's scheduler over the export's cache programs (with prefix caching when prefix_cache_mb > 0 and the
+    export has the extend program), or over the full-sequence graph."""
     if generation == "kv_cache" and exportdir.has_cache_programs(model.dir):
         prefill, decode = model.cached_session(threads, placement)
+        extend = runtime.extend_session(model.dir, threads, placement) if prefix_cache_mb > 0 else None
     else:  # (an old export, or serving.generation: full)
         predictor = runtime.create_predictor(model.dir, threads=threads, placement=placement)
         prefill, decode = full_sequence_session(lambda ids: runtime.predict(predictor, ids))
+        extend = None
+    # (the key's scope: this model's weights and version, so that blocks of another model are never hit)
+    scope = f"{model.meta['weights_sha256']}:{model.meta['registered_model_name']}:{model.meta['version']}"
+    prefix = PrefixCache(prefix_cache_mb * 2**20, prefix_block_tokens, scope) if extend is not None else None
     return Scheduler(prefill, decode, model.eos_id, model.banned_ids, len(model.tokenizer), model.max_length,
                      pad_id=model.tokenizer.pad_token_id, stop_check=lambda job: stop_position(model, job) is not None,
-                     **options)
+                     extend=extend, prefix_cache=prefix, **options)
 
 
 def stop_position(model: ExportedModel, job: Job) -> int | None:
@@ -95,6 +104,7 @@ class Worker:
     def __init__(self, conn: Connection, model: ExportedModel, scheduler: Scheduler):
         self.conn, self.model, self.scheduler = conn, model, scheduler
         self.state = (0, 0)
+        self.evictions_sent = 0  # (the prefix cache's evictions already reported)
 
     def send(self, *message) -> None:
         self.conn.send(message)
@@ -140,14 +150,15 @@ class Worker:
         if message[0] == "cancel":
             self.scheduler.cancel(message[1])
             return
-        _, job_id, prompt, settings, deadline, stream = message
+        _, job_id, prompt, settings, deadline, stream, consumer = message
         try:
             ids = self.model.encode(prompt)
             constraint = self.model.constraint(settings)
         except (RequestError, ConstraintError) as exc:
             self.send("error", job_id, "bad_request", str(exc))
             return
-        self.scheduler.add(Job(job_id, ids, settings, deadline=deadline, stream=stream, constraint=constraint))
+        self.scheduler.add(Job(job_id, ids, settings, deadline=deadline, stream=stream, constraint=constraint,
+                               consumer=consumer))
 
     def stream(self, jobs: list[Job]) -> None:
         """Send each streaming job's new text since the last step (the server forwards it as it comes), with the
@@ -168,16 +179,27 @@ class Worker:
         if outcome.status == "deadline":
             self.send("error", job.id, "deadline", "the request waited past its deadline before generation began")
         elif outcome.status == "done":
-            self.send("done", job.id, job_result(self.model, job))
+            self.send("done", job.id, {**job_result(self.model, job), "prefix_cache": self.prefix_counts()})
         elif outcome.status == "error":  # (its constraint could not go on: this request ends, the batch goes on)
             self.send("error", job.id, "bad_request", f"generation stopped after {len(job.new)} tokens: {job.error}")
         # (cancelled: the server already answered the client)
+
+
+    def prefix_counts(self) -> dict:
+        """The prefix cache's evictions since the last answer, and the blocks and bytes it holds (the server's
+        counters and gauges: serving/server/metrics.py)."""
+        prefix = self.scheduler.prefix
+        if prefix is None:
+            return {}
+        evicted, self.evictions_sent = prefix.evictions - self.evictions_sent, prefix.evictions
+        return {"evictions": evicted, "blocks": len(prefix), "bytes": prefix.bytes}
 
 
 def job_result(model: ExportedModel, job: Job) -> dict:
     """A finished job as every entrypoint receives it: text (stop strings cut), token ids, finish reason, timings."""
     stopped = job.stop_at is not None or bool(job.new and job.new[-1] == model.eos_id)
     return {"token_ids": job.new, "text": answer_text(model, job), "prompt_tokens": len(job.prompt_ids),
+            "cached_tokens": job.cached,
             "prompt_token_ids": job.prompt_ids, "batch_size": max(1, job.peak_batch), "received": job.received,
             "first_token_at": job.first_token_at, "finished_at": time.monotonic(),
             "finish_reason": "stop" if stopped else "length", "streamed": job.streamed,
@@ -221,6 +243,8 @@ def main() -> None:
     p.add_argument("--max-batch-tokens", type=int, default=0)
     p.add_argument("--policy", default="continuous")
     p.add_argument("--mask-thread", action="store_true")
+    p.add_argument("--prefix-cache-mb", type=int, default=0)
+    p.add_argument("--prefix-block-tokens", type=int, default=16)
     p.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
     p.add_argument("--device-id", type=int, default=0)
     p.add_argument("--gpu-memory-mb", type=int, default=1024)
@@ -238,7 +262,8 @@ def main() -> None:
     precision_error = check_precision(model, placement)
     scheduler = build_scheduler(model, args.threads, args.generation, placement, max_batch_size=args.max_batch_size,
                                 max_batch_tokens=args.max_batch_tokens, policy=args.policy,
-                                overlap_masks=args.mask_thread)
+                                overlap_masks=args.mask_thread, prefix_cache_mb=args.prefix_cache_mb,
+                                prefix_block_tokens=args.prefix_block_tokens)
     worker = Worker(conn, model, scheduler)
     warm_s = worker.warm_up()
     worker.send("ready", {"pid": os.getpid(), "load_s": round(time.monotonic() - t0, 2), "warm_up_s": round(warm_s, 3),

@@ -40,6 +40,13 @@ class ServingMetrics:
         self.request_duration = Histogram("serving_request_duration_seconds", "From arrival to answer, answered "
                                           "requests", buckets=LATENCY_BUCKETS, registry=r)
 
+        self.prefix_queried = Counter("serving_prefix_cache_queried_tokens", "Prompt tokens looked up in the "
+                                      "workers' prefix caches (answered requests)", registry=r)
+        self.prefix_hits = Counter("serving_prefix_cache_hit_tokens", "Prompt tokens found there (not computed): "
+                                   "the sum of the answers' usage.prompt_tokens_details.cached_tokens", registry=r)
+        self.prefix_evictions = Counter("serving_prefix_cache_evictions", "Blocks the prefix caches evicted (least "
+                                        "recently used, to stay within serving.prefix_cache_mb)", registry=r)
+
     def serve(self, port: int, host: str) -> None:
         start_http_server(port, addr=host, registry=self.registry)
 
@@ -49,6 +56,11 @@ class ServingMetrics:
         self.requests.labels(route, "ok").inc()
         self.generated_tokens.inc(tokens)
         self.prompt_tokens.inc(result["prompt_tokens"])
+        prefix = result.get("prefix_cache")
+        if prefix:  # (a worker with prefix caching on: serving/engine/worker.py prefix_counts)
+            self.prefix_queried.inc(result["prompt_tokens"])
+            self.prefix_hits.inc(result["cached_tokens"])
+            self.prefix_evictions.inc(prefix["evictions"])
         if result.get("first_token_at"):
             self.time_to_first_token.observe(max(0.0, result["first_token_at"] - arrived))
             if tokens > 1:

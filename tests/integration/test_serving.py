@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def server(exported):
     overrides = [*exported["overrides"], *ports(), "serving.max_prompt_chars=20", "serving.max_new_tokens_limit=64",
-                 "serving.default_max_new_tokens=8", "serving.max_request_bytes=400"]  # (capacity: the default)
+                 "serving.default_max_new_tokens=8", "serving.max_request_bytes=400",  # (capacity: the default)
+                 "serving.prefix_block_tokens=4"]  # (prefix caching on, as by default, in blocks that 20 chars fill)
     base = ["--config", str(exported["config"])]
     proc = cli(["serve", *base, "--model", str(exported["export_dir"]), *overrides], exported["uri"])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -180,6 +181,53 @@ def test_the_openai_client_works_unchanged(server):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="你好")
     assert client.completions.create(model="test-model", prompt="你好", max_tokens=1).usage.completion_tokens == 1
+
+
+def test_a_repeated_prefix_is_cached_with_the_same_answers_and_counted(server):
+    """Prefix caching (serving.prefix_cache_mb, by default on; blocks of 4 tokens here): a prompt sent again, or
+    starting with an earlier prompt + its answer (a conversation's next turn), reports its cached whole blocks in
+    usage.prompt_tokens_details.cached_tokens (streamed too), answers as it did uncached (greedy and seeded), and
+    the hit counter moves by exactly the answers' cached tokens. (Every other test of this module runs with it on:
+    test_requests_joining_mid_generation_answer_as_alone's 24 requests are exact with hits among them.)"""
+    import openai
+
+    client = openai.OpenAI(base_url=server["state"]["openai_base_url"], api_key="unused", max_retries=0)
+    counters = lambda: {k: v for k, v in _scrape(server).items() if k.startswith("serving_prefix_cache")}  # noqa
+    before = counters()
+    prompt = "颜色和图片一样漂亮。"  # (10 characters: 8 cached the second time, its last token computed)
+
+    def complete(text, **options):
+        return client.completions.create(model="test-model", prompt=text, max_tokens=8, **{"temperature": 0,
+                                                                                           **options})
+
+    first, again = complete(prompt), complete(prompt)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0 and first.usage.prompt_tokens == 10
+    assert again.usage.prompt_tokens_details.cached_tokens == 8 and again.choices[0].text == first.choices[0].text
+    answer = first.choices[0].text
+    turn = prompt + answer + "好"  # (its blocks: the prompt's and the answer's fed tokens, all but the last)
+    cached_turn = complete(turn)
+    fed = 10 + first.usage.completion_tokens - 1
+    assert cached_turn.usage.prompt_tokens_details.cached_tokens == 4 * min(fed // 4, (10 + len(answer)) // 4)
+    seeded = [complete(turn, extra_body={"seed": 7, "top_k": 20}, temperature=1.0) for _ in range(2)]
+    assert seeded[0].choices[0].text == seeded[1].choices[0].text
+    stream = client.completions.create(model="test-model", prompt=prompt, max_tokens=8, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == first.choices[0].text
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 8
+    after = counters()
+    answered = [first, again, cached_turn, *seeded, chunks[-1]]
+    hits = after["serving_prefix_cache_hit_tokens_total"] - before.get("serving_prefix_cache_hit_tokens_total", 0)
+    assert hits == sum(a.usage.prompt_tokens_details.cached_tokens for a in answered) > 0
+    queried = after["serving_prefix_cache_queried_tokens_total"] - before.get(
+        "serving_prefix_cache_queried_tokens_total", 0)
+    assert queried == sum(a.usage.prompt_tokens for a in answered)
+
+
+def _scrape(server) -> dict:
+    text = requests.get(server["state"]["metrics_url"], timeout=10).text
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
 
 
 def test_streaming_with_the_openai_client_and_no_chat_without_a_template(server):

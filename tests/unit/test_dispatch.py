@@ -20,7 +20,7 @@ META = {"registered_model_name": "m", "version": 1, "source_run_id": "r1", "chec
 
 def settings(**overrides):
     values = dict(max_batch_size=2, max_queue=1, request_timeout_s=5.0, restart_window_s=60.0, max_worker_restarts=1,
-                  generation="kv_cache", max_batch_tokens=0, scheduler="continuous", device="cpu")
+                  generation="kv_cache", max_batch_tokens=0, scheduler="continuous", device="cpu", prefix_cache_mb=0, prefix_affinity=True)
     return SimpleNamespace(**{**values, **overrides})
 
 
@@ -122,6 +122,31 @@ def test_requests_go_to_the_least_busy_worker_and_answer_with_its_lineage(monkey
     assert all(t.pending.done.wait(5) for t in tickets)
     assert [t.pending.result["text"] for t in tickets] == ["P0", "P1", "P2", "P3"]
     assert tickets[0].pending.result["lineage"] == {"model_name": "m", "model_version": "1"}
+    d.stop()
+
+
+def test_with_prefix_caching_a_prompt_goes_to_the_worker_holding_its_prefix_unless_it_is_overloaded(monkeypatch):
+    """serving/engine/affinity.py: a conversation's next turn (its prompt + answer + more) goes to the worker that
+    answered it; a prefix no worker holds, or a consumer's own, goes by load; the worker is passed over once it has
+    `overloaded` (max(2, max_batch_size // 4)) more requests than the least busy."""
+    fakes = FakeWorkers(monkeypatch, auto=False)
+    d = started(settings(prefix_cache_mb=64, max_batch_size=8, max_queue=8))
+    history = "系统：你是一个有用的助手。" * 3  # (36 characters: two whole blocks)
+    first = d.submit(history + "用户：你好", GenerationSettings(), consumer="a")
+    other = d.submit("另一个完全不同的对话开头，没有共同的前缀。", GenerationSettings())  # (by load)
+    assert other.worker is not first.worker
+    fakes.release.set()
+    assert first.pending.done.wait(5) and other.pending.done.wait(5)
+    fakes.release.clear()
+    turn = history + "用户：你好" + first.pending.result["text"] + "用户：再见"
+    assert d.submit(turn, GenerationSettings(), consumer="a").worker is first.worker  # (busier by 1 now)
+    assert d.submit(turn, GenerationSettings(), consumer="b").worker is not first.worker  # (b's blocks are b's)
+    held = [d.submit(turn, GenerationSettings(), consumer="a") for _ in range(2)]
+    assert {t.worker for t in held} == {first.worker}  # (as busy as the other, then 1 more: still chosen)
+    assert d.submit(turn, GenerationSettings(), consumer="a").worker is not first.worker  # (overloaded)
+    sent = [m for _, m in fakes.received if m[0] == "generate"]
+    assert sent[0][2] == history + "用户：你好" and sent[0][-1] == "a" and sent[1][-1] == ""
+    fakes.release.set()
     d.stop()
 
 

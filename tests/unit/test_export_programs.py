@@ -92,9 +92,17 @@ def test_cache_programs_with_grouped_query_attention_match_the_dynamic_model(tmp
     assert cache.keys.shape == (2, 1, 2, 4, 8) and np.array_equal(cache.keys[:, :, :, :3], keys)
 
     # two rows, one left-padded, 12 decode steps each checked against the dynamic model's logits
-    error = gates.cache_parity_error(gates.cache_expectation(dynamic_forward(model), config.vocab_size, 24), prefill,
-                                    step)
+    expected = gates.cache_expectation(dynamic_forward(model), config.vocab_size, 40)
+    error = gates.cache_parity_error(expected, prefill, step)
     assert error < 1e-4, error
+
+    # the extend program (format 3): a prompt split at 1, 16, 32 and 39 tokens, the first part's keys and values
+    # cached, equals the whole prompt's prefill; one that ignored the cached part would be off by ~0.1
+    extend = runtime.extend_session(tmp_path)
+    assert gates.extend_parity_error(expected, prefill, extend) < 1e-4
+    forgetful = lambda ids, positions, mask, keys, values: extend(  # noqa: E731
+        ids, positions, np.concatenate([0 * mask[:, :keys.shape[3]], mask[:, keys.shape[3]:]], axis=1), keys, values)
+    assert gates.extend_parity_error(expected, prefill, forgetful) > 1e-2
 
 
 def test_decode_steps_across_cache_growth_equal_the_dynamic_model(tmp_path, monkeypatch):

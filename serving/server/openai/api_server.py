@@ -215,6 +215,7 @@ class ApiServer:
         vocabulary = self.vocabulary if _constrained(body) else None
         request = (parse_chat(body, self.limits, ids, self.template, vocabulary) if chat
                    else parse_completion(body, self.limits, ids, vocabulary))
+        request.extra["consumer"] = "" if consumer == DIRECT else consumer  # (part of the prefix cache's key)
         run = Generation(self.dispatcher, request)
         headers, model = self.version_headers, self.model_label
 

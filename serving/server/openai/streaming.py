@@ -30,7 +30,8 @@ class Generation:
                 loop.call_soon_threadsafe(self.queue.put_nowait, (i, *event))
             try:
                 self.tickets.append(self.dispatcher.submit(self.request.prompt, self.request.choice_settings(i),
-                                                           self.request.timeout_s, on_event, self.request.stream))
+                                                           self.request.timeout_s, on_event, self.request.stream,
+                                                           self.request.extra.get("consumer", "")))
             except RequestError:
                 self.cancel()
                 raise

@@ -79,7 +79,9 @@ def error_body(error: RequestError) -> tuple[int, dict]:
 def usage_of(request: Request, results: list[dict]) -> dict:
     completion = sum(len(r["token_ids"]) for r in results)
     prompt = results[0]["prompt_tokens"] if results else 0
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = results[0].get("cached_tokens", 0) if results else 0  # (of the first choice: the prompt is one)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def completion_body(request: Request, results: list[dict], chat: bool) -> dict:

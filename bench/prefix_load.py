@@ -1,0 +1,142 @@
+"""Prefix caching figures of `make bench` (section "prefix"): the server with serving.prefix_cache_mb off and on, in
+alternating rounds (off, on, off, on; restarted for each), on three workloads through the OpenAI route, streamed:
+
+- shared: one system prompt (SYSTEM, ~150 tokens) before every request's own question, at 1 and 8 clients;
+- conversations: four-turn conversations, each turn the last turn's prompt + its answer + a new question, at 1 and
+  8 clients; the hit rate (cached / prompt tokens, from the answers' usage) with the dispatcher's affinity and,
+  in a third mode, without it (serving.prefix_affinity=false);
+- unique: prompts that share nothing, at 1, 8 and 32 clients: what the cache costs when it never hits.
+
+Each: time to first token p50 (as the client sees it), generated tokens/s, cached / prompt tokens; median over
+rounds, and per round the on / off ratio (paired). The default model's prompt limit is raised to hold them
+(serving.max_prompt_chars=240 of its 256 positions).
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import requests
+
+from bench import between_trials
+from bench.serving_load import closed_loop, server_config
+from core import exportdir
+from serving import controller
+
+SYSTEM = ("你是一个电商平台的客服助手。请用简短、礼貌的中文回答顾客的问题，不要编造信息。如果不知道答案，就说不知道。"
+          "顾客可能会询问物流、价格、质量、退换货和售后服务等问题，请根据常识回答，并在最后提醒顾客保留购物凭证。"
+          "回答时先给出结论，再说明理由，尽量不超过两句话。")
+QUESTIONS = ("快递几天能到？", "这本书值得买吗？", "质量怎么样？", "可以退货吗？", "价格还能便宜吗？", "包装结实吗？",
+             "颜色和图片一样吗？", "什么时候发货？")
+NEW_TOKENS = 16
+MODES = {"off": ["serving.prefix_cache_mb=0"], "on": [],
+         "on, no affinity": ["serving.prefix_affinity=false"]}
+
+
+def run(export_dir: Path, out: Path, quick: bool) -> dict:
+    rounds, duration = (1, 1.5) if quick else (2, 6.0)
+    model = exportdir.read_meta(export_dir)["registered_model_name"]
+    samples: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    for _ in range(rounds):
+        for mode in MODES:
+            between_trials()
+            samples[mode].append(served(export_dir, out, model, mode, duration, quick))
+    result = {"new_tokens": NEW_TOKENS, "system_chars": len(SYSTEM), "rounds": rounds, "modes": {}}
+    for mode, runs in samples.items():
+        result["modes"][mode] = {name: _median(rows[name] for rows in runs) for name in runs[0]}
+    result["on_vs_off"] = {name: [
+        {"clients": row["clients"],
+         "ttft_ratio": [on[name][i]["ttft_p50_ms"] / max(off[name][i]["ttft_p50_ms"], 1e-9)
+                        for on, off in zip(samples["on"], samples["off"])],
+         "tokens_per_s_ratio": [on[name][i]["tokens_per_s"] / max(off[name][i]["tokens_per_s"], 1e-9)
+                                for on, off in zip(samples["on"], samples["off"])]}
+        for i, row in enumerate(samples["off"][0][name])] for name in samples["off"][0]}
+    return result
+
+
+def served(export_dir: Path, out: Path, model: str, mode: str, duration: float, quick: bool) -> dict:
+    config = server_config("serving.max_prompt_chars=240", *MODES[mode])
+    state_dir = out / "serving-prefix"
+    try:
+        state = controller.start(config, export_dir, state_dir, owner="bench")
+        url = f"{state['openai_base_url']}/completions"
+        figures = {"conversations": [conversations(url, model, n, duration) for n in (1, 8)]}
+        if mode != "on, no affinity":
+            figures["shared"] = [load(url, model, n, duration, lambda i, k: SYSTEM + QUESTIONS[(i + k) % 8])
+                                 for n in (1, 8)]
+            figures["unique"] = [load(url, model, n, duration, unique_prompt) for n in ((1, 8) if quick else (1, 8, 32))]
+    finally:
+        controller.stop(state_dir)
+    return figures
+
+
+_UNIQUE = itertools.count()  # (over the whole run: no unique prompt repeats one of an earlier load)
+
+
+def unique_prompt(index: int, k: int) -> str:
+    """~100 characters no other request starts with (a serial number first)."""
+    return f"{next(_UNIQUE):07d}：" + "".join(QUESTIONS[(index * 7 + k + j) % 8] for j in range(12))[:92]
+
+
+def ask(session, url: str, model: str, prompt: str, seed: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS, "stream": True, "temperature": 1.0,
+            "seed": seed, "stream_options": {"include_usage": True}}
+    t0, first, text, usage = time.perf_counter(), None, [], {}
+    with session.post(url, json=body, stream=True, timeout=60) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            piece = "".join(c.get("text", "") for c in chunk.get("choices") or [])
+            if piece and first is None:
+                first = time.perf_counter() - t0
+            text.append(piece)
+            usage = chunk.get("usage") or usage
+    return {"ttft": first if first is not None else time.perf_counter() - t0, "text": "".join(text),
+            "prompt": usage.get("prompt_tokens", 0), "completion": usage.get("completion_tokens", 0),
+            "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
+
+
+def load(url: str, model: str, clients: int, duration: float, prompt_of) -> dict:
+    answers, errors, elapsed = closed_loop(
+        clients, duration, requests.Session,
+        lambda session, i, k: ask(session, url, model, prompt_of(i, k), i * 1000 + k), requests.RequestException)
+    return _figures(clients, answers, errors, elapsed)
+
+
+def conversations(url: str, model: str, clients: int, duration: float, turns: int = 4) -> dict:
+    """Each client holds conversations of `turns` turns one after another; a request is one turn."""
+    def turn(state, index: int, k: int) -> dict:
+        session, history = state
+        if k % turns == 0:
+            history[:] = [f"顾客{index}-{k // turns}：你好，我想问几个问题。"]
+        prompt = "".join(history) + QUESTIONS[(index + k) % 8]
+        answer = ask(session, url, model, prompt, index * 1000 + k)
+        history[:] = [prompt + answer["text"]]
+        return answer
+
+    answers, errors, elapsed = closed_loop(clients, duration, lambda: (requests.Session(), []), turn,
+                                           requests.RequestException)
+    return _figures(clients, answers, errors, elapsed)
+
+
+def _figures(clients: int, answers: list[dict], errors: list[str], elapsed: float) -> dict:
+    prompt = sum(a["prompt"] for a in answers)
+    return {"clients": clients, "requests": len(answers), "errors": len(errors),
+            "ttft_p50_ms": float(np.median([a["ttft"] for a in answers]) * 1000) if answers else 0.0,
+            "tokens_per_s": sum(a["completion"] for a in answers) / elapsed,
+            "prompt_tokens": prompt, "cached_tokens": sum(a["cached"] for a in answers),
+            "hit_rate": sum(a["cached"] for a in answers) / prompt if prompt else 0.0,
+            "first_error": errors[0] if errors else ""}
+
+
+def _median(runs) -> list[dict]:
+    """Per client count, the median over rounds of each figure (and the rounds' own values)."""
+    runs = list(runs)
+    return [{key: (float(np.median([r[i][key] for r in runs])) if isinstance(runs[0][i][key], (int, float))
+                   else runs[0][i][key]) for key in runs[0][i]} | {"rounds": [r[i] for r in runs]}
+            for i in range(len(runs[0]))]
