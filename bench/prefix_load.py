@@ -23,8 +23,15 @@ import requests
 
 from bench import between_trials
 from bench.serving_load import closed_loop, server_config
-from core import exportdir
+from core import chat, exportdir
+from core.config import load_config
+from pipeline.smoke import EARLIER_TURNS
 from serving import controller
+from serving.engine.exported import ExportedModel
+from serving.engine.scheduler import Job
+from serving.engine.worker import build_scheduler
+from serving.protocol import GenerationSettings, RequestError
+from training.finetune.preference import held_out_task
 
 SYSTEM = ("你是一个电商平台的客服助手。请用简短、礼貌的中文回答顾客的问题，不要编造信息。如果不知道答案，就说不知道。"
           "顾客可能会询问物流、价格、质量、退换货和售后服务等问题，请根据常识回答，并在最后提醒顾客保留购物凭证。"
@@ -65,6 +72,8 @@ def served(export_dir: Path, out: Path, model: str, mode: str, duration: float, 
         url = f"{state['openai_base_url']}/completions"
         figures = {"conversations": [conversations(url, model, n, duration) for n in (1, 8)]}
         if mode != "on, no affinity":
+            # (the floor: a 2-token prompt's time to first token, what a request costs without its prefill)
+            figures["floor"] = [load(url, model, 1, duration / 2, lambda i, k: "你好")]
             figures["shared"] = [load(url, model, n, duration, lambda i, k: SYSTEM + QUESTIONS[(i + k) % 8])
                                  for n in (1, 8)]
             figures["unique"] = [load(url, model, n, duration, unique_prompt) for n in ((1, 8) if quick else (1, 8, 32))]
@@ -140,3 +149,70 @@ def _median(runs) -> list[dict]:
     return [{key: (float(np.median([r[i][key] for r in runs])) if isinstance(runs[0][i][key], (int, float))
                    else runs[0][i][key]) for key in runs[0][i]} | {"rounds": [r[i] for r in runs]}
             for i in range(len(runs[0]))]
+
+
+def same_answers(export_dir: Path, run_config: Path, wave: int = 16) -> dict:
+    """The issue's equality check, in process: a chat model's held-out prompts (its run's task as served) bare and
+    behind smoke's earlier turns (a system prompt and two exchanges), greedy, through the worker's scheduler with
+    the prefix cache off and on (in waves of `wave`, each hitting the blocks the earlier ones left); how many answers
+    differ, and the cached share of the prompt tokens."""
+    model = ExportedModel(export_dir)
+    template = chat.read(exportdir.tokenizer_dir(model.dir))
+    task = held_out_task(load_config(run_config), template)
+    result = {}
+    for name, before in (("bare", []), ("behind earlier turns", EARLIER_TURNS)):
+        prompts = []
+        for example in task:
+            try:
+                prompts.append(model.encode(chat.render_messages(template, [*before, *example["messages"]])))
+            except RequestError:  # (over the model's length)
+                pass
+        answers = {}
+        for mb in (0, 64):
+            scheduler = build_scheduler(model, 1, "kv_cache", max_batch_size=wave, prefix_cache_mb=mb)
+            jobs = [Job(i, ids, GenerationSettings(max_new_tokens=8)) for i, ids in enumerate(prompts)]
+            for start in range(0, len(jobs), wave):
+                for job in jobs[start:start + wave]:
+                    scheduler.add(job)
+                while not scheduler.idle:
+                    scheduler.step()
+            answers[mb] = [job.new for job in jobs]
+            cached = sum(job.cached for job in jobs)
+        result[name] = {"prompts": len(prompts), "of": len(task), "different": sum(
+            a != b for a, b in zip(answers[0], answers[64])), "cached_share": cached / sum(map(len, prompts))}
+    return result
+
+
+def memory(export_dir: Path, prefix_cache_mb: int, prompts: int = 10000, batch: int = 16) -> dict:
+    """A worker's scheduler in this process over `prompts` distinct prompts (~100 tokens, 4 new tokens each): its
+    resident memory after the first 200 and at the end, and what the prefix cache holds. Run once with the cache
+    off and once on, each in a process of its own (python -m bench.prefix_load memory <export> <mb>)."""
+    model = ExportedModel(export_dir)
+    scheduler = build_scheduler(model, 1, "kv_cache", max_batch_size=batch, prefix_cache_mb=prefix_cache_mb)
+    rss, t0 = {}, time.perf_counter()
+    for start in range(0, prompts, batch):
+        for i in range(start, min(start + batch, prompts)):
+            scheduler.add(Job(i, model.encode(unique_prompt(i % 8, i)), GenerationSettings(max_new_tokens=4)))
+        while not scheduler.idle:
+            scheduler.step()
+        if start + batch >= 200 and "after_200_mb" not in rss:
+            rss["after_200_mb"] = _rss_mb()
+    prefix = scheduler.prefix
+    return {"prefix_cache_mb": prefix_cache_mb, "prompts": prompts, **rss, "end_mb": _rss_mb(),
+            "held_mb": prefix.bytes / 2**20 if prefix else 0.0, "evictions": prefix.evictions if prefix else 0,
+            "seconds": time.perf_counter() - t0}
+
+
+def _rss_mb() -> float:
+    status = Path("/proc/self/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1]) / 1024
+
+
+if __name__ == "__main__":
+    # python -m bench.prefix_load answers <chat export dir> <its run's config.yaml>
+    # python -m bench.prefix_load memory <export dir> <prefix_cache_mb>
+    import sys
+
+    what, export, arg = sys.argv[1:4]
+    print(json.dumps(same_answers(Path(export), Path(arg)) if what == "answers" else memory(Path(export), int(arg)),
+                     indent=1))

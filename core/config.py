@@ -603,6 +603,10 @@ class GatewayConfig(Section):
     paddle_backends: list = field(default_factory=list)
     # A replica that fails (refused connection, 502/503, timeout) is skipped for fail_timeout_s, then tried again
     fail_timeout_s: int = option(5, above=0)
+    # Which replica of a pool answers (docs/gateway.md): none = round robin; consumer = the same replica for a key's
+    # requests, session = for a conversation's (its X-Session-Id header; none: any replica), so that its prefix is
+    # in that replica's cache (serving.prefix_cache_mb); nginx's consistent hash, a dead replica's share moving on
+    affinity: str = option("none", allowed=("none", "consumer", "session"))
     state_dir: str = ""  # pid, rendered nginx.conf, logs; "" = <training.runs_dir>/gateway
     # consumers' keys (0600, never in the repo, never logged); "" = $XDG_CONFIG_HOME/paddle-train-to-serve/gateway
     keys_dir: str = ""
@@ -630,6 +634,8 @@ class GatewayConfig(Section):
             require(all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in self.split.values())
                     and sum(self.split.values()) == 100,
                     f"gateway.split: whole percents summing to 100, got {self.split}")
+            require(self.affinity == "none", f"gateway.affinity={self.affinity}: not with gateway.split (nginx's hash "
+                    "balancing takes no backup replicas, which a split pool's failover needs)")
         else:
             require(not isinstance(self.backends, dict) or len(self.backends) == 1 or self.models,
                     "gateway.backends: several pools need gateway.split (their shares of the requests) or "

@@ -291,8 +291,13 @@ def fallbacks(config) -> dict[str, list[str]]:
     return {p: [u for other in split if other != p for u in by_pool[other]] for p in split}
 
 
-def _upstream(name: str, urls: list[str], backups: list[str], fail_timeout_s: float) -> str:
-    return (f"    upstream {name} {{\n" + "".join(
+AFFINITY_KEYS = {"consumer": "$consumer", "session": "$affinity_session"}  # (gateway.affinity -> the hash key)
+SESSION_HEADER = "X-Session-Id"  # gateway.affinity=session: a conversation's requests share its value
+
+
+def _upstream(name: str, urls: list[str], backups: list[str], fail_timeout_s: float, affinity: str = "none") -> str:
+    hashed = f"        hash {AFFINITY_KEYS[affinity]} consistent;\n" if affinity in AFFINITY_KEYS else ""
+    return (f"    upstream {name} {{\n" + hashed + "".join(
         f"        server {_address(u)} max_fails=1 fail_timeout={fail_timeout_s}s;\n" for u in urls) + "".join(
         f"        server {_address(u)} max_fails=1 fail_timeout={fail_timeout_s}s backup;\n" for u in backups) +
         "        keepalive 32;\n    }")
@@ -303,9 +308,14 @@ def _pools(config) -> tuple[str, str]:
     pool alone, for a name routed to that one pool (an alias asked for by name is never answered by another
     version); how $pool is chosen: split_clients by weight, or the one pool)."""
     g, by_pool, backups = config.gateway, pools(config), fallbacks(config)
-    upstreams = "\n".join(_upstream(f"pool_{name}", urls, backups.get(name, []), g.fail_timeout_s)
+    upstreams = "\n".join(_upstream(f"pool_{name}", urls, backups.get(name, []), g.fail_timeout_s, g.affinity)
                            for name, urls in by_pool.items())
-    upstreams += "".join("\n" + _upstream(f"only_{name}", by_pool[name], [], g.fail_timeout_s) for name in backups)
+    if g.affinity == "session":  # (a request without the header: a random key, any replica)
+        header = SESSION_HEADER.lower().replace("-", "_")
+        upstreams += (f'\n    map $http_{header} $affinity_session {{\n        "" $request_id;\n'
+                      f'        default $http_{header};\n    }}')
+    upstreams += "".join("\n" + _upstream(f"only_{name}", by_pool[name], [], g.fail_timeout_s, g.affinity)
+                         for name in backups)
     if paddle_backends(config):
         upstreams += "\n    upstream paddle_http {\n" + "".join(
             f"        server {_address(u)} max_fails=1 fail_timeout={g.fail_timeout_s}s;\n"

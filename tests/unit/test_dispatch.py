@@ -144,8 +144,9 @@ def test_with_prefix_caching_a_prompt_goes_to_the_worker_holding_its_prefix_unle
     held = [d.submit(turn, GenerationSettings(), consumer="a") for _ in range(2)]
     assert {t.worker for t in held} == {first.worker}  # (as busy as the other, then 1 more: still chosen)
     assert d.submit(turn, GenerationSettings(), consumer="a").worker is not first.worker  # (overloaded)
-    sent = [m for _, m in fakes.received if m[0] == "generate"]
-    assert sent[0][2] == history + "用户：你好" and sent[0][-1] == "a" and sent[1][-1] == ""
+    sent = {m[1]: m for _, m in fakes.received if m[0] == "generate"}  # (by job id)
+    assert sent[first.job_id][2] == history + "用户：你好" and sent[first.job_id][-1] == "a"
+    assert sent[other.job_id][-1] == ""
     fakes.release.set()
     d.stop()
 

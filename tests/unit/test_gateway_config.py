@@ -132,6 +132,25 @@ def test_nginx_accepts_the_rendered_configuration(tmp_path):
     assert checked.returncode == 0 and "syntax is ok" in checked.stderr, checked.stderr
 
 
+@pytest.mark.parametrize("affinity, key", [("consumer", "$consumer"), ("session", "$affinity_session")])
+def test_affinity_keeps_a_consumer_or_a_session_on_one_replica(tmp_path, affinity, key):
+    """gateway.affinity: every pool's upstream hashes on the consumer or the X-Session-Id header (consistent: a dead
+    replica's share moves, the others' stay); a session-less request gets a random key; nginx accepts it; refused
+    with a split, whose failover needs backup replicas (which nginx's hash takes none of)."""
+    two = "gateway.backends=[http://127.0.0.1:1001, http://127.0.0.1:1002]"
+    _, conf, _, _ = rendered(tmp_path, two, f"gateway.affinity={affinity}")
+    assert re.search(r"upstream pool_default \{\s+hash " + re.escape(key) + r" consistent;\s+server 127.0.0.1:1001 ",
+                     conf), conf
+    assert ('map $http_x_session_id $affinity_session {\n        "" $request_id;' in conf) == (affinity == "session")
+    checked = subprocess.run([nginx.binary(), "-t", "-c", str(tmp_path / "gw" / nginx.CONF_FILE), "-p",
+                              str(tmp_path / "gw")], capture_output=True, text=True)
+    assert checked.returncode == 0 and "syntax is ok" in checked.stderr, checked.stderr
+    assert "hash " not in rendered(tmp_path, two)[1]  # (by default: round robin)
+    with pytest.raises(ConfigError, match="not with gateway.split"):
+        load_config(None, ["gateway.backends={a: [http://x:1], b: [http://y:2]}", "gateway.split={a: 90, b: 10}",
+                           f"gateway.affinity={affinity}"])
+
+
 def test_the_kubernetes_gateway_is_the_rendered_configuration(tmp_path):
     """deploy/kubernetes/gateway.yaml is what serving/gateway/kubernetes.py renders from the default settings (no
     consumers: keys come from the operator's Secret), in front of serving.yaml's Service; its nginx.conf, laid out
