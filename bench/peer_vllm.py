@@ -167,16 +167,17 @@ def ours_server(export_dir: Path, out: Path):
     return state, lambda: controller.stop(state_dir)
 
 
-def theirs_server(python: Path, hf_dir: Path, name: str, out: Path, timeout_s: float = 600):
-    """vLLM's OpenAI server on a free loopback port, started, awaited and stopped as every server here
-    (core/processes.py: its own process group, SIGTERM then SIGKILL)."""
+def theirs_server(python: Path, hf_dir: Path, name: str, out: Path, timeout_s: float = 600, extra: tuple = ()):
+    """vLLM's OpenAI server on a free loopback port (`extra`: more of its options), started, awaited and stopped as
+    every server here (core/processes.py: its own process group, SIGTERM then SIGKILL)."""
     import requests
 
 
     port = free_ports(1)[0]
     proc = start_group([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
                         "--served-model-name", name, "--dtype", "float32", "--max-model-len", "256",
-                        "--host", "127.0.0.1", "--port", str(port)], out / "peer-server.log", REPO_ROOT, peer_env())
+                        "--host", "127.0.0.1", "--port", str(port), *extra], out / "peer-server.log", REPO_ROOT,
+                       peer_env())
 
     def stop() -> None:
         stop_group(proc.pid, ((signal.SIGTERM, 60.0), (signal.SIGKILL, 10.0)))

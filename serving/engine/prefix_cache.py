@@ -9,7 +9,8 @@ program (export/programs.py). As vLLM's automatic prefix caching does:
   new token).
 - Blocks are kept under `budget_bytes` (serving.prefix_cache_mb) and evicted least recently used first; a lookup or
   an insert touches a chain's blocks from the last to the first, so that a chain's tail goes before its head (a
-  head evicted first would leave its tail unreachable).
+  head evicted first would leave its tail unreachable). The blocks an insert adds are views of one copy: that copy
+  is freed when its last block goes (a chain's blocks go together, tail first).
 
 Why answers stay the same: positions count real tokens only and the keys are stored after rotary, so a prompt's
 first p tokens have the same keys and values whatever the batch, padding or request they were computed in (up to
@@ -30,20 +31,21 @@ class PrefixCache:
         self.bytes = 0
         self.queried = self.hits = self.evictions = 0  # tokens looked up, tokens found, blocks evicted
 
-    def chain(self, ids: list[int], consumer: str = "") -> list[bytes]:
-        """The chained keys of `ids`' whole blocks."""
-        keys, previous = [], hashlib.sha256(f"{self.scope}\0{consumer}".encode()).digest()
-        for start in range(0, len(ids) - self.block + 1, self.block):
+    def chain(self, ids: list[int], consumer: str = "", known: list[bytes] = ()) -> list[bytes]:
+        """The chained keys of `ids`' whole blocks (`known`: those of a prefix of them, not hashed again)."""
+        keys = list(known[:len(ids) // self.block])
+        previous = keys[-1] if keys else hashlib.sha256(f"{self.scope}\0{consumer}".encode()).digest()
+        for start in range(len(keys) * self.block, len(ids) - self.block + 1, self.block):
             previous = hashlib.sha256(previous + np.asarray(ids[start:start + self.block], "<i8").tobytes()).digest()
             keys.append(previous)
         return keys
 
-    def lookup(self, ids: list[int], consumer: str = "") -> tuple[int, np.ndarray | None, np.ndarray | None]:
-        """(tokens found, their keys [L,Hkv,n,D], values): the longest cached prefix of `ids` in whole blocks, its
-        last token never included."""
+    def lookup(self, ids: list[int], chain: list[bytes]) -> tuple[int, np.ndarray | None, np.ndarray | None]:
+        """(tokens found, their keys [L,Hkv,n,D], values): the longest cached prefix of `ids` (`chain`: its keys)
+        in whole blocks, its last token never included."""
         self.queried += len(ids)
         found = []
-        for key in self.chain(ids[:-1], consumer):
+        for key in chain[:(len(ids) - 1) // self.block]:
             entry = self._blocks.get(key)
             if entry is None:
                 break
@@ -55,24 +57,26 @@ class PrefixCache:
         return (len(found) * self.block, np.concatenate([k for _, (k, _) in found], axis=2),
                 np.concatenate([v for _, (_, v) in found], axis=2))
 
-    def insert(self, ids: list[int], keys, values, consumer: str = "") -> int:
-        """Cache `ids`' whole blocks (keys, values: callables of (start, stop) -> [L,Hkv,stop-start,D], called only
-        for the blocks not held); returns the blocks added."""
-        chain = self.chain(ids, consumer)
+    def insert(self, chain: list[bytes], blocks) -> int:
+        """Cache the blocks of `chain` not held; `blocks(first, stop)` -> (keys, values) [L,Hkv,(stop-first)*block,D]
+        of blocks first..stop-1, called once (one copy out of the batch's cache, each block a view of it). Returns
+        the blocks added."""
+        missing = [i for i, key in enumerate(chain) if key not in self._blocks]
         added = 0
-        for i, key in enumerate(chain):
-            if key in self._blocks:
-                continue
-            start, stop = i * self.block, (i + 1) * self.block
-            entry = (np.ascontiguousarray(keys(start, stop)), np.ascontiguousarray(values(start, stop)))
-            size = entry[0].nbytes + entry[1].nbytes
-            if size > self.budget:
-                break
-            self._blocks[key] = entry
-            self.bytes += size
-            added += 1
-            while self.bytes > self.budget:
-                self._evict()
+        if missing:
+            first, b = missing[0], self.block
+            keys, values = blocks(first, len(chain))
+            for i in missing:
+                at = (i - first) * b
+                entry = (keys[:, :, at:at + b], values[:, :, at:at + b])
+                size = entry[0].nbytes + entry[1].nbytes
+                if size > self.budget:
+                    break
+                self._blocks[chain[i]] = entry
+                self.bytes += size
+                added += 1
+                while self.bytes > self.budget:
+                    self._evict()
         self._touch([key for key in chain if key in self._blocks])
         return added
 

@@ -57,6 +57,7 @@ class Job:
     error: str = ""  # why it ended without an answer (its constraint could not go on)
     consumer: str = ""  # who sent it (the gateway's consumer): part of its prefix-cache key
     cached: int = 0  # prompt tokens found in the prefix cache (not computed)
+    chain: list = field(default_factory=list)  # (prefix caching) its tokens' block keys, hashed once
 
 
 @dataclass
@@ -165,7 +166,10 @@ class Scheduler:
         jobs = [job for job in jobs if job.budget > 0]
         if not jobs:
             return out
-        found = [self.prefix.lookup(job.prompt_ids, job.consumer) if self.prefix else (0, None, None) for job in jobs]
+        if self.prefix:
+            for job in jobs:
+                job.chain = self.prefix.chain(job.prompt_ids, job.consumer)
+        found = [self.prefix.lookup(job.prompt_ids, job.chain) if self.prefix else (0, None, None) for job in jobs]
         if any(n for n, _, _ in found):
             logits, keys, values, mask = self._extend(jobs, found)
         else:
@@ -220,9 +224,10 @@ class Scheduler:
         columns = np.flatnonzero(cache.mask[row])
         if len(columns) != len(ids):  # (not the tokens this row holds: nothing cached rather than wrong keys)
             return
-        keys, values = cache.keys[:, row], cache.values[:, row]
-        self.prefix.insert(ids, lambda a, b: keys[:, :, columns[a:b]], lambda a, b: values[:, :, columns[a:b]],
-                           job.consumer)
+        keys, values, b = cache.keys[:, row], cache.values[:, row], self.prefix.block
+        job.chain = self.prefix.chain(ids, job.consumer, known=job.chain)
+        self.prefix.insert(job.chain, lambda first, stop: (keys[:, :, columns[first * b:stop * b]],
+                                                           values[:, :, columns[first * b:stop * b]]))
 
     def _decode_step(self) -> list[Outcome]:
         for job in self.running:

@@ -10,41 +10,51 @@ from serving.engine.scheduler import Job, Scheduler
 from serving.protocol import GenerationSettings
 
 
-def blocks(ids):
-    """Keys/values [1 layer, 1 head, n, 1] that hold the ids themselves (as ScriptedCache's caches do)."""
+def blocks(ids, block=4):
+    """Keys/values [1 layer, 1 head, n, 1] of blocks first..stop-1 that hold the ids themselves (as ScriptedCache's
+    caches do)."""
     array = np.asarray(ids, "float32")[None, None, :, None]
-    return lambda a, b: array[:, :, a:b]
+    return lambda first, stop: (array[:, :, first * block:stop * block].copy(),) * 2
+
+
+def insert(cache, ids, consumer=""):
+    return cache.insert(cache.chain(ids, consumer), blocks(ids, cache.block))
+
+
+def lookup(cache, ids, consumer=""):
+    return cache.lookup(ids, cache.chain(ids, consumer))
 
 
 def test_a_prefix_is_found_in_whole_blocks_behind_the_same_whole_prefix_and_scope():
     cache = PrefixCache(1 << 20, block=4, scope="model-1")
     ids = list(range(10, 20))  # (10 tokens: blocks [0,4) and [4,8) whole)
-    assert cache.insert(ids, blocks(ids), blocks(ids)) == 2
-    n, keys, values = cache.lookup(ids + [7, 7])
+    assert insert(cache, ids) == 2
+    n, keys, values = lookup(cache, ids + [7, 7])
     assert n == 8 and keys[0, 0, :, 0].tolist() == ids[:8] and values.shape == (1, 1, 8, 1)
-    assert cache.lookup(ids[:8])[0] == 4  # (its last token is computed: only the first block is used)
-    assert cache.lookup(ids[:4] + [99] + ids[5:])[0] == 4  # (the second block behind another first token's block)
-    assert cache.lookup([99] + ids[1:])[0] == 0
-    assert cache.lookup(ids, consumer="b")[0] == 0  # (another consumer's)
+    assert lookup(cache, ids[:8])[0] == 4  # (its last token is computed: only the first block is used)
+    assert lookup(cache, ids[:4] + [99] + ids[5:])[0] == 4  # (the second block behind another first token's block)
+    assert lookup(cache, [99] + ids[1:])[0] == 0
+    assert lookup(cache, ids, consumer="b")[0] == 0  # (another consumer's)
     assert PrefixCache(1 << 20, block=4, scope="model-2").chain(ids) != cache.chain(ids)  # (another model's)
     assert cache.queried == 12 + 8 + 10 + 10 + 10 and cache.hits == 8 + 4 + 4
-    assert cache.insert(ids, blocks(ids), blocks(ids)) == 0  # (held already)
+    assert insert(cache, ids) == 0  # (held already)
+    assert cache.chain(ids + [1, 2], known=cache.chain(ids[:5])) == cache.chain(ids + [1, 2])
 
 
 def test_the_budget_holds_and_a_chain_loses_its_tail_before_its_head():
     one = 2 * 4 * 4  # bytes of a block of 4 tokens (keys + values, float32)
     cache = PrefixCache(3 * one, block=4)
     a = list(range(100, 112))  # three blocks
-    cache.insert(a, blocks(a), blocks(a))
+    insert(cache, a)
     assert len(cache) == 3 and cache.bytes == 3 * one
     b = list(range(200, 208))
-    cache.insert(b, blocks(b), blocks(b))
+    insert(cache, b)
     assert cache.bytes <= 3 * one and cache.evictions == 2
-    assert cache.lookup(a + [1])[0] == 4  # (a's head kept, its tail gone first)
-    assert cache.lookup(b + [1])[0] == 8
+    assert lookup(cache, a + [1])[0] == 4  # (a's head kept, its tail gone first)
+    assert lookup(cache, b + [1])[0] == 8
     for start in range(0, 4000, 8):  # (many distinct prompts: never over the budget)
         ids = list(range(start + 1000, start + 1008))
-        cache.insert(ids, blocks(ids), blocks(ids))
+        insert(cache, ids)
         assert cache.bytes <= 3 * one
     assert cache.bytes == 3 * one and len(cache) == 3
 
