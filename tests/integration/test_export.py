@@ -33,6 +33,7 @@ def test_export_of_the_best_run(exported):
                                                           "prefill.pdmodel", "prefill.pdiparams",
                                                           "prefill.pdiparams.info", "decode.pdmodel",
                                                           "decode.pdiparams", "decode.pdiparams.info",
+                                                          "extend.pdmodel", "extend.pdiparams", "extend.pdiparams.info",
                                                           "export.json", "reference.json",
                                                           "serving_server_conf.prototxt", "tokenizer",
                                                           # MLflow's metadata of the python_function flavor
