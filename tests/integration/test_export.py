@@ -43,7 +43,7 @@ def test_export_of_the_best_run(exported):
     assert not list(export_dir.parent.glob(".staging-*"))
     # greedy tokens of the graph equal the dynamic model's, recorded for smoke (serving needs no checkpoint)
     assert "greedy tokens: exported graph == cache programs (alone and batched) == dynamic model for 5 prompts" in out
-    assert "(prefill + decode, padded batch)" in out
+    assert "(prefill + decode, and extend at every block split, padded batch)" in out
     references = exportdir.read_references(export_dir)
     assert set(references) == set(exportdir.REFERENCE_PROMPTS)
     assert all(1 <= len(ids) <= exportdir.REFERENCE_NEW_TOKENS for ids in references.values())
