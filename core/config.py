@@ -387,7 +387,9 @@ class ServingConfig(Section):
     # prompts' and answers' whole blocks of prefix_block_tokens tokens within prefix_cache_mb (least recently used
     # evicted), and a prompt starting with cached blocks runs only the rest (exports of format 3 on); 0 = off
     prefix_cache_mb: int = option(64, minimum=0)
-    prefix_block_tokens: int = option(16, above=0)
+    # 8: four-turn conversations hit 0.73 of their prompt tokens (16: 0.66-0.67, only whole blocks are cached;
+    # docs/benchmarks.md "Prefix caching")
+    prefix_block_tokens: int = option(8, above=0)
     # (prefix caching) send a request to the worker believed to hold its longest cached prefix unless it is
     # overloaded (serving/engine/affinity.py); false = by load alone
     prefix_affinity: bool = True

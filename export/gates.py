@@ -247,7 +247,7 @@ def _padded_prompt(ids: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray,
     return prompt, positions, mask
 
 
-EXTEND_BLOCK = 16  # extend_parity_error splits the prompt at every multiple of this (serving.prefix_block_tokens)
+EXTEND_BLOCK = 8  # extend_parity_error splits the prompt at every multiple of this (serving.prefix_block_tokens)
 
 
 def extend_parity_error(expected: tuple[np.ndarray, ...], prefill, extend) -> float:

@@ -25,7 +25,7 @@ import numpy as np
 
 
 class PrefixCache:
-    def __init__(self, budget_bytes: int, block: int = 16, scope: str = ""):
+    def __init__(self, budget_bytes: int, block: int = 8, scope: str = ""):
         self.budget, self.block, self.scope = int(budget_bytes), int(block), scope
         self._blocks: OrderedDict[bytes, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self.bytes = 0

@@ -53,7 +53,7 @@ def full_sequence_session(forward):
 
 def build_scheduler(model: ExportedModel, threads: int, generation: str,
                     placement: runtime.Placement = runtime.Placement(), prefix_cache_mb: int = 0,
-                    prefix_block_tokens: int = 16, **options) -> Scheduler:
+                    prefix_block_tokens: int = 8, **options) -> Scheduler:
     """The worker's scheduler over the export's cache programs (with prefix caching when prefix_cache_mb > 0 and the
     export has the extend program), or over the full-sequence graph."""
     if generation == "kv_cache" and exportdir.has_cache_programs(model.dir):
@@ -244,7 +244,7 @@ def main() -> None:
     p.add_argument("--policy", default="continuous")
     p.add_argument("--mask-thread", action="store_true")
     p.add_argument("--prefix-cache-mb", type=int, default=0)
-    p.add_argument("--prefix-block-tokens", type=int, default=16)
+    p.add_argument("--prefix-block-tokens", type=int, default=8)
     p.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
     p.add_argument("--device-id", type=int, default=0)
     p.add_argument("--gpu-memory-mb", type=int, default=1024)

@@ -96,7 +96,7 @@ def test_cache_programs_with_grouped_query_attention_match_the_dynamic_model(tmp
     error = gates.cache_parity_error(expected, prefill, step)
     assert error < 1e-4, error
 
-    # the extend program (format 3): a prompt split at 1, 16, 32 and 39 tokens, the first part's keys and values
+    # the extend program (format 3): a prompt split at 1, every 8 and 39 tokens, the first part's keys and values
     # cached, equals the whole prompt's prefill; one that ignored the cached part would be off by ~0.1
     extend = runtime.extend_session(tmp_path)
     assert gates.extend_parity_error(expected, prefill, extend) < 1e-4
