@@ -77,7 +77,8 @@ def served(export_dir: Path, out: Path, model: str, mode: str, duration: float, 
             figures["floor"] = [load(url, model, 1, duration / 2, lambda i, k: "你好")]
             figures["shared"] = [load(url, model, n, duration, lambda i, k: SYSTEM + QUESTIONS[(i + k) % 8])
                                  for n in (1, 8)]
-            figures["unique"] = [load(url, model, n, duration, unique_prompt) for n in ((1, 8) if quick else (1, 8, 32))]
+            figures["unique"] = [load(url, model, n, duration, unique_prompt)
+                                  for n in ((1, 8) if quick else (1, 8, 32))]
     finally:
         controller.stop(state_dir)
     return figures
@@ -221,7 +222,8 @@ def memory(export_dir: Path, prefix_cache_mb: int, prompts: int = 10000, batch: 
             rss["after_200_mb"] = _rss_mb()
     prefix = scheduler.prefix
     return {"prefix_cache_mb": prefix_cache_mb, "prompts": prompts, **rss, "end_mb": _rss_mb(),
-            "held_mb": prefix.bytes / 2**20 if prefix else 0.0, "evictions": prefix.evictions if prefix else 0,
+            "held_mb": prefix.bytes / 2**20 if prefix is not None else 0.0,
+            "evictions": prefix.evictions if prefix is not None else 0,
             "seconds": time.perf_counter() - t0}
 
 

