@@ -35,6 +35,7 @@ class DecodeCache:
         self._mask[:, :used] = mask
         self.used, self.lengths = used, lengths
         self.copies += 1
+        self.external = None  # (a decode session's own view of the buffers: runtime.py reads them in place)
 
     # -- what the batch holds ---------------------------------------------------------------------------------------
     @property

@@ -115,6 +115,26 @@ def test_decode_steps_across_cache_growth_equal_the_dynamic_model(tmp_path, monk
                                     step) < 1e-4
 
 
+def test_the_decode_program_reads_the_cache_in_place_and_leaves_it_as_it_was(tmp_path):
+    """runtime.cache_session shares the cache's buffers with the predictor (no copy a step): the same logits and new
+    columns as feeding copies, and the columns it read are bit for bit what they were (no op of the program writes
+    into an input, memory optimisation on)."""
+    exported_gqa_model(tmp_path, 6)
+    (prefill, shared), (_, copied) = runtime.cache_session(tmp_path), runtime.cache_session(tmp_path, zero_copy=False)
+    ids, positions, mask = np.array([[5, 6, 7, 8], [0, 9, 10, 11]]), np.array([[0, 1, 2, 3], [0, 0, 1, 2]]), \
+        np.array([[1, 1, 1, 1], [0, 1, 1, 1]], "float32")
+    _, keys, values = prefill(ids, positions, mask)
+    caches = [DecodeCache(keys, values, mask, np.array([4, 3])) for _ in range(2)]
+    for step in range(5):
+        before = caches[0].keys.copy(), caches[0].values.copy()
+        tokens = np.array([[12 + step], [20 + step]])
+        a, b = shared(tokens, caches[0]), copied(tokens, caches[1])
+        assert np.array_equal(a, b)
+        assert np.array_equal(caches[0].keys[:, :, :, :-1], before[0])
+        assert np.array_equal(caches[0].values[:, :, :, :-1], before[1])
+        assert np.array_equal(caches[0].keys, caches[1].keys) and np.array_equal(caches[0].values, caches[1].values)
+
+
 def test_the_decode_cache_feeds_its_buffers_and_writes_one_column_a_step():
     rng = np.random.default_rng(0)
     keys, values = rng.standard_normal((2, 3, 2, 4, 5)), rng.standard_normal((2, 3, 2, 4, 5))
