@@ -29,8 +29,11 @@ class DecodeCache:
         used = keys.shape[3]
         shape = list(keys.shape)
         shape[3] = used + GROW
-        self._keys, self._values = np.zeros(shape, dtype=keys.dtype), np.zeros(shape, dtype=values.dtype)
+        # (empty, then the used columns copied and only the free ones zeroed: each byte written once; a free column
+        # is masked, but it must hold finite numbers: 0 x NaN is NaN in the attention's weighted sum)
+        self._keys, self._values = np.empty(shape, dtype=keys.dtype), np.empty(shape, dtype=values.dtype)
         self._keys[:, :, :, :used], self._values[:, :, :, :used] = keys, values
+        self._keys[:, :, :, used:], self._values[:, :, :, used:] = 0.0, 0.0
         self._mask = np.zeros((mask.shape[0], used + GROW), dtype="float32")
         self._mask[:, :used] = mask
         self.used, self.lengths = used, lengths

@@ -200,7 +200,7 @@ def _choose_rows_as_before(logits, settings, rngs, banned_ids, usable_vocab):
     masked[:, usable_vocab:] = -np.inf
     masked[:, banned_ids] = -np.inf
     greedy = masked.argmax(axis=1)
-    return [int(greedy[r]) if s.temperature <= 0 else _sample(masked[r], s, rng, usable_vocab)
+    return [int(greedy[r]) if s.temperature <= 0 else _sample(masked[r], s, rng.random())
             for r, (s, rng) in enumerate(zip(settings, rngs))]
 
 
@@ -222,3 +222,37 @@ def test_choosing_without_the_batch_copy_picks_the_same_tokens():
         expected = _choose_rows_as_before(logits, settings, [np.random.default_rng(s) for s in seeds], banned, usable)
         assert got == expected, trial
         assert not set(got) & set(banned) and max(got) < usable
+
+
+def test_rows_sampled_together_draw_the_float64_rule_s_tokens_and_its_distribution():
+    """_sample_together (float32, block sums) against _sample (float64, row by row) at the same uniform numbers:
+    the same token in all but rounding's few; banned and padding ids never; and 40,000 draws from one distribution
+    fit its probabilities (chi-square)."""
+    from scipy.stats import chisquare
+
+    from serving.engine.generation import _sample, _sample_together
+
+    rng = np.random.default_rng(7)
+    rows, vocab, banned = 2000, 300, [0, 5]  # (300: not a multiple of the 64-token blocks)
+    scores = (rng.standard_normal((rows, vocab)) * rng.choice([0.5, 3.0, 8.0], (rows, 1))).astype("float32")
+    temperatures, uniforms = rng.uniform(0.3, 2.0, rows), rng.random(rows)
+    ours = _sample_together(scores, temperatures, uniforms, banned)
+    theirs = []
+    for r in range(rows):
+        row = scores[r].astype("float64")
+        row[banned] = -np.inf
+        theirs.append(_sample(row, GenerationSettings(temperature=float(temperatures[r])), float(uniforms[r])))
+    assert (ours == -1).sum() + (ours != np.array(theirs)).sum() <= 2
+    assert not set(ours.tolist()) & set(banned) and ours.max() < vocab
+
+    one = (rng.standard_normal(vocab) * 2).astype("float32")
+    draws = _sample_together(np.tile(one, (40000, 1)), np.full(40000, 0.8), rng.random(40000), banned)
+    exact = np.exp(one.astype("float64") / 0.8 - (one.max() / 0.8))
+    exact[banned] = 0.0
+    exact /= exact.sum()
+    counts = np.bincount(draws[draws >= 0], minlength=vocab)
+    common = exact * 40000 >= 5  # (the rest pooled into one bin)
+    observed = np.append(counts[common], counts[~common].sum())
+    expected = np.append(exact[common], exact[~common].sum()) * 40000
+    assert chisquare(observed, expected).pvalue > 1e-3
+    assert chisquare(np.roll(observed, 1), expected).pvalue < 1e-6  # (the test can tell a shifted draw)
