@@ -9,7 +9,8 @@
    plan`'s step-time estimate of each manual layout against its measured step (the ranking, reported);
 3. pipeline overhead: our training step (tracking, checkpoints, eval) against a bare PaddleNLP Trainer; the
    training loop's pause per checkpoint with asynchronous and synchronous writes (interleaved runs);
-4. export: wall time of its stages;
+4. export: wall time of its stages; the decode program's ops and step (bench/decode_step.py) and where a decode
+   step's time goes at batch 1, 64 and 256 (bench/step_parts.py), before/after switched in the same run;
 5. serving (bench/serving_load.py): tokens/s, time to first token and per token at 1-32 concurrent HTTP clients,
    continuous against static batching in alternating rounds; HTTP / gRPC overhead over in process;
 6. data (bench/data_prep.py): `make data` at 1 and 2 workers against the previous in-process path on a 1x and an 8x
@@ -34,7 +35,7 @@ from scipy.stats import spearmanr
 from bench import between_trials, spread
 from core import REPO_ROOT, exportdir, tracking
 from core.config import DEFAULT_CONFIG
-from bench import data_prep, decode_step, peer_vllm, size_sweep
+from bench import data_prep, decode_step, peer_vllm, size_sweep, step_parts
 from bench.peer_vllm import ensure_env
 from bench.training_speed import SETTINGS, prepared_run, trial
 from core import registry
@@ -136,15 +137,15 @@ print("BARE", json.dumps(out.metrics))
     return json.loads(line[5:])["train_runtime"] / steps
 
 
-SECTIONS = ("runtime", "scaling", "decode", "sizes", "serving", "prefix", "generate", "data", "gateway")
+SECTIONS = ("runtime", "scaling", "decode", "steps", "sizes", "serving", "prefix", "generate", "data", "gateway")
 # `make bench` without FULL=1: the figures a person asks of this machine, in 15 minutes or less; serving and generate
 # serve the default model's latest registered version, or a single run trained and exported for them
-DEFAULT_SECTIONS = ("decode", "sizes", "serving", "generate")
+DEFAULT_SECTIONS = ("decode", "steps", "sizes", "serving", "generate")
 # Minutes a section takes on 2 cores, announced before it starts when this output directory has no earlier full-size
 # run (else that run's own times, bench.json section_s). "training + export": the single run serving and generate
 # need when no model is registered. Measured 2026-12-06: decode, sizes, serving, generate (`make bench`: 10 min 32 s
 # in all) and the vLLM peer; the other sections are shares of the last full run's 38 minutes.
-MINUTES = {"runtime": 9, "scaling": 12, "training + export": 1.5, "decode": 1, "sizes": 4.5, "serving": 3.5,
+MINUTES = {"runtime": 9, "scaling": 12, "training + export": 1.5, "decode": 1, "steps": 1.2, "sizes": 4.5, "serving": 3.5,
            "generate": 1.5, "data": 3, "gateway": 3, "vllm peer": 15, "prefix": 5}
 _clock: dict = {"last": {}, "took": {}, "open": None}
 
@@ -199,6 +200,9 @@ def run(quick: bool = False, out: Path | None = None, sections: tuple[str, ...] 
     if "decode" in sections:
         announce("decode", quick)
         results["decode"] = decode_step.run(quick)
+    if "steps" in sections:
+        announce("steps", quick)
+        results["steps"] = step_parts.run(quick)
     if "sizes" in sections:
         announce("sizes", quick)
         results["sizes"] = size_sweep.run(out, quick, _peer_python(peers))
@@ -542,7 +546,8 @@ def _stage_sections(r: dict) -> list[str]:
     from bench import batch_generate, data_prep, serving_load
 
 
-    lines = decode_step.markdown(r.get("decode")) + size_sweep.markdown(r.get("sizes"))
+    lines = decode_step.markdown(r.get("decode")) + step_parts.markdown(r.get("steps"))
+    lines += size_sweep.markdown(r.get("sizes"))
     lines += serving_load.markdown(r["serving"]) if "serving" in r else []
     if "generate" in r:
         lines += [""] + batch_generate.markdown(r["generate"])

@@ -46,7 +46,7 @@ def choose_rows(logits: np.ndarray, settings: list[GenerationSettings], rngs: li
         if mask is None and s.temperature <= 0 and int(greedy[r]) not in banned:
             tokens.append(int(greedy[r]))
             continue
-        if mask is None and s.temperature > 0 and s.top_k <= 0 and s.top_p >= 1.0:
+        if SAMPLE_TOGETHER and mask is None and s.temperature > 0 and s.top_k <= 0 and s.top_p >= 1.0:
             tokens.append(-1)
             together.append(r)
             continue
@@ -57,19 +57,30 @@ def choose_rows(logits: np.ndarray, settings: list[GenerationSettings], rngs: li
             row = np.array(scores[r], dtype="float64")
         row[masked_ids] = -np.inf
         tokens.append(int(row.argmax()) if s.temperature <= 0 else _sample(row, s, rng.random()))
-    if together:
-        uniforms = np.array([rngs[r].random() for r in together])
-        drawn = _sample_together(scores[together], np.array([settings[r].temperature for r in together]), uniforms,
-                                 masked_ids)
-        for k, r in enumerate(together):
-            if drawn[k] < 0:  # (float32 rounding put the draw on a token of probability 0: the float64 rule)
-                row = np.array(scores[r], dtype="float64")
-                row[masked_ids] = -np.inf
-                drawn[k] = _sample(row, settings[r], uniforms[k])
-            tokens[r] = int(drawn[k])
+    for r, token in _draw_together(scores, together, settings, rngs, masked_ids).items():
+        tokens[r] = token
     return tokens
 
 
+def _draw_together(scores: np.ndarray, rows: list[int], settings: list, rngs: list, masked_ids: list[int]) -> dict:
+    """{row: token} of the temperature-only rows, one uniform number each: together in float32 when there are two
+    or more (one row's own float64 draw costs less: 0.06 against 0.10 ms at batch 1)."""
+    uniforms = np.array([rngs[r].random() for r in rows])
+    if len(rows) < 2:
+        return {r: _draw_row(scores[r], settings[r], u, masked_ids) for r, u in zip(rows, uniforms)}
+    drawn = _sample_together(scores[rows], np.array([settings[r].temperature for r in rows]), uniforms, masked_ids)
+    # (-1: float32 rounding put the draw on a token of probability 0; the float64 rule at the same number)
+    return {r: int(token) if token >= 0 else _draw_row(scores[r], settings[r], u, masked_ids)
+            for r, token, u in zip(rows, drawn, uniforms)}
+
+
+def _draw_row(scores_row: np.ndarray, settings: GenerationSettings, uniform: float, masked_ids: list[int]) -> int:
+    row = np.array(scores_row, dtype="float64")
+    row[masked_ids] = -np.inf
+    return _sample(row, settings, uniform)
+
+
+SAMPLE_TOGETHER = True  # (False: every sampled row by the float64 rule, one at a time; the bench's before)
 SAMPLE_BLOCK = 64  # _sample_together's cumulative sums run over blocks of this many tokens, then inside one
 
 

@@ -3,6 +3,7 @@ the key/value-cache session that generation drives. Export's parity gates use th
 is what is served."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,7 +67,8 @@ def predict(predictor, input_ids: np.ndarray) -> np.ndarray:
     return run(predictor, input_ids.astype("int64"))[0]
 
 
-def cache_session(export_dir: Path, threads: int = 1, placement: Placement = Placement(), zero_copy: bool = True):
+def cache_session(export_dir: Path, threads: int = 1, placement: Placement = Placement(), zero_copy: bool = True,
+                  timings: dict | None = None):
     """(prefill, decode) functions over this process's own predictors of the cache programs (one session per thread
     or process: paddle.inference predictors are not thread-safe):
 
@@ -78,7 +80,8 @@ def cache_session(export_dir: Path, threads: int = 1, placement: Placement = Pla
     column there. On the CPU the predictor reads those buffers in place (`zero_copy`, share_external_data): copying
     the whole cache into the predictor's inputs each step was 6.5 ms of a 30 ms step at batch 256 (the default
     model, 80 cached positions), and its traffic made the column writes after it 3x slower; 21.5 ms without (bench
-    section "steps"). Exports made before (one stacked cache in, the grown caches out) are read too."""
+    section "steps"). `timings` (the bench's): seconds spent feeding, running, fetching and appending, summed over
+    the decode steps into its keys. Exports made before (one stacked cache in, the grown caches out) are read too."""
     export_dir = Path(export_dir)
     prefill = create_predictor(export_dir, prefix=PREFILL_PREFIX, threads=threads, placement=placement)
     decode = create_predictor(export_dir, prefix=DECODE_PREFIX, threads=threads, placement=placement)
@@ -99,6 +102,7 @@ def cache_session(export_dir: Path, threads: int = 1, placement: Placement = Pla
     in_place = zero_copy and placement.device == "cpu"  # (a GPU predictor's inputs live on the GPU: copied there)
 
     def decode_step(ids, cache):
+        marks = [time.perf_counter()] if timings is not None else None
         positions, keys, values, mask = cache.step_inputs()
         for handle, value in zip(step_inputs, (ids, positions, mask)):
             _feed(handle, value)
@@ -110,12 +114,27 @@ def cache_session(export_dir: Path, threads: int = 1, placement: Placement = Pla
             for handles, buffers in zip(layer_inputs, (keys, values)):
                 for layer, handle in enumerate(handles):
                     _feed(handle, buffers[layer])  # (buffers[layer]: a contiguous view, copied into the predictor)
+        _mark(marks)
         decode.run()
+        _mark(marks)
         logits, new_keys, new_values = (handle.copy_to_cpu() for handle in outputs)
+        _mark(marks)
         cache.append(new_keys, new_values)
+        if marks:
+            _mark(marks)
+            for part, start, stop in zip(STEP_PARTS, marks, marks[1:]):
+                timings[part] = timings.get(part, 0.0) + stop - start
         return logits
 
     return (lambda *feeds: run(prefill, *feeds)), decode_step
+
+
+STEP_PARTS = ("feed", "program", "fetch", "append")  # (cache_session's timings)
+
+
+def _mark(marks: list | None) -> None:
+    if marks is not None:
+        marks.append(time.perf_counter())
 
 
 def _shared_buffers(cache, keys: np.ndarray, values: np.ndarray) -> list:

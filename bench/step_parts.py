@@ -1,0 +1,110 @@
+"""`make bench` section `steps`: where a decode step's time goes, at batch 1, 64 and 256 (the default model's shape,
+random weights, one math thread: a serving worker's), greedy and sampled (temperature 0.8): feeding the program,
+the program itself, fetching its outputs, appending the new keys and values to the cache, choosing the tokens
+(sampling) and the rest of the scheduler's step. `after` is this checkout; `before` switches off, in the same run,
+reading the cache in place (runtime.cache_session zero_copy: the whole cache copied into the predictor each step)
+and drawing temperature-only rows together (generation.SAMPLE_TOGETHER: one row at a time in float64). Rounds
+alternate the two; every figure is the median [min-max] over rounds of the mean per step."""
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench import between_trials, spread
+from bench.decode_step import DEFAULT_VOCAB, default_model
+from serving.engine import generation, runtime
+from serving.engine.scheduler import Job, Scheduler
+from serving.protocol import GenerationSettings
+
+BATCHES = (1, 64, 256)
+PROMPT, NEW = 16, 64  # tokens a prompt, tokens generated (no end token: every row runs NEW steps)
+MODES = {"greedy": 0.0, "sampled": 0.8}
+PARTS = (*runtime.STEP_PARTS, "sampling", "scheduler")
+
+
+def _steps(session, timings: dict, batch: int, temperature: float, seed: int) -> dict:
+    """Mean ms a decode step of one batch spends in each part, and the step's whole time."""
+    prefill, decode = session
+    scheduler = Scheduler(prefill, decode, eos_id=-1, banned_ids=[0], usable_vocab=DEFAULT_VOCAB,
+                          max_length=PROMPT + NEW + 1, max_batch_size=batch)
+    choose, sampling = scheduler._choose, [0.0]
+
+    def timed_choose(jobs, logits):
+        t0 = time.perf_counter()
+        choose(jobs, logits)
+        sampling[0] += time.perf_counter() - t0
+
+    scheduler._choose = timed_choose
+    rng = np.random.default_rng(seed)
+    for i in range(batch):
+        scheduler.add(Job(i, rng.integers(5, DEFAULT_VOCAB, PROMPT).tolist(),
+                          GenerationSettings(max_new_tokens=NEW, temperature=temperature, seed=seed + i)))
+    scheduler.step()  # (the prefill and the first decode step: not counted)
+    timings.clear()
+    sampling[0], steps, t0 = 0.0, 0, time.perf_counter()
+    while scheduler.running:
+        scheduler.step()
+        steps += 1
+    whole = time.perf_counter() - t0
+    parts = {part: timings.get(part, 0.0) for part in runtime.STEP_PARTS}
+    parts["sampling"] = sampling[0]
+    parts["scheduler"] = whole - sum(parts.values())
+    return {**{part: seconds / steps * 1000 for part, seconds in parts.items()}, "step": whole / steps * 1000}
+
+
+def run(quick: bool) -> dict:
+    workdir = Path(tempfile.mkdtemp(prefix="bench-steps-"))
+    from export import programs
+
+    programs.save_programs(default_model(DEFAULT_VOCAB), workdir)
+    timings = {"before": {}, "after": {}}
+    sessions = {"before": runtime.cache_session(workdir, zero_copy=False, timings=timings["before"]),
+                "after": runtime.cache_session(workdir, timings=timings["after"])}
+    batches, rounds = ((1, 64) if quick else BATCHES), (1 if quick else 3)
+    samples: dict = {}
+    for round_ in range(rounds):
+        for batch in batches:
+            for mode, temperature in MODES.items():
+                for variant in (("before", "after") if round_ % 2 == 0 else ("after", "before")):
+                    between_trials()
+                    generation.SAMPLE_TOGETHER = variant == "after"
+                    try:
+                        got = _steps(sessions[variant], timings[variant], batch, temperature, round_)
+                    finally:
+                        generation.SAMPLE_TOGETHER = True
+                    samples.setdefault((variant, mode, batch), []).append(got)
+    result = {variant: {mode: {str(batch): {key: spread([s[key] for s in samples[(variant, mode, batch)]])
+                                            for key in (*PARTS, "step")}
+                               for batch in batches} for mode in MODES} for variant in ("before", "after")}
+    for mode in MODES:
+        for batch in map(str, batches):
+            before, after = (result[v][mode][batch]["step"]["median"] for v in ("before", "after"))
+            result["after"][mode][batch]["speedup"] = before / after
+            print(f"[bench] steps: {mode} batch {batch}: {before:.2f} -> {after:.2f} ms a step "
+                  f"({before / after:.2f}x)", flush=True)
+    return result
+
+
+def markdown(r: dict | None) -> list[str]:
+    if not r:
+        return []
+    lines = ["", "### Where a decode step's time goes (the default model's shape, one math thread, ms a step)", "",
+             "`before`: the cache copied into the predictor each step and sampled rows one at a time (switched off "
+             "in the same run); rounds alternate.", "",
+             "| mode | batch | version | " + " | ".join(PARTS) + " | step | speed-up |",
+             "|---|---|---|" + "---|" * (len(PARTS) + 2)]
+    for mode in MODES:
+        for batch in r["after"][mode]:
+            for variant in ("before", "after"):
+                row = r[variant][mode][batch]
+                cells = " | ".join(f"{row[p]['median']:.2f}" for p in PARTS)
+                step = row["step"]
+                lines.append(f"| {mode} | {batch} | {variant} | {cells} | {step['median']:.2f} "
+                             f"[{step['min']:.2f}-{step['max']:.2f}] | "
+                             f"{row['speedup']:.2f}x |" if "speedup" in row else
+                             f"| {mode} | {batch} | {variant} | {cells} | {step['median']:.2f} "
+                             f"[{step['min']:.2f}-{step['max']:.2f}] | |")
+    return lines
