@@ -1,12 +1,14 @@
 """`make bench` section `steps`: where a decode step's time goes, at batch 1, 64 and 256 (the default model's shape,
-random weights, one math thread: a serving worker's), greedy and sampled (temperature 0.8): feeding the program,
+random weights, one math thread: a serving worker's), greedy, sampled (temperature 0.8) and top-k (40, make
+generate's bench table's sampled rows): feeding the program,
 the program itself, fetching its outputs, appending the new keys and values to the cache, choosing the tokens
 (sampling) and the rest of the scheduler's step. `after` is this checkout; `before` switches off, in the same run,
 reading the cache in place (runtime.cache_session zero_copy: the whole cache copied into the predictor each step)
-and drawing temperature-only rows together (generation.SAMPLE_TOGETHER: one row at a time in float64). Rounds
+and drawing sampled rows together (generation.SAMPLE_TOGETHER: one row at a time in float64). Rounds
 alternate the two; every figure is the median [min-max] over rounds of the mean per step."""
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -21,36 +23,36 @@ from serving.protocol import GenerationSettings
 
 BATCHES = (1, 64, 256)
 PROMPT, NEW = 16, 64  # tokens a prompt, tokens generated (no end token: every row runs NEW steps)
-MODES = {"greedy": 0.0, "sampled": 0.8}
+MODES = {"greedy": {}, "sampled": {"temperature": 0.8}, "top-k 40": {"temperature": 0.9, "top_k": 40}}
 PARTS = (*runtime.STEP_PARTS, "sampling", "scheduler")
 
 
-def _steps(session, timings: dict, batch: int, temperature: float, seed: int) -> dict:
+def _steps(session, timings: dict, batch: int, sampling: dict, seed: int) -> dict:
     """Mean ms a decode step of one batch spends in each part, and the step's whole time."""
     prefill, decode = session
     scheduler = Scheduler(prefill, decode, eos_id=-1, banned_ids=[0], usable_vocab=DEFAULT_VOCAB,
                           max_length=PROMPT + NEW + 1, max_batch_size=batch)
-    choose, sampling = scheduler._choose, [0.0]
+    choose, choosing = scheduler._choose, [0.0]
 
     def timed_choose(jobs, logits):
         t0 = time.perf_counter()
         choose(jobs, logits)
-        sampling[0] += time.perf_counter() - t0
+        choosing[0] += time.perf_counter() - t0
 
     scheduler._choose = timed_choose
     rng = np.random.default_rng(seed)
     for i in range(batch):
         scheduler.add(Job(i, rng.integers(5, DEFAULT_VOCAB, PROMPT).tolist(),
-                          GenerationSettings(max_new_tokens=NEW, temperature=temperature, seed=seed + i)))
+                          GenerationSettings(max_new_tokens=NEW, seed=seed + i, **sampling)))
     scheduler.step()  # (the prefill and the first decode step: not counted)
     timings.clear()
-    sampling[0], steps, t0 = 0.0, 0, time.perf_counter()
+    choosing[0], steps, t0 = 0.0, 0, time.perf_counter()
     while scheduler.running:
         scheduler.step()
         steps += 1
     whole = time.perf_counter() - t0
     parts = {part: timings.get(part, 0.0) for part in runtime.STEP_PARTS}
-    parts["sampling"] = sampling[0]
+    parts["sampling"] = choosing[0]
     parts["scheduler"] = whole - sum(parts.values())
     return {**{part: seconds / steps * 1000 for part, seconds in parts.items()}, "step": whole / steps * 1000}
 
@@ -67,12 +69,12 @@ def run(quick: bool) -> dict:
     samples: dict = {}
     for round_ in range(rounds):
         for batch in batches:
-            for mode, temperature in MODES.items():
+            for mode, sampling in MODES.items():
                 for variant in (("before", "after") if round_ % 2 == 0 else ("after", "before")):
                     between_trials()
                     generation.SAMPLE_TOGETHER = variant == "after"
                     try:
-                        got = _steps(sessions[variant], timings[variant], batch, temperature, round_)
+                        got = _steps(sessions[variant], timings[variant], batch, sampling, round_)
                     finally:
                         generation.SAMPLE_TOGETHER = True
                     samples.setdefault((variant, mode, batch), []).append(got)
@@ -108,3 +110,66 @@ def markdown(r: dict | None) -> list[str]:
                              f"| {mode} | {batch} | {variant} | {cells} | {step['median']:.2f} "
                              f"[{step['min']:.2f}-{step['max']:.2f}] | |")
     return lines
+
+
+def _trial(program_dir: str, variant: str, batch: int, start_at: float, seconds: float) -> dict:
+    """One process's share of a workers trial (`python -m bench.step_parts trial ...`): from `start_at` (the other
+    processes' start too), greedy batches decoded for `seconds`; then the fp32 matmul rate of this process alone
+    for the same time (the compute the core gives while the others do the same)."""
+    session = runtime.cache_session(Path(program_dir), zero_copy=variant == "after", timings={})
+    _steps(session, {}, batch, {}, 0)  # (warm: the first run at each shape allocates)
+    time.sleep(max(0.0, start_at - time.time()))
+    tokens, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        got = _steps(session, {}, batch, {}, tokens)
+        tokens += batch * NEW
+    decode_rate = tokens / (time.perf_counter() - t0)
+    a = np.random.default_rng(0).standard_normal((512, 512)).astype("float32")
+    count, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds / 2:
+        a @ a
+        count += 1
+    return {"tokens_per_s": decode_rate, "matmul_gflops": count * 2 * 512 ** 3 / (time.perf_counter() - t0) / 1e9,
+            "program_ms": got["program"]}
+
+
+def workers(program_dir: Path, rounds: int, seconds: float, batch: int = 256) -> dict:
+    """Greedy decode tokens/s of 1 and 2 processes at once (one math thread each, as serving's workers), before and
+    after, rounds alternating: does a second worker add its share?"""
+    import json
+    import subprocess
+    import sys
+
+    samples: dict = {}
+    for round_ in range(rounds):
+        for variant in (("before", "after") if round_ % 2 == 0 else ("after", "before")):
+            for processes in (1, 2):
+                between_trials()
+                start_at = time.time() + 25.0  # (each process loads its predictors and warms up first)
+                procs = [subprocess.Popen([sys.executable, "-m", "bench.step_parts", "trial", str(program_dir),
+                                           variant, str(batch), str(start_at), str(seconds)],
+                                          stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                         for _ in range(processes)]
+                got = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
+                key = (variant, processes)
+                samples.setdefault(key, []).append({
+                    "tokens_per_s": sum(g["tokens_per_s"] for g in got),
+                    "matmul_gflops": sum(g["matmul_gflops"] for g in got),
+                    "program_ms": float(np.mean([g["program_ms"] for g in got]))})
+    return {f"{variant} x{processes}": {k: spread([s[k] for s in v]) for k in v[0]}
+            for (variant, processes), v in samples.items()}
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    if sys.argv[1] == "trial":
+        print(json.dumps(_trial(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]), float(sys.argv[6]))))
+    elif sys.argv[1] == "workers":  # python -m bench.step_parts workers [rounds] [seconds]
+        directory = Path(tempfile.mkdtemp(prefix="bench-steps-"))
+        from export import programs
+
+        programs.save_programs(default_model(DEFAULT_VOCAB), directory)
+        print(json.dumps(workers(directory, int(sys.argv[2]) if len(sys.argv) > 2 else 2,
+                                 float(sys.argv[3]) if len(sys.argv) > 3 else 8.0), indent=1))

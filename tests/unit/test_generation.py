@@ -244,6 +244,20 @@ def test_rows_sampled_together_draw_the_float64_rule_s_tokens_and_its_distributi
         theirs.append(_sample(row, GenerationSettings(temperature=float(temperatures[r])), float(uniforms[r])))
     assert (ours == -1).sum() + (ours != np.array(theirs)).sum() <= 2
     assert not set(ours.tolist()) & set(banned) and ours.max() < vocab
+    # top-k rows (their k-th largest score the floor) draw _sample's top-k tokens
+    ks = rng.choice([1, 5, 40], rows)
+    unbanned = scores.copy()
+    unbanned[:, banned] = -np.inf
+    floors = np.array([np.sort(unbanned[r])[-k] for r, k in enumerate(ks)], "float32")
+    ours = _sample_together(scores, temperatures, uniforms, banned, floors)
+    theirs = []
+    for r in range(rows):
+        row = scores[r].astype("float64")
+        row[banned] = -np.inf
+        theirs.append(_sample(row, GenerationSettings(temperature=float(temperatures[r]), top_k=int(ks[r])),
+                              float(uniforms[r])))
+    assert (ours != np.array(theirs)).sum() <= 2
+    assert all(scores[r, t] >= floors[r] for r, t in enumerate(ours))
 
     one = (rng.standard_normal(vocab) * 2).astype("float32")
     draws = _sample_together(np.tile(one, (40000, 1)), np.full(40000, 0.8), rng.random(40000), banned)
