@@ -145,7 +145,7 @@ def workers(program_dir: Path, rounds: int, seconds: float, batch: int = 256) ->
         for variant in (("before", "after") if round_ % 2 == 0 else ("after", "before")):
             for processes in (1, 2):
                 between_trials()
-                start_at = time.time() + 25.0  # (each process loads its predictors and warms up first)
+                start_at = time.time() + 15.0  # (each process loads its predictors and warms up first)
                 procs = [subprocess.Popen([sys.executable, "-m", "bench.step_parts", "trial", str(program_dir),
                                            variant, str(batch), str(start_at), str(seconds)],
                                           stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))

@@ -145,8 +145,8 @@ DEFAULT_SECTIONS = ("decode", "steps", "sizes", "serving", "generate")
 # run (else that run's own times, bench.json section_s). "training + export": the single run serving and generate
 # need when no model is registered. Measured 2026-12-06: decode, sizes, serving, generate (`make bench`: 10 min 32 s
 # in all) and the vLLM peer; the other sections are shares of the last full run's 38 minutes.
-MINUTES = {"runtime": 9, "scaling": 12, "training + export": 1.5, "decode": 1, "steps": 1.2, "sizes": 4.5, "serving": 3.5,
-           "generate": 1.5, "data": 3, "gateway": 3, "vllm peer": 15, "prefix": 5}
+MINUTES = {"runtime": 9, "scaling": 12, "training + export": 1.5, "decode": 1, "steps": 1.2, "sizes": 4.5,
+           "serving": 3.5, "generate": 1.5, "data": 3, "gateway": 3, "vllm peer": 15, "prefix": 5}
 _clock: dict = {"last": {}, "took": {}, "open": None}
 
 
