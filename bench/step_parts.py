@@ -3,8 +3,9 @@ random weights, one math thread: a serving worker's), greedy, sampled (temperatu
 generate's bench table's sampled rows): feeding the program,
 the program itself, fetching its outputs, appending the new keys and values to the cache, choosing the tokens
 (sampling) and the rest of the scheduler's step. `after` is this checkout; `before` switches off, in the same run,
-reading the cache in place (runtime.cache_session zero_copy: the whole cache copied into the predictor each step)
-and drawing sampled rows together (generation.SAMPLE_TOGETHER: one row at a time in float64). Rounds
+reading the cache in place (runtime.cache_session zero_copy: the whole cache copied into the predictor each step),
+the decode program's argmax (export format 3's program: the logits fetched every step) and drawing sampled rows
+together (generation.SAMPLE_TOGETHER: one row at a time in float64). Rounds
 alternate the two; every figure is the median [min-max] over rounds of the mean per step."""
 from __future__ import annotations
 
@@ -35,9 +36,9 @@ def _steps(session, timings: dict, batch: int, sampling: dict, seed: int) -> dic
     choose, choosing = scheduler._choose, [0.0]
 
     def timed_choose(jobs, logits):
-        t0 = time.perf_counter()
-        choose(jobs, logits)
-        choosing[0] += time.perf_counter() - t0
+        t0, fetched = time.perf_counter(), timings.get("fetch", 0.0)
+        choose(jobs, logits)  # (a format 4 step's logits, when a row needs them, are fetched here: counted as fetch)
+        choosing[0] += time.perf_counter() - t0 - (timings.get("fetch", 0.0) - fetched)
 
     scheduler._choose = timed_choose
     rng = np.random.default_rng(seed)
@@ -57,14 +58,25 @@ def _steps(session, timings: dict, batch: int, sampling: dict, seed: int) -> dic
     return {**{part: seconds / steps * 1000 for part, seconds in parts.items()}, "step": whole / steps * 1000}
 
 
-def run(quick: bool) -> dict:
-    workdir = Path(tempfile.mkdtemp(prefix="bench-steps-"))
+def program_dirs() -> dict[str, Path]:
+    """{"before": format 3's programs, "after": this checkout's (format 4)} of one random default-shape model."""
+    from core.exportdir import DECODE_PREFIX
     from export import programs
 
-    programs.save_programs(default_model(DEFAULT_VOCAB), workdir)
+    model, workdir = default_model(DEFAULT_VOCAB), Path(tempfile.mkdtemp(prefix="bench-steps-"))
+    dirs = {variant: workdir / variant for variant in ("before", "after")}
+    for directory in dirs.values():
+        directory.mkdir()
+        programs.save_programs(model, directory)
+    programs.save_decode(model, dirs["before"] / DECODE_PREFIX, greedy=False)
+    return dirs
+
+
+def run(quick: bool) -> dict:
+    dirs = program_dirs()
     timings = {"before": {}, "after": {}}
-    sessions = {"before": runtime.cache_session(workdir, zero_copy=False, timings=timings["before"]),
-                "after": runtime.cache_session(workdir, timings=timings["after"])}
+    sessions = {"before": runtime.cache_session(dirs["before"], zero_copy=False, timings=timings["before"]),
+                "after": runtime.cache_session(dirs["after"], timings=timings["after"])}
     batches, rounds = ((1, 64) if quick else BATCHES), (1 if quick else 3)
     samples: dict = {}
     for round_ in range(rounds):
@@ -94,8 +106,9 @@ def markdown(r: dict | None) -> list[str]:
     if not r:
         return []
     lines = ["", "### Where a decode step's time goes (the default model's shape, one math thread, ms a step)", "",
-             "`before`: the cache copied into the predictor each step and sampled rows one at a time (switched off "
-             "in the same run); rounds alternate.", "",
+             "`before`: the cache copied into the predictor each step, the logits fetched every step (export "
+             "format 3's decode program) and sampled rows one at a time (switched off in the same run); rounds "
+             "alternate.", "",
              "| mode | batch | version | " + " | ".join(PARTS) + " | step | speed-up |",
              "|---|---|---|" + "---|" * (len(PARTS) + 2)]
     for mode in MODES:
@@ -116,7 +129,7 @@ def _trial(program_dir: str, variant: str, batch: int, start_at: float, seconds:
     """One process's share of a workers trial (`python -m bench.step_parts trial ...`): from `start_at` (the other
     processes' start too), greedy batches decoded for `seconds`; then the fp32 matmul rate of this process alone
     for the same time (the compute the core gives while the others do the same)."""
-    session = runtime.cache_session(Path(program_dir), zero_copy=variant == "after", timings={})
+    session = runtime.cache_session(Path(program_dir) / variant, zero_copy=variant == "after", timings={})
     _steps(session, {}, batch, {}, 0)  # (warm: the first run at each shape allocates)
     time.sleep(max(0.0, start_at - time.time()))
     tokens, t0 = 0, time.perf_counter()
@@ -132,7 +145,7 @@ def _trial(program_dir: str, variant: str, batch: int, start_at: float, seconds:
     return {"tokens_per_s": decode_rate, "matmul_gflops": count * 2 * 512 ** 3 / (time.perf_counter() - t0) / 1e9}
 
 
-def workers(program_dir: Path, rounds: int, seconds: float, batch: int = 256) -> dict:
+def workers(program_dir: Path, rounds: int, seconds: float, batch: int = 256) -> dict:  # (program_dirs' parent)
     """Greedy decode tokens/s of 1 and 2 processes at once (one math thread each, as serving's workers), before and
     after, rounds alternating: does a second worker add its share?"""
     import json
@@ -165,9 +178,5 @@ if __name__ == "__main__":
     if sys.argv[1] == "trial":
         print(json.dumps(_trial(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]), float(sys.argv[6]))))
     elif sys.argv[1] == "workers":  # python -m bench.step_parts workers [rounds] [seconds]
-        directory = Path(tempfile.mkdtemp(prefix="bench-steps-"))
-        from export import programs
-
-        programs.save_programs(default_model(DEFAULT_VOCAB), directory)
-        print(json.dumps(workers(directory, int(sys.argv[2]) if len(sys.argv) > 2 else 2,
+        print(json.dumps(workers(program_dirs()["after"].parent, int(sys.argv[2]) if len(sys.argv) > 2 else 2,
                                  float(sys.argv[3]) if len(sys.argv) > 3 else 8.0), indent=1))

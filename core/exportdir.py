@@ -39,8 +39,9 @@ META_FILE = "export.json"
 # The export format, in export.json's format_version (absent: 1). 2: the decode program runs over fused weights
 # (model/decode.py, about half the ops); its inputs and outputs are those of 1, so an export of format 1 still
 # serves (at its slower step). 3: the extend program (prefix caching); formats 1-2 serve without prefix caching.
+# 4: the decode program also returns each row's argmax (a greedy batch fetches ids, not logits); 1-3 still serve.
 # A directory of a newer format than this checkout reads is refused (read_meta).
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 REFERENCE_FILE = "reference.json"
 TOKENIZER_DIR = "tokenizer"
 SERVING_CONF = "serving_server_conf.prototxt"

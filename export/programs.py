@@ -4,7 +4,8 @@
     prefill  (input_ids [B,T], position_ids [B,T], key_mask [B,T])
              -> logits of the last position [B,V], keys [L,B,Hkv,T,D], values [L,B,Hkv,T,D]
     decode   (input_ids [B,1], position_ids [B,1], key_mask [B,P+1], past_keys_0..L-1 [B,Hkv,P,D] (one per layer),
-              past_values_0..L-1) -> logits [B,V], new_keys [L,B,Hkv,1,D], new_values [L,B,Hkv,1,D]
+              past_values_0..L-1) -> logits [B,V], new_keys [L,B,Hkv,1,D], new_values [L,B,Hkv,1,D], argmax [B]
+              (export format 4: a greedy batch fetches the ids instead of the logits)
     extend   (input_ids [B,T], position_ids [B,T], key_mask [B,P+T], past_keys_0..L-1, past_values_0..L-1)
              -> logits of the last position [B,V], keys [L,B,Hkv,T,D], values (the T new tokens'): a prompt whose
              first P tokens' keys and values are cached (serving/engine/prefix_cache.py) runs only the rest
@@ -44,12 +45,12 @@ def save_programs(model, export_dir: Path) -> None:
     save_decode(model, export_dir / exportdir.DECODE_PREFIX)
 
 
-def save_decode(model, prefix: Path, fused: bool = True) -> None:
-    """The decode program at `prefix`: export format 2's fused step, or (fused=False, the bench's before) format
-    1's layer-by-layer CachedLlamaStep with the same inputs and outputs."""
+def save_decode(model, prefix: Path, fused: bool = True, greedy: bool = True) -> None:
+    """The decode program at `prefix`: export format 4's fused step with the argmax output, (greedy=False) format
+    2-3's without it, or (fused=False, the bench's before) format 1's layer-by-layer CachedLlamaStep."""
     _, _, mask, cache = _specs(model.config)
     one = [paddle.static.InputSpec([None, 1], "int64", name) for name in (exportdir.FEED_NAME, exportdir.POSITIONS_NAME)]
-    _save(FusedDecodeStep(model) if fused else CachedLlamaStep(model, True), [*one, mask, *cache], prefix)
+    _save(FusedDecodeStep(model, greedy) if fused else CachedLlamaStep(model, True), [*one, mask, *cache], prefix)
     if fused:
         drop_identity_outputs(prefix)
 

@@ -32,10 +32,12 @@ def _weight(layer) -> np.ndarray:
 
 class FusedDecodeStep(paddle.nn.Layer):
     """decode (input_ids [B,1], position_ids [B,1], key_mask [B,P+1], past_keys_0..L-1, past_values_0..L-1) ->
-    logits [B,V], new_keys [L,B,Hkv,1,D], new_values [L,B,Hkv,1,D], as CachedLlamaStep(model, with_past=True)."""
+    logits [B,V], new_keys [L,B,Hkv,1,D], new_values [L,B,Hkv,1,D], as CachedLlamaStep(model, with_past=True), and
+    (`greedy`, export format 4) each row's argmax [B] int64."""
 
-    def __init__(self, model):
+    def __init__(self, model, greedy: bool = True):
         super().__init__()
+        self.greedy = greedy  # (False: format 2-3's outputs, without the argmax)
         cfg = model.config
         llama = model.llama
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -115,4 +117,7 @@ class FusedDecodeStep(paddle.nn.Layer):
             gate, up = paddle.split(paddle.matmul(self._normalise(hidden), self.gate_up[index]), 2, axis=-1)
             hidden = paddle.addmm(hidden, paddle.nn.functional.silu(gate) * up, self.down[index])
         logits = paddle.matmul(self._normalise(hidden), self.lm_head)
-        return logits, paddle.stack(keys_out), paddle.stack(values_out)
+        if not self.greedy:
+            return logits, paddle.stack(keys_out), paddle.stack(values_out)
+        # (export format 4: each row's argmax beside its logits, so that a greedy batch fetches B ids, not B x V floats)
+        return logits, paddle.stack(keys_out), paddle.stack(values_out), paddle.argmax(logits, axis=-1)

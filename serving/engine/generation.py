@@ -25,27 +25,47 @@ def choose(logits_row: np.ndarray, settings: GenerationSettings, rng, banned_ids
     return choose_rows(np.asarray(logits_row)[None, :], [settings], [rng], banned_ids, usable_vocab)[0]
 
 
-def choose_rows(logits: np.ndarray, settings: list[GenerationSettings], rngs: list, banned_ids: list[int],
+class StepLogits:
+    """A decode step's logits as export format 4's program returns them: each row's argmax `greedy` [B], fetched,
+    and the logits [B, V] fetched from the predictor only when a row needs them (`full()`: sampled, constrained,
+    logprobs, or an argmax that is a banned or padding id). `step[r]` is row r's logits."""
+
+    def __init__(self, greedy: np.ndarray, fetch):
+        self.greedy, self._fetch, self._logits = greedy, fetch, None
+
+    def full(self) -> np.ndarray:
+        if self._logits is None:
+            self._logits = self._fetch()
+        return self._logits
+
+    def __getitem__(self, row) -> np.ndarray:
+        return self.full()[row]
+
+
+def choose_rows(logits, settings: list[GenerationSettings], rngs: list, banned_ids: list[int],
                 usable_vocab: int, allowed: dict[int, np.ndarray] | None = None) -> list[int]:
-    """The next token of every row of a batch's logits [B, V]; each row's depends only on its own logits, settings
-    and generator. Greedy rows share one argmax over the usable vocabulary, in float32 (the same order as float64),
-    a row copied only when that argmax is a banned id. Rows sampled at a temperature alone (no top-k, top-p or
+    """The next token of every row of a batch's logits [B, V] (an array, or a StepLogits: its logits fetched only
+    when a row needs more than its argmax); each row's depends only on its own logits, settings and generator.
+    Greedy rows share one argmax over the usable vocabulary, in float32 (the same order as float64; the program's
+    own with a StepLogits), a row copied only when that argmax is a banned or padding id. Rows sampled at a temperature alone (no top-k, top-p or
     constraint) are drawn together (_sample_together: float32, one uniform number each); the others are copied to
     float64 one at a time and draw as `Generator.choice(p=)` does (cdf = cumsum(p) over its last value, one uniform
     number, searchsorted right: the same token), written out because choice's checks of p cost more than the draw.
     No whole-batch float64 copy: at a 151,936-token vocabulary and batch 128 it is 156 MB a step, each one fresh
     pages. `allowed` {row: booleans over the vocabulary}: a constrained row (serving/engine/constraints.py) chooses
     among its allowed tokens only, greedy or sampled the same way."""
-    scores = logits[:, :usable_vocab]  # (embedding rows padded past the tokenizer's vocabulary left out)
-    greedy = scores.argmax(axis=1)
+    scores = None if isinstance(logits, StepLogits) else logits[:, :usable_vocab]  # (padded embedding rows out)
+    greedy = logits.greedy if scores is None else scores.argmax(axis=1)
     banned = set(banned_ids)
     masked_ids = [i for i in banned_ids if i < usable_vocab]
     tokens, together = [], []
     for r, (s, rng) in enumerate(zip(settings, rngs)):
         mask = allowed.get(r) if allowed else None
-        if mask is None and s.temperature <= 0 and int(greedy[r]) not in banned:
+        if mask is None and s.temperature <= 0 and int(greedy[r]) not in banned and greedy[r] < usable_vocab:
             tokens.append(int(greedy[r]))
             continue
+        if scores is None:  # (the first row that needs more than its argmax: the step's logits fetched)
+            scores = logits.full()[:, :usable_vocab]
         if SAMPLE_TOGETHER and mask is None and s.temperature > 0 and s.top_p >= 1.0:
             tokens.append(-1)
             together.append(r)
@@ -197,8 +217,8 @@ def generate_batch(prefill, decode, prompts: list[list[int]], settings: list[Gen
     cache = DecodeCache(keys, values, mask, np.array([len(prompts[i]) for i in rows], dtype="int64"))
     while True:
         keep, tokens = [], []
-        for r, i in enumerate(rows):
-            token = choose(logits[r], settings[i], rngs[i], banned_ids, usable_vocab)
+        chosen = choose_rows(logits, [settings[i] for i in rows], [rngs[i] for i in rows], banned_ids, usable_vocab)
+        for r, (i, token) in enumerate(zip(rows, chosen)):
             new[i].append(token)
             if token != eos_id and len(new[i]) < budgets[i]:
                 keep.append(r)

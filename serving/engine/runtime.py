@@ -12,6 +12,7 @@ import numpy as np
 import serving  # noqa: F401  (zlib before paddle)
 from core.exportdir import (DECODE_PREFIX, EXTEND_PREFIX, FEED_NAME, KEY_MASK_NAME, MODEL_PREFIX, PAST_KINDS,
                             POSITIONS_NAME, PREFILL_PREFIX, has_extend_program, past_input)
+from serving.engine.generation import StepLogits
 from serving.protocol import DEFAULTS
 
 
@@ -73,7 +74,8 @@ def cache_session(export_dir: Path, threads: int = 1, placement: Placement = Pla
     or process: paddle.inference predictors are not thread-safe):
 
         prefill(ids, positions, mask) -> logits [B,V], keys [L,B,Hkv,T,D], values
-        decode(ids [B,1], cache: serving/engine/kv_cache.py DecodeCache) -> logits [B,V]
+        decode(ids [B,1], cache: serving/engine/kv_cache.py DecodeCache) -> logits [B,V] (format 4: a
+            serving/engine/generation.py StepLogits, its argmax fetched and its logits when asked for)
 
     The decode program takes each layer's cache as an input of its own and returns only the new token's keys and
     values (export/programs.py); the cache's owner holds them in buffers with room to grow, and decode writes the new
@@ -100,6 +102,14 @@ def cache_session(export_dir: Path, threads: int = 1, placement: Placement = Pla
     step_inputs = [decode.get_input_handle(name) for name in (FEED_NAME, POSITIONS_NAME, KEY_MASK_NAME)]
     outputs = [decode.get_output_handle(name) for name in decode.get_output_names()]
     in_place = zero_copy and placement.device == "cpu"  # (a GPU predictor's inputs live on the GPU: copied there)
+    with_argmax = len(outputs) == 4  # (export format 4: logits, new keys, new values, argmax)
+
+    def fetch_logits() -> np.ndarray:
+        t0 = time.perf_counter()
+        logits = outputs[0].copy_to_cpu()
+        if timings is not None:  # (a fetch, wherever it happens)
+            timings["fetch"] = timings.get("fetch", 0.0) + time.perf_counter() - t0
+        return logits
 
     def decode_step(ids, cache):
         marks = [time.perf_counter()] if timings is not None else None
@@ -117,7 +127,11 @@ def cache_session(export_dir: Path, threads: int = 1, placement: Placement = Pla
         _mark(marks)
         decode.run()
         _mark(marks)
-        logits, new_keys, new_values = (handle.copy_to_cpu() for handle in outputs)
+        if with_argmax:  # (format 4: the logits stay in the predictor until a row needs them)
+            new_keys, new_values, greedy = (handle.copy_to_cpu() for handle in outputs[1:])
+            logits = StepLogits(greedy, fetch_logits)
+        else:
+            logits, new_keys, new_values = (handle.copy_to_cpu() for handle in outputs)
         _mark(marks)
         cache.append(new_keys, new_values)
         if marks:

@@ -66,8 +66,8 @@ def test_an_export_of_a_newer_format_is_refused_and_an_older_one_read(tmp_path):
     root = fake_export(tmp_path / "e")
     assert exportdir.format_version(exportdir.read_meta(root)) == 1
     exportdir.write_meta(root, {**META, "format_version": exportdir.FORMAT_VERSION})
-    assert exportdir.format_version(exportdir.read_meta(root)) == exportdir.FORMAT_VERSION == 3
+    assert exportdir.format_version(exportdir.read_meta(root)) == exportdir.FORMAT_VERSION == 4
     exportdir.write_meta(root, {**META, "format_version": exportdir.FORMAT_VERSION + 1})
-    with pytest.raises(ConfigError, match=r"is export format 4; this checkout reads formats 1-3: update it, or "
+    with pytest.raises(ConfigError, match=r"is export format 5; this checkout reads formats 1-4: update it, or "
                                           r"re-export the run with this checkout's `make export`"):
         exportdir.read_meta(root)

@@ -270,3 +270,29 @@ def test_rows_sampled_together_draw_the_float64_rule_s_tokens_and_its_distributi
     expected = np.append(exact[common], exact[~common].sum()) * 40000
     assert chisquare(observed, expected).pvalue > 1e-3
     assert chisquare(np.roll(observed, 1), expected).pvalue < 1e-6  # (the test can tell a shifted draw)
+
+
+def test_a_greedy_batch_of_format_4_reads_the_argmax_and_never_fetches_the_logits():
+    """StepLogits (the decode program's argmax output, its logits left in the predictor): greedy rows take the
+    argmax; a sampled row, or an argmax that is a banned or padding id, fetches the logits once, and every row's
+    token is what the plain array gives."""
+    from serving.engine.generation import StepLogits, choose_rows
+
+    logits = np.random.default_rng(3).standard_normal((4, 300)).astype("float32")
+    fetches = []
+
+    def step(argmax=None):
+        return StepLogits(logits.argmax(axis=1) if argmax is None else argmax,
+                          lambda: fetches.append(1) or logits)
+
+    greedy = [GenerationSettings()] * 4
+    assert choose_rows(step(), greedy, [None] * 4, [PAD], 300) == logits.argmax(axis=1).tolist() and not fetches
+    banned_argmax = logits.argmax(axis=1)
+    banned_argmax[1], banned_argmax[2] = PAD, 299  # (a banned id; a padding id past the usable vocabulary)
+    expected = choose_rows(logits, greedy, [None] * 4, [PAD], 290)
+    assert choose_rows(step(banned_argmax), greedy, [None] * 4, [PAD], 290) == expected and len(fetches) == 1
+    mixed = [GenerationSettings(), GenerationSettings(temperature=0.8, seed=1), GenerationSettings(),
+             GenerationSettings(temperature=0.8, seed=2)]
+    rngs = lambda: [np.random.default_rng(i) for i in range(4)]  # noqa: E731
+    assert choose_rows(step(), mixed, rngs(), [PAD], 300) == choose_rows(logits, mixed, rngs(), [PAD], 300)
+    assert len(fetches) == 2
