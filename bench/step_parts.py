@@ -9,7 +9,10 @@ together (generation.SAMPLE_TOGETHER: one row at a time in float64). Rounds
 alternate the two; every figure is the median [min-max] over rounds of the mean per step."""
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -18,6 +21,7 @@ import numpy as np
 
 from bench import between_trials, spread
 from bench.decode_step import DEFAULT_VOCAB, default_model
+from core.exportdir import DECODE_PREFIX
 from serving.engine import generation, runtime
 from serving.engine.scheduler import Job, Scheduler
 from serving.protocol import GenerationSettings
@@ -28,39 +32,44 @@ MODES = {"greedy": {}, "sampled": {"temperature": 0.8}, "top-k 40": {"temperatur
 PARTS = (*runtime.STEP_PARTS, "sampling", "scheduler")
 
 
+class _TimedScheduler(Scheduler):
+    """The scheduler, its token choice timed (`choosing`, seconds; a format 4 step's logits, fetched there when a
+    row needs them, count as the session's fetch, not here)."""
+
+    def __init__(self, timings: dict, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.timings, self.choosing = timings, 0.0
+
+    def _choose(self, jobs, logits) -> None:
+        t0, fetched = time.perf_counter(), self.timings.get("fetch", 0.0)
+        super()._choose(jobs, logits)
+        self.choosing += time.perf_counter() - t0 - (self.timings.get("fetch", 0.0) - fetched)
+
+
 def _steps(session, timings: dict, batch: int, sampling: dict, seed: int) -> dict:
     """Mean ms a decode step of one batch spends in each part, and the step's whole time."""
     prefill, decode = session
-    scheduler = Scheduler(prefill, decode, eos_id=-1, banned_ids=[0], usable_vocab=DEFAULT_VOCAB,
-                          max_length=PROMPT + NEW + 1, max_batch_size=batch)
-    choose, choosing = scheduler._choose, [0.0]
-
-    def timed_choose(jobs, logits):
-        t0, fetched = time.perf_counter(), timings.get("fetch", 0.0)
-        choose(jobs, logits)  # (a format 4 step's logits, when a row needs them, are fetched here: counted as fetch)
-        choosing[0] += time.perf_counter() - t0 - (timings.get("fetch", 0.0) - fetched)
-
-    scheduler._choose = timed_choose
+    scheduler = _TimedScheduler(timings, prefill, decode, eos_id=-1, banned_ids=[0], usable_vocab=DEFAULT_VOCAB,
+                                max_length=PROMPT + NEW + 1, max_batch_size=batch)
     rng = np.random.default_rng(seed)
     for i in range(batch):
         scheduler.add(Job(i, rng.integers(5, DEFAULT_VOCAB, PROMPT).tolist(),
                           GenerationSettings(max_new_tokens=NEW, seed=seed + i, **sampling)))
     scheduler.step()  # (the prefill and the first decode step: not counted)
     timings.clear()
-    choosing[0], steps, t0 = 0.0, 0, time.perf_counter()
+    scheduler.choosing, steps, t0 = 0.0, 0, time.perf_counter()
     while scheduler.running:
         scheduler.step()
         steps += 1
     whole = time.perf_counter() - t0
     parts = {part: timings.get(part, 0.0) for part in runtime.STEP_PARTS}
-    parts["sampling"] = choosing[0]
+    parts["sampling"] = scheduler.choosing
     parts["scheduler"] = whole - sum(parts.values())
     return {**{part: seconds / steps * 1000 for part, seconds in parts.items()}, "step": whole / steps * 1000}
 
 
 def program_dirs() -> dict[str, Path]:
     """{"before": format 3's programs, "after": this checkout's (format 4)} of one random default-shape model."""
-    from core.exportdir import DECODE_PREFIX
     from export import programs
 
     model, workdir = default_model(DEFAULT_VOCAB), Path(tempfile.mkdtemp(prefix="bench-steps-"))
@@ -148,10 +157,6 @@ def _trial(program_dir: str, variant: str, batch: int, start_at: float, seconds:
 def workers(program_dir: Path, rounds: int, seconds: float, batch: int = 256) -> dict:  # (program_dirs' parent)
     """Greedy decode tokens/s of 1 and 2 processes at once (one math thread each, as serving's workers), before and
     after, rounds alternating: does a second worker add its share?"""
-    import json
-    import subprocess
-    import sys
-
     samples: dict = {}
     for round_ in range(rounds):
         for variant in (("before", "after") if round_ % 2 == 0 else ("after", "before")):
@@ -172,9 +177,6 @@ def workers(program_dir: Path, rounds: int, seconds: float, batch: int = 256) ->
 
 
 if __name__ == "__main__":
-    import json
-    import sys
-
     if sys.argv[1] == "trial":
         print(json.dumps(_trial(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]), float(sys.argv[6]))))
     elif sys.argv[1] == "workers":  # python -m bench.step_parts workers [rounds] [seconds]

@@ -96,12 +96,19 @@ def cache_session(export_dir: Path, threads: int = 1, placement: Placement = Pla
             return logits
 
         return (lambda *feeds: run(prefill, *feeds)), stacked_step
+    in_place = zero_copy and placement.device == "cpu"  # (a GPU predictor's inputs live on the GPU: copied there)
+    return (lambda *feeds: run(prefill, *feeds)), _decode_function(decode, in_place, timings)
+
+
+def _decode_function(decode, in_place: bool, timings: dict | None):
+    """cache_session's decode(ids, cache) over the decode predictor of export format 2-4 (one input per layer
+    and kind); `in_place`: the cache's buffers shared with the predictor, not copied into it."""
+    names = decode.get_input_names()
     layers = sum(past_input(PAST_KINDS[0], layer) in names for layer in range(len(names)))
     layer_inputs = [[decode.get_input_handle(past_input(kind, layer)) for layer in range(layers)]
                     for kind in PAST_KINDS]
     step_inputs = [decode.get_input_handle(name) for name in (FEED_NAME, POSITIONS_NAME, KEY_MASK_NAME)]
     outputs = [decode.get_output_handle(name) for name in decode.get_output_names()]
-    in_place = zero_copy and placement.device == "cpu"  # (a GPU predictor's inputs live on the GPU: copied there)
     with_argmax = len(outputs) == 4  # (export format 4: logits, new keys, new values, argmax)
 
     def fetch_logits() -> np.ndarray:
@@ -140,7 +147,7 @@ def cache_session(export_dir: Path, threads: int = 1, placement: Placement = Pla
                 timings[part] = timings.get(part, 0.0) + stop - start
         return logits
 
-    return (lambda *feeds: run(prefill, *feeds)), decode_step
+    return decode_step
 
 
 STEP_PARTS = ("feed", "program", "fetch", "append")  # (cache_session's timings)
