@@ -58,14 +58,7 @@ def test_checkpoints_outlive_the_store_failing_and_the_disk(s3, tmp_path, monkey
         assert wait_until(lambda: (run_dir / "checkpoints" / "checkpoint-24" / "checkpoint_complete.json").exists(),
                           180, 0.1, alive=run), "training did not go on without the store"
         assert any("unreachable" in e.get("text", "") for e in progress_events(run_dir)), progress_events(run_dir)
-        # (the node paused while the store starts again: on a fast machine the run once reached its last step, 240,
-        # during the restart and the catch-up, leaving nothing to resume)
-        node = [run.pid, *descendants(run.pid)]
-        signal_pids(node, signal.SIGSTOP)
-        try:
-            s3["state"] = s3["restart"]()  # the store is back: the queued checkpoints follow
-        finally:
-            signal_pids(node, signal.SIGCONT)
+        _restart_with_the_node_paused(s3, run)  # the store is back: the queued checkpoints follow
         assert wait_until(lambda: max(_complete(store), default=0) >= 24, 120, 0.1, alive=run), _complete(store)
     finally:
         signal_pids([run.pid, *descendants(run.pid)], signal.SIGKILL)  # the node is lost ...
@@ -105,6 +98,17 @@ def test_checkpoints_outlive_the_store_failing_and_the_disk(s3, tmp_path, monkey
     assert rundir.find(run_id, uri) == tmp_path / "node" / "disk" / "runs" / "cut"
     assert "store: every checkpoint is in" in resumed.stdout + "".join(
         e.get("text", "") for e in progress_events(tmp_path / "node" / "disk" / "runs" / "cut"))
+
+
+def _restart_with_the_node_paused(s3, run) -> None:
+    """The store started again while the node waits (SIGSTOP): on a fast machine the run once reached its last step,
+    240, during the restart and the catch-up, leaving nothing to resume."""
+    node = [run.pid, *descendants(run.pid)]
+    signal_pids(node, signal.SIGSTOP)
+    try:
+        s3["state"] = s3["restart"]()
+    finally:
+        signal_pids(node, signal.SIGCONT)
 
 
 def _resume_while_the_store_is_down(s3, uri: str, run_id: str, run_dir, bucket: str) -> None:
