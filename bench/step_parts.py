@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -21,7 +22,7 @@ import numpy as np
 
 from bench import between_trials, spread
 from bench.decode_step import DEFAULT_VOCAB, default_model
-from core.exportdir import DECODE_PREFIX
+from core.exportdir import DECODE_PREFIX, PREFILL_PREFIX
 from serving.engine import generation, runtime
 from serving.engine.scheduler import Job, Scheduler
 from serving.protocol import GenerationSettings
@@ -74,9 +75,10 @@ def program_dirs() -> dict[str, Path]:
 
     model, workdir = default_model(DEFAULT_VOCAB), Path(tempfile.mkdtemp(prefix="bench-steps-"))
     dirs = {variant: workdir / variant for variant in ("before", "after")}
-    for directory in dirs.values():
-        directory.mkdir()
-        programs.save_programs(model, directory)
+    programs.save_programs(model, dirs["after"])
+    dirs["before"].mkdir()  # (the same prefill; only the decode program differs, so only it is converted again)
+    for ext in ("pdmodel", "pdiparams"):
+        shutil.copyfile(dirs["after"] / f"{PREFILL_PREFIX}.{ext}", dirs["before"] / f"{PREFILL_PREFIX}.{ext}")
     programs.save_decode(model, dirs["before"] / DECODE_PREFIX, greedy=False)
     return dirs
 
@@ -125,12 +127,9 @@ def markdown(r: dict | None) -> list[str]:
             for variant in ("before", "after"):
                 row = r[variant][mode][batch]
                 cells = " | ".join(f"{row[p]['median']:.2f}" for p in PARTS)
-                step = row["step"]
+                step, speedup = row["step"], f"{row['speedup']:.2f}x" if "speedup" in row else ""
                 lines.append(f"| {mode} | {batch} | {variant} | {cells} | {step['median']:.2f} "
-                             f"[{step['min']:.2f}-{step['max']:.2f}] | "
-                             f"{row['speedup']:.2f}x |" if "speedup" in row else
-                             f"| {mode} | {batch} | {variant} | {cells} | {step['median']:.2f} "
-                             f"[{step['min']:.2f}-{step['max']:.2f}] | |")
+                             f"[{step['min']:.2f}-{step['max']:.2f}] | {speedup} |")
     return lines
 
 
@@ -138,7 +137,7 @@ def _trial(program_dir: str, variant: str, batch: int, start_at: float, seconds:
     """One process's share of a workers trial (`python -m bench.step_parts trial ...`): from `start_at` (the other
     processes' start too), greedy batches decoded for `seconds`; then the fp32 matmul rate of this process alone
     for the same time (the compute the core gives while the others do the same)."""
-    session = runtime.cache_session(Path(program_dir) / variant, zero_copy=variant == "after", timings={})
+    session = runtime.cache_session(Path(program_dir) / variant, zero_copy=variant == "after")  # (untimed parts)
     _steps(session, {}, batch, {}, 0)  # (warm: the first run at each shape allocates)
     time.sleep(max(0.0, start_at - time.time()))
     tokens, t0 = 0, time.perf_counter()

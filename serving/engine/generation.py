@@ -47,9 +47,9 @@ def choose_rows(logits, settings: list[GenerationSettings], rngs: list, banned_i
     """The next token of every row of a batch's logits [B, V] (an array, or a StepLogits: its logits fetched only
     when a row needs more than its argmax); each row's depends only on its own logits, settings and generator.
     Greedy rows share one argmax over the usable vocabulary, in float32 (the same order as float64; the program's
-    own with a StepLogits), a row copied only when that argmax is a banned or padding id. Rows sampled at a temperature alone (no top-k, top-p or
-    constraint) are drawn together (_sample_together: float32, one uniform number each); the others are copied to
-    float64 one at a time and draw as `Generator.choice(p=)` does (cdf = cumsum(p) over its last value, one uniform
+    own with a StepLogits), a row copied only when that argmax is a banned or padding id. Rows sampled at a
+    temperature, with or without top-k (no top-p, no constraint), are drawn together (_draw_together: float32, one
+    uniform number each); the others are copied to float64 one at a time and draw as `Generator.choice(p=)` does (cdf = cumsum(p) over its last value, one uniform
     number, searchsorted right: the same token), written out because choice's checks of p cost more than the draw.
     No whole-batch float64 copy: at a 151,936-token vocabulary and batch 128 it is 156 MB a step, each one fresh
     pages. `allowed` {row: booleans over the vocabulary}: a constrained row (serving/engine/constraints.py) chooses
